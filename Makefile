@@ -1,0 +1,22 @@
+# Each target sets up .venv when needed, so a fresh clone needs one command.
+.PHONY: setup demo test lint typecheck bench
+
+setup: .venv/.installed
+
+.venv/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+demo: setup
+	.venv/bin/python -m posttrain.cli.main demo
+
+test: setup
+	.venv/bin/python -m ruff check src tests benchmarks recipes
+	.venv/bin/python -m pyright
+	.venv/bin/python -m pytest -n 2 -q
+
+lint: setup
+	.venv/bin/python -m ruff check src tests benchmarks recipes
+
+typecheck: setup
+	.venv/bin/python -m pyright

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Creates .venv (when missing) and installs posttrain with its dev tools.
+# Where no CUDA GPU is present, torch comes from the CPU wheel index (a plain `pip install torch`
+# would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[setup] CUDA GPU found: installing torch==$TORCH_VERSION (CUDA build)"
+    "$VPY" -m pip install -q "torch==$TORCH_VERSION"
+  else
+    echo "[setup] no CUDA GPU: installing torch==$TORCH_VERSION (CPU build)"
+    "$VPY" -m pip install -q "torch==$TORCH_VERSION" \
+      --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+  fi
+fi
+
+echo "[setup] installing posttrain[${EXTRAS:-dev}]"
+"$VPY" -m pip install -q -e ".[${EXTRAS:-dev}]"
+echo "[setup] done: $("$VPY" -c 'import torch, posttrain; print("torch", torch.__version__, "| posttrain", posttrain.__version__)')"
