@@ -1,0 +1,109 @@
+"""Which inputs and options each loss of `algo.losses` takes, checked before any compute.
+
+A loss given an option it would ignore raises instead of silently degrading, in the spirit of
+SkyRL's per-loss whitelist of Tinker `loss_fn_config` keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from posttrain.algo.losses import LossConfig
+
+# Absolute ratio bounds (lo, hi) per loss when the config leaves them None: Tinker's documented
+# defaults for ppo and cispo; the GSPO paper's clip ranges 3e-4 / 4e-4 around 1 for gspo (a
+# sequence ratio is a per-token geometric mean, so it stays far closer to 1 than token ratios);
+# importance_sampling never clips and uses its bounds only as mask_prob_ratio's band.
+DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
+    "importance_sampling": (0.8, 1.2),
+    "ppo": (0.8, 1.2),
+    "cispo": (0.0, 4.0),
+    "gspo": (1 - 3e-4, 1 + 4e-4),
+}
+RATIO_LOSSES = tuple(DEFAULT_THRESHOLDS)
+
+_POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": _POLICY_INPUTS,
+    "ppo": _POLICY_INPUTS,
+    "cispo": _POLICY_INPUTS,
+    "dro": _POLICY_INPUTS,
+    "gspo": _POLICY_INPUTS,
+}
+THRESHOLD_KEYS = ("clip_low_threshold", "clip_high_threshold")
+
+
+def resolved_thresholds(name: str, config: LossConfig) -> tuple[float, float]:
+    """The (lo, hi) ratio bounds loss `name` uses: the config's, else the loss's default."""
+    if name not in DEFAULT_THRESHOLDS:
+        raise ValueError(
+            f"loss {name!r} has no clip thresholds; losses that do: {list(RATIO_LOSSES)}"
+        )
+    default_lo, default_hi = DEFAULT_THRESHOLDS[name]
+    lo = default_lo if config.clip_low_threshold is None else config.clip_low_threshold
+    hi = default_hi if config.clip_high_threshold is None else config.clip_high_threshold
+    if lo > hi:
+        raise ValueError(
+            f"clip_low_threshold ({lo}) must be <= clip_high_threshold ({hi}) for loss {name!r} "
+            f"(default thresholds {DEFAULT_THRESHOLDS[name]})"
+        )
+    return lo, hi
+
+
+def check_config(name: str, config: LossConfig) -> None:
+    """Raise ValueError if `config` sets an option that loss `name` would silently ignore."""
+    _check_name(name)
+    ratio_options = {
+        "clip_low_threshold": config.clip_low_threshold is not None,
+        "clip_high_threshold": config.clip_high_threshold is not None,
+        "importance_sampling_level": config.importance_sampling_level != "token",
+        "truncated_importance_sampling": config.truncated_importance_sampling is not None,
+        "mask_prob_ratio": config.mask_prob_ratio,
+        "kimi_k2_tau": config.kimi_k2_tau is not None,
+        "kl_penalty_coef": config.kl_penalty_coef > 0,
+    }
+    set_options = [option for option, is_set in ratio_options.items() if is_set]
+    if name not in RATIO_LOSSES and set_options:
+        raise ValueError(
+            f"loss {name!r} does not use {set_options}; they apply to {list(RATIO_LOSSES)}"
+        )
+    thresholds_set = [key for key in THRESHOLD_KEYS if key in set_options]
+    if name == "importance_sampling" and thresholds_set and not config.mask_prob_ratio:
+        raise ValueError(
+            f"importance_sampling does not clip: {thresholds_set} only set its mask_prob_ratio "
+            f"band, so they need mask_prob_ratio=True"
+        )
+    if name == "gspo" and config.importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(
+            f"gspo is sequence-level by definition: importance_sampling_level must be 'token' "
+            f"(the default) or 'sequence', got {config.importance_sampling_level!r}"
+        )
+    if name in RATIO_LOSSES:
+        resolved_thresholds(name, config)
+
+
+def check_inputs(name: str, keys: Collection[str], config: LossConfig | None = None) -> None:
+    """Raise ValueError naming the loss_fn_input that loss `name` (with `config`) needs and
+    `keys` lacks.
+    """
+    _check_name(name)
+    for key in REQUIRED_INPUTS[name]:
+        if key not in keys:
+            raise ValueError(f"loss {name!r} needs loss_fn_inputs[{key!r}]; got {sorted(keys)}")
+    if config is None:
+        return
+    if config.truncated_importance_sampling is not None and "sampler_logprobs" not in keys:
+        raise ValueError(
+            "truncated_importance_sampling needs loss_fn_inputs['sampler_logprobs'] (the rollout "
+            "engine's logprobs; 'logprobs' then holds the trainer's recomputed old-policy ones)"
+        )
+    if config.kl_penalty_coef > 0 and "ref_logprobs" not in keys:
+        raise ValueError("kl_penalty_coef > 0 needs loss_fn_inputs['ref_logprobs']")
+
+
+def _check_name(name: str) -> None:
+    if name not in REQUIRED_INPUTS:
+        raise ValueError(f"unknown loss {name!r}; valid losses: {', '.join(REQUIRED_INPUTS)}")

@@ -1,0 +1,818 @@
+"""Tests of algo.losses: hand-derived values, a naive per-token reference, gradients,
+invariance to the micro-batch split and to padding, metrics, and bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from posttrain.algo.loss_metrics import summarize
+from posttrain.algo.losses import (
+    DEFAULT_THRESHOLDS,
+    LOSSES,
+    REQUIRED_INPUTS,
+    LossBatch,
+    LossConfig,
+    check_config,
+    check_inputs,
+    get_loss,
+    resolved_thresholds,
+)
+
+Row = dict[str, list[float]]
+LN2 = math.log(2.0)
+NAN = float("nan")
+# Defaults pinned by the spec (Tinker for ppo/cispo, the GSPO paper for gspo), written out here
+# so that a change of DEFAULT_THRESHOLDS fails a test instead of passing silently.
+SPEC_THRESHOLDS = {
+    "importance_sampling": (0.8, 1.2),
+    "ppo": (0.8, 1.2),
+    "cispo": (0.0, 4.0),
+    "gspo": (1 - 3e-4, 1 + 4e-4),
+}
+
+
+def make_batch(
+    rows: Sequence[Row],
+    keys: Sequence[str],
+    dtype: torch.dtype = torch.float64,
+    extra_pad: int = 0,
+    pad_fill: float = 0.0,
+) -> tuple[LossBatch, torch.Tensor]:
+    """Pad rows (each {"lp": [...], key: [...]}) to a LossBatch; returns it and the lp leaf."""
+    width = max(len(row["lp"]) for row in rows) + extra_pad
+    logp = torch.full((len(rows), width), -3.0, dtype=dtype)  # the learner's value on padding
+    pad = torch.zeros(len(rows), width)
+    inputs = {key: torch.full((len(rows), width), pad_fill, dtype=dtype) for key in keys}
+    for b, row in enumerate(rows):
+        n = len(row["lp"])
+        logp[b, :n] = torch.tensor(row["lp"], dtype=dtype)
+        pad[b, :n] = 1.0
+        for key in keys:
+            inputs[key][b, :n] = torch.tensor(row[key], dtype=dtype)
+    inputs["target_tokens"] = torch.zeros(len(rows), width, dtype=torch.long)
+    logp.requires_grad_(True)
+    return LossBatch(logp, inputs, pad), logp
+
+
+def run(name: str, rows: Sequence[Row], keys: Sequence[str], config: LossConfig | None = None):
+    """(loss, d loss / d lp) of loss `name` on float64 rows."""
+    batch, logp = make_batch(rows, keys)
+    out = get_loss(name)(batch, config or LossConfig())
+    out.loss.backward()
+    assert logp.grad is not None
+    return out.loss.item(), logp.grad, out
+
+
+# ------------------------------------------------------------------ (a) hand-derived values
+
+
+def test_cross_entropy_hand_values():
+    # −Σ w·lp = −(1·ln 0.5) − (−2·ln 0.25) = ln 2 − 4 ln 2 = −3 ln 2; negative weights allowed.
+    row = {"lp": [math.log(0.5), math.log(0.25)], "weights": [1.0, -2.0]}
+    loss, grad, _ = run("cross_entropy", [row], ["weights"])
+    assert loss == pytest.approx(-3 * LN2, rel=1e-12)
+    assert grad.tolist() == [[-1.0, 2.0]]  # d/dlp = −w
+
+
+def test_importance_sampling_hand_values():
+    # r = [1.5/1, 0.5/0.25] = [1.5, 2]; −Σ r·A = −(1.5·2 + 2·(−1)) = −1.
+    row = {"lp": [math.log(1.5), math.log(0.5)], "logprobs": [0.0, math.log(0.25)]}
+    row["advantages"] = [2.0, -1.0]
+    loss, _, _ = run("importance_sampling", [row], ["logprobs", "advantages"])
+    assert loss == pytest.approx(-1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "adv", "expected"),
+    [
+        (1.5, 2.0, -2.4),  # min(1.5·2, 1.2·2) = 2.4 -> −2.4
+        (1.5, -1.0, 1.5),  # min(−1.5, −1.2) = −1.5 -> 1.5 (no clip on the pessimistic side)
+        (0.5, -1.0, 0.8),  # min(−0.5, 0.8·(−1)) = −0.8 -> 0.8
+        (0.5, 1.0, -0.5),  # min(0.5, 0.8) = 0.5 -> −0.5
+        (1.1, 1.0, -1.1),  # inside [0.8, 1.2]: −r·A
+    ],
+)
+def test_ppo_hand_values(ratio: float, adv: float, expected: float):
+    row = {"lp": [math.log(ratio)], "logprobs": [0.0], "advantages": [adv]}
+    loss, _, out = run("ppo", [row], ["logprobs", "advantages"])
+    assert loss == pytest.approx(expected, rel=1e-12)
+    assert out.per_token["ratio"][0, 0].item() == pytest.approx(ratio, rel=1e-12)
+    # clipped only when the clip term wins the min: rows 1 and 3
+    assert out.per_token["clipped"][0, 0].item() == float(expected in (-2.4, 0.8))
+
+
+def test_cispo_hand_values():
+    # r = 0.5/0.1 = 5, clipped to 4 (hi); ℓ = −4·A·lp = −4·1·ln 0.5 = 4 ln 2; d/dlp = −4.
+    row = {"lp": [math.log(0.5)], "logprobs": [math.log(0.1)], "advantages": [1.0]}
+    loss, grad, out = run("cispo", [row], ["logprobs", "advantages"])
+    assert loss == pytest.approx(4 * LN2, rel=1e-12)
+    assert grad.item() == pytest.approx(-4.0, rel=1e-12)
+    assert out.per_token["clipped"].item() == 1.0
+
+
+def test_dro_hand_values():
+    # β = 0.5, lp − q = ln 0.5 − ln 0.25 = ln 2, A = 1:
+    # ℓ = −(lp·A − ½β(lp − q)²) = −(−ln 2 − 0.25·ln²2) = ln 2 + 0.25·ln²2 ≈ 0.81325
+    row = {"lp": [math.log(0.5)], "logprobs": [math.log(0.25)], "advantages": [1.0]}
+    loss, grad, _ = run("dro", [row], ["logprobs", "advantages"], LossConfig(beta=0.5))
+    assert loss == pytest.approx(LN2 + 0.25 * LN2**2, rel=1e-12)
+    assert grad.item() == pytest.approx(-(1.0 - 0.5 * LN2), rel=1e-12)  # −(A − β(lp − q))
+
+
+def test_gspo_hand_values():
+    # Δ = [ln 2, −ln 2] -> mean 0 -> s = 1: no clip, ℓ = −A per token, loss −2;
+    # token-level ppo on the same row would clip r = 2 to 1.2 and give −(1.2 + 0.5) = −1.7.
+    keys = ["logprobs", "advantages"]
+    row = {"lp": [math.log(0.5)] * 2, "logprobs": [math.log(0.25), 0.0], "advantages": [1.0, 1.0]}
+    assert run("gspo", [row], keys)[0] == pytest.approx(-2.0, rel=1e-12)
+    assert run("ppo", [row], keys)[0] == pytest.approx(-1.7, rel=1e-12)
+    # Δ = [ln 2, ln 2] -> s = 2, clipped to 1 + 4e-4 per token: loss −2·1.0004 = −2.0008.
+    row["logprobs"] = [math.log(0.25)] * 2
+    loss, _, out = run("gspo", [row], keys)
+    assert loss == pytest.approx(-2.0008, rel=1e-12)
+    assert out.per_token["ratio"][0].tolist() == pytest.approx([2.0, 2.0], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("level", "expected"),
+    [
+        ("token", -3.0),  # r = [2, 1]: −(2 + 1)
+        ("sequence", -2 * math.sqrt(2)),  # s = exp((ln 2 + 0)/2) = √2 on both tokens
+        ("average", -(3 + 2 * math.sqrt(2)) / 2),  # (2 + √2)/2 + (1 + √2)/2
+        ("geometric_average", -(2**0.75 + 2**0.25)),  # √(2·√2) + √(1·√2)
+    ],
+)
+def test_importance_sampling_levels_hand_values(level: str, expected: float):
+    row = {"lp": [math.log(0.5)] * 2, "logprobs": [math.log(0.25), math.log(0.5)]}
+    row["advantages"] = [1.0, 1.0]
+    config = LossConfig.from_mapping({"importance_sampling_level": level})
+    loss, *_ = run("importance_sampling", [row], ["logprobs", "advantages"], config)
+    assert loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_mask_prob_ratio_hand_values():
+    # r = [1.5, 1.1], A = 1: 1.5 is outside (0.8, 1.2) and dropped; loss = −1.1, grad [0, −1.1].
+    row = {"lp": [math.log(1.5), math.log(1.1)], "logprobs": [0.0, 0.0], "advantages": [1.0, 1.0]}
+    loss, grad, out = run(
+        "ppo", [row], ["logprobs", "advantages"], LossConfig(mask_prob_ratio=True)
+    )
+    assert loss == pytest.approx(-1.1, rel=1e-12)
+    assert grad[0].tolist() == pytest.approx([0.0, -1.1], rel=1e-12)
+    assert out.per_token["clipped"].tolist() == [[1.0, 0.0]]
+
+
+def test_kimi_tau_hand_values():
+    # Δ = ln 2, τ = 0.5: A = 1 − 0.5·ln 2 ≈ 0.65343; r = 2 -> ℓ = −2·0.65343 ≈ −1.30685.
+    row = {"lp": [math.log(0.5)], "logprobs": [math.log(0.25)], "advantages": [1.0]}
+    config = LossConfig(kimi_k2_tau=0.5)
+    loss, *_ = run("importance_sampling", [row], ["logprobs", "advantages"], config)
+    assert loss == pytest.approx(-2 * (1 - 0.5 * LN2), rel=1e-12)
+
+
+@pytest.mark.parametrize(("cap", "expected"), [(1.5, -1.5), (3.0, -2.0)])
+def test_truncated_importance_sampling_hand_values(cap: float, expected: float):
+    # On-policy r = 1, A = 1; π_old/π_sampler = 0.5/0.25 = 2 -> weight min(2, U).
+    row = {"lp": [math.log(0.5)], "logprobs": [math.log(0.5)], "advantages": [1.0]}
+    row["sampler_logprobs"] = [math.log(0.25)]
+    config = LossConfig(truncated_importance_sampling=cap)
+    keys = ["logprobs", "advantages", "sampler_logprobs"]
+    assert run("importance_sampling", [row], keys, config)[0] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [
+        ("k1", 0.1 * LN2),  # k1 = lp − ref = ln 2; β·k1
+        ("k3", 0.1 * (0.5 + LN2 - 1)),  # k3 = e^{−ln 2} − (−ln 2) − 1 ≈ 0.19315
+    ],
+)
+def test_kl_loss_hand_values(estimator: str, expected: float):
+    row = {"lp": [math.log(0.5)], "logprobs": [math.log(0.5)], "advantages": [0.0]}
+    row["ref_logprobs"] = [math.log(0.25)]
+    config = LossConfig(kl_penalty_coef=0.1, kl_estimator=estimator)  # type: ignore[arg-type]
+    keys = ["logprobs", "advantages", "ref_logprobs"]
+    loss, _, out = run("importance_sampling", [row], keys, config)
+    assert loss == pytest.approx(expected, rel=1e-12)
+    assert out.per_token["kl"].item() == pytest.approx(expected / 0.1, rel=1e-12)
+
+
+def test_kl_advantage_shaping_hand_values():
+    # k1 = [ln 2, 0], k̄ = ln 2 / 2, β = 1, A = 0: A' = [−ln 2/2, ln 2/2]; on-policy r = 1, so
+    # the loss −ΣA' = 0 and the gradient is −A' = [ln 2/2, −ln 2/2].
+    row = {"lp": [math.log(0.5)] * 2, "logprobs": [math.log(0.5)] * 2, "advantages": [0.0, 0.0]}
+    row["ref_logprobs"] = [math.log(0.25), math.log(0.5)]
+    config = LossConfig(kl_penalty_coef=1.0, kl_estimator="k1", kl_mode="advantage")
+    keys = ["logprobs", "advantages", "ref_logprobs"]
+    loss, grad, _ = run("importance_sampling", [row], keys, config)
+    assert loss == pytest.approx(0.0, abs=1e-15)
+    assert grad[0].tolist() == pytest.approx([LN2 / 2, -LN2 / 2], rel=1e-12)
+
+
+def test_missing_logprobs_allowed_means_ratio_one():
+    # q unknown on token 0 -> q := sg(lp), r = 1: ℓ = −A = −3; token 1 has r = 2: ℓ = −2.
+    row = {"lp": [math.log(0.5)] * 2, "logprobs": [NAN, math.log(0.25)], "advantages": [3.0, 1.0]}
+    config = LossConfig(allow_missing_logprobs=True)
+    loss, grad, _ = run("importance_sampling", [row], ["logprobs", "advantages"], config)
+    assert loss == pytest.approx(-5.0, rel=1e-12)
+    assert grad[0].tolist() == pytest.approx([-3.0, -2.0], rel=1e-12)
+
+
+def test_gspo_sequence_ratio_mask_picks_the_mean_only():
+    # Δ = [ln 2, 0], sequence_ratio_mask = [1, 0]: s = exp(ln 2) = 2 on both tokens, clipped to
+    # 1.0004; both tokens still count (as in Tinker): loss = −2·1.0004 = −2.0008.
+    row = {"lp": [math.log(0.5)] * 2, "logprobs": [math.log(0.25), math.log(0.5)]}
+    row["advantages"], row["sequence_ratio_mask"] = [1.0, 1.0], [1.0, 0.0]
+    keys = ["logprobs", "advantages", "sequence_ratio_mask"]
+    assert run("gspo", [row], keys)[0] == pytest.approx(-2.0008, rel=1e-12)
+
+
+def test_explicit_mask_gates_the_loss_and_the_sequence_mean():
+    # mask = [1, 0]: s = exp(Δ_0) = 2 (token 1 left out of the mean), loss = −2·A_0 = −2.
+    row = {"lp": [math.log(0.5)] * 2, "logprobs": [math.log(0.25), 0.0], "advantages": [1.0, 5.0]}
+    row["mask"] = [1.0, 0.0]
+    config = LossConfig(importance_sampling_level="sequence")
+    keys = ["logprobs", "advantages", "mask"]
+    assert run("importance_sampling", [row], keys, config)[0] == pytest.approx(-2.0, rel=1e-12)
+
+
+# ------------------------------------------------------- (b) naive per-token reference
+
+
+def _kl(lp: float, ref: float, estimator: str) -> float:
+    if estimator == "k1":
+        return lp - ref
+    x = max(-20.0, min(20.0, ref - lp))
+    return math.exp(x) - x - 1
+
+
+def _policy_term(name: str, r: float, adv: float, lp: float, lo: float, hi: float) -> float:
+    if name == "importance_sampling":
+        return -r * adv
+    if name in ("ppo", "gspo"):
+        return -min(r * adv, min(max(r, lo), hi) * adv)
+    return -min(max(r, lo), hi) * adv * lp  # cispo
+
+
+def naive_loss(name: str, rows: Sequence[Row], keys: Sequence[str], config: LossConfig):
+    """(Σ w·ℓ, Σ |w·ℓ|) by loops over Python floats, written from the spec, not the code."""
+    total, scale = 0.0, 0.0
+    for row in rows:
+        lp, n = row["lp"], len(row["lp"])
+        w = row["weights"] if "weights" in keys else [1.0] * n
+        if "mask" in keys:
+            m = [x != 0 for x in row["mask"]]
+        else:
+            m = [x != 0 for x in w] if "weights" in keys else [True] * n
+        terms = (
+            _naive_row_terms(name, row, keys, config, m)
+            if name != "cross_entropy"
+            else [-x for x in lp]
+        )
+        for t in range(n):
+            if m[t] and w[t] != 0:
+                total += w[t] * terms[t]
+                scale += abs(w[t] * terms[t])
+    return total, scale
+
+
+def _naive_row_terms(name: str, row: Row, keys: Sequence[str], config: LossConfig, m: list[bool]):
+    lp, n = row["lp"], len(row["lp"])
+    q = [lp[t] if math.isnan(row["logprobs"][t]) else row["logprobs"][t] for t in range(n)]
+    delta = [max(-20.0, min(20.0, lp[t] - q[t])) for t in range(n)]
+    count = max(sum(m), 1)
+    seq_m = [x != 0 for x in row["sequence_ratio_mask"]] if "sequence_ratio_mask" in keys else m
+    seq = sum(d for d, mt in zip(delta, seq_m, strict=True) if mt) / max(sum(seq_m), 1)
+    adv = list(row["advantages"])
+    if config.kimi_k2_tau is not None:
+        adv = [adv[t] - config.kimi_k2_tau * delta[t] for t in range(n)]
+    kl = [_kl(lp[t], row["ref_logprobs"][t], config.kl_estimator) for t in range(n)]
+    if config.kl_penalty_coef > 0 and config.kl_mode == "advantage":
+        kl_mean = sum(k for k, mt in zip(kl, m, strict=True) if mt) / count
+        adv = [adv[t] + config.kl_penalty_coef * (kl_mean - kl[t]) * m[t] for t in range(n)]
+    if name == "dro":
+        return [-(lp[t] * adv[t] - 0.5 * config.beta * (lp[t] - q[t]) ** 2) for t in range(n)]
+    lo, hi = SPEC_THRESHOLDS[name]
+    lo = lo if config.clip_low_threshold is None else config.clip_low_threshold
+    hi = hi if config.clip_high_threshold is None else config.clip_high_threshold
+    level = "sequence" if name == "gspo" else config.importance_sampling_level
+    terms = []
+    for t in range(n):
+        lo_t = row["clip_low_threshold"][t] if "clip_low_threshold" in keys else lo
+        hi_t = row["clip_high_threshold"][t] if "clip_high_threshold" in keys else hi
+        token, s = math.exp(delta[t]), math.exp(seq)
+        r = {"token": token, "sequence": s, "average": (token + s) / 2}.get(
+            level, math.sqrt(token * s)
+        )
+        term = _policy_term(name, r, adv[t], lp[t], lo_t, hi_t)
+        if config.mask_prob_ratio and not lo_t < r < hi_t:
+            term = 0.0
+        if config.truncated_importance_sampling is not None:
+            is_weight = math.exp(q[t] - row["sampler_logprobs"][t])
+            term *= min(is_weight, config.truncated_importance_sampling)
+        if config.kl_penalty_coef > 0 and config.kl_mode == "loss":
+            term += config.kl_penalty_coef * kl[t]
+        terms.append(term)
+    return terms
+
+
+def _f32(x: np.ndarray) -> list[float]:
+    # Inputs exact in float32, so the fp32 and fp64 runs and the reference see the same values.
+    return [float(v) for v in x.astype(np.float32)]
+
+
+_COLUMNS = ("lp", "dq", "missing", "adv", "w", "mask", "seq_mask", "ds", "dref", "lo", "hi")
+
+
+@st.composite
+def row_lists(draw: st.DrawFn, max_rows: int = 3, max_len: int = 5) -> list[Row]:
+    """1-3 rows of 1-5 tokens: logprobs in [-4, 0), ratios in e^±0.6 (across the clip bounds),
+    some zero weights, masked-out tokens and NaN holes. One uniform array is drawn and mapped to
+    each column's range (drawing column by column is ~7x slower in hypothesis).
+    """
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_rows))
+    shape = (len(_COLUMNS), len(lengths), max(lengths))
+    return rows_from_uniform(lengths, draw(hnp.arrays(np.float64, shape, elements=st.floats(0, 1))))
+
+
+def rows_from_uniform(lengths: Sequence[int], u: np.ndarray) -> list[Row]:
+    """Rows from uniform [0, 1] draws u[column, row, token], mapped to each column's range."""
+    rows: list[Row] = []
+    for b, n in enumerate(lengths):
+        c = {name: u[i, b, :n] for i, name in enumerate(_COLUMNS)}
+        lp = np.array(_f32(-4.0 + 3.99 * c["lp"]))
+        q = np.array(_f32(lp + 1.2 * c["dq"] - 0.6))
+        rows.append(
+            {
+                "lp": _f32(lp),
+                "logprobs": _f32(q),
+                "q_with_nan": _f32(np.where(c["missing"] < 0.3, np.nan, q)),
+                "advantages": _f32(4.0 * c["adv"] - 2.0),
+                "weights": _f32(np.where(c["w"] < 0.2, 0.0, 0.1 + 1.9 * c["w"])),
+                "mask": _f32(c["mask"] < 0.7),
+                "sequence_ratio_mask": _f32(c["seq_mask"] < 0.7),
+                "sampler_logprobs": _f32(q + c["ds"] - 0.5),
+                "ref_logprobs": _f32(lp + 2.0 * c["dref"] - 1.0),
+                "clip_low_threshold": _f32(0.5 + 0.45 * c["lo"]),
+                "clip_high_threshold": _f32(1.05 + 0.45 * c["hi"]),
+            }
+        )
+    return rows
+
+
+def seeded_rows(seed: int, lengths: Sequence[int] = (4, 1, 6)) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    return rows_from_uniform(lengths, rng.random((len(_COLUMNS), len(lengths), max(lengths))))
+
+
+POLICY = ["logprobs", "advantages"]
+W = [*POLICY, "weights"]
+# (loss, config, loss_fn_inputs passed, logprobs with NaN holes): every loss and every option.
+CASES: list[tuple[str, LossConfig, list[str], bool]] = [
+    ("cross_entropy", LossConfig(), ["weights"], False),
+    ("cross_entropy", LossConfig(), ["weights", "mask"], False),
+    ("importance_sampling", LossConfig(), POLICY, False),
+    ("ppo", LossConfig(), W, False),
+    ("ppo", LossConfig(), [*W, "mask"], False),
+    ("ppo", LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1), W, False),
+    ("ppo", LossConfig(), [*W, "clip_low_threshold", "clip_high_threshold"], False),
+    ("cispo", LossConfig(), W, False),
+    ("cispo", LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1), W, False),
+    ("dro", LossConfig(beta=0.3), W, False),
+    ("dro", LossConfig(allow_missing_logprobs=True), W, True),
+    ("gspo", LossConfig(), W, False),
+    ("gspo", LossConfig(clip_low_threshold=0.8, clip_high_threshold=1.2), W, False),
+    ("gspo", LossConfig(), [*W, "sequence_ratio_mask"], False),
+    ("ppo", LossConfig(mask_prob_ratio=True), W, False),
+    (
+        "cispo",
+        LossConfig(mask_prob_ratio=True, clip_low_threshold=0.9, clip_high_threshold=1.1),
+        W,
+        False,
+    ),
+    ("importance_sampling", LossConfig(mask_prob_ratio=True), W, False),
+    ("ppo", LossConfig(kimi_k2_tau=0.3), W, False),
+    ("cispo", LossConfig(kimi_k2_tau=0.3), W, False),
+    ("ppo", LossConfig(truncated_importance_sampling=1.2), [*W, "sampler_logprobs"], False),
+    ("cispo", LossConfig(truncated_importance_sampling=1.2), [*W, "sampler_logprobs"], False),
+    ("gspo", LossConfig(truncated_importance_sampling=1.2), [*W, "sampler_logprobs"], False),
+    ("ppo", LossConfig(allow_missing_logprobs=True), W, True),
+    ("gspo", LossConfig(allow_missing_logprobs=True), W, True),
+    *[
+        (name, LossConfig(importance_sampling_level=level), W, False)
+        for name in ("importance_sampling", "ppo", "cispo")
+        for level in ("sequence", "average", "geometric_average")
+    ],
+    *[
+        (
+            name,
+            LossConfig(kl_penalty_coef=0.2, kl_estimator=est, kl_mode=mode),
+            [*W, "ref_logprobs"],
+            False,
+        )
+        for name in ("ppo", "gspo")
+        for est in ("k1", "k3")
+        for mode in ("loss", "advantage")
+    ],
+]
+CASE_IDS = [f"{name}-{i}" for i, (name, *_) in enumerate(CASES)]
+
+
+def _with_nan_logprobs(rows: list[Row], nan_holes: bool) -> list[Row]:
+    return [{**row, "logprobs": row["q_with_nan"]} for row in rows] if nan_holes else rows
+
+
+def test_cases_cover_every_loss():
+    assert {name for name, *_ in CASES} == set(LOSSES)
+
+
+@pytest.mark.parametrize(("name", "config", "keys", "nan_holes"), CASES, ids=CASE_IDS)
+@settings(max_examples=20, deadline=None)
+@given(rows=row_lists())
+def test_matches_naive_loop(
+    name: str, config: LossConfig, keys: list[str], nan_holes: bool, rows: list[Row]
+):
+    rows = _with_nan_logprobs(rows, nan_holes)
+    want, scale = naive_loss(name, rows, keys, config)
+    # Relative to Σ|w·ℓ|, since the loss itself may cancel to ~0. fp64 differs from Python
+    # floats only in rounding order (~1e-16 per term). In fp32 the inputs are exact, so only
+    # the arithmetic rounds: a few ulps (~6e-8 each) per term.
+    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        batch, _ = make_batch(rows, keys, dtype, extra_pad=1)
+        got = get_loss(name)(batch, config).loss.item()
+        assert abs(got - want) <= rtol * (scale + 1e-30), dtype
+
+
+# ------------------------------------------------------------------------- (c) gradients
+
+
+def _on_policy(rows: list[Row]) -> list[Row]:
+    return [{**row, "logprobs": list(row["lp"])} for row in rows]
+
+
+def _column(rows: Sequence[Row], key: str, width: int) -> torch.Tensor:
+    return torch.tensor(
+        [row[key] + [0.0] * (width - len(row[key])) for row in rows], dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "gspo", "cispo"])
+def test_on_policy_gradient_is_minus_weight_times_advantage(name: str, seed: int):
+    # r = exp(0) = 1 exactly, inside every default clip band: d loss/d lp_t = −w_t·A_t, bit-exact.
+    rows = _on_policy(seeded_rows(seed))
+    _, grad, _ = run(name, rows, W)
+    width = grad.shape[1]
+    expected = -_column(rows, "weights", width) * _column(rows, "advantages", width)
+    assert torch.equal(grad, expected)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cross_entropy_gradient_is_minus_weight(seed: int):
+    rows = seeded_rows(seed)
+    _, grad, _ = run("cross_entropy", rows, ["weights"])
+    assert torch.equal(grad, -_column(rows, "weights", grad.shape[1]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_gradient_is_minus_weight_clipped_ratio_advantage(seed: int):
+    # cispo off-policy: the IS weight is detached, so d/dlp_t = −w·clip(r, lo, hi)·A exactly.
+    rows = seeded_rows(seed)
+    config = LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1)  # binds for e^±0.6
+    _, grad, _ = run("cispo", rows, W, config)
+    width = grad.shape[1]
+    w, adv = _column(rows, "weights", width), _column(rows, "advantages", width)
+    ratio = (_column(rows, "lp", width) - _column(rows, "logprobs", width)).exp()
+    # 1e-12: exp of the same difference, rounding order only
+    torch.testing.assert_close(grad, -w * ratio.clamp(0.9, 1.1) * adv, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dro_gradient(seed: int):
+    # d/dlp −(lp·A − ½β(lp − q)²) = −(A − β(lp − q)), times w.
+    rows = seeded_rows(seed)
+    _, grad, _ = run("dro", rows, W, LossConfig(beta=0.7))
+    width = grad.shape[1]
+    w, adv = _column(rows, "weights", width), _column(rows, "advantages", width)
+    delta = _column(rows, "lp", width) - _column(rows, "logprobs", width)
+    torch.testing.assert_close(grad, -w * (adv - 0.7 * delta), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", ["ppo", "gspo"])
+def test_off_policy_clipped_gradient(name: str, seed: int):
+    # d/dlp_t −min(x_t·A, clip(x_t)·A) = −w·A·x_t where the unclipped term is the min, else 0;
+    # x_t = r_t for ppo, x_t = s_b (the row's sequence ratio) for gspo.
+    rows = seeded_rows(seed)
+    config = LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1)
+    _, grad, _ = run(name, rows, W, config)
+    width = grad.shape[1]
+    w, adv = _column(rows, "weights", width), _column(rows, "advantages", width)
+    delta = _column(rows, "lp", width) - _column(rows, "logprobs", width)
+    if name == "gspo":
+        counted = (w != 0).double()
+        delta = (
+            (delta * counted).sum(1, keepdim=True) / counted.sum(1, keepdim=True).clamp(min=1)
+        ).expand_as(delta)
+    x = delta.exp()
+    active = (x * adv < x.clamp(0.9, 1.1) * adv) | (x == x.clamp(0.9, 1.1))
+    assert bool((~active).any()) and bool(active.any())  # both branches are exercised
+    torch.testing.assert_close(grad, torch.where(active, -w * adv * x, 0.0), rtol=1e-12, atol=1e-15)
+
+
+# -------------------------------------------------------------------------- (d) invariance
+
+
+INVARIANCE_CASES = [
+    ("cross_entropy", LossConfig(), ["weights"]),
+    ("importance_sampling", LossConfig(importance_sampling_level="geometric_average"), W),
+    ("ppo", LossConfig(mask_prob_ratio=True, kimi_k2_tau=0.2), W),
+    ("cispo", LossConfig(truncated_importance_sampling=1.1), [*W, "sampler_logprobs"]),
+    ("dro", LossConfig(beta=0.2), [*W, "mask"]),
+    ("gspo", LossConfig(), [*W, "sequence_ratio_mask"]),
+    ("ppo", LossConfig(kl_penalty_coef=0.5, kl_mode="advantage"), [*W, "ref_logprobs"]),
+    ("ppo", LossConfig(kl_penalty_coef=0.5, kl_estimator="k1"), [*W, "ref_logprobs"]),
+]
+
+
+INVARIANCE_IDS = [f"{name}-{i}" for i, (name, *_) in enumerate(INVARIANCE_CASES)]
+
+
+def _partition(labels: Sequence[int]) -> list[list[int]]:
+    """Row indices grouped by label: one micro-batch per distinct label."""
+    return [[i for i, x in enumerate(labels) if x == label] for label in sorted(set(labels))]
+
+
+def _rows_of(batch: LossBatch, logp: torch.Tensor, index: list[int]) -> LossBatch:
+    """The micro-batch of rows `index`, its logprobs a view of `logp` (gradients flow back)."""
+    rows = torch.tensor(index)
+    inputs = {key: value[rows] for key, value in batch.inputs.items()}
+    return LossBatch(logp[rows], inputs, batch.pad_mask_BT[rows])
+
+
+@pytest.mark.parametrize(("name", "config", "keys"), INVARIANCE_CASES, ids=INVARIANCE_IDS)
+@settings(max_examples=20, deadline=None)
+@given(rows=row_lists(max_rows=5), data=st.data())
+def test_any_row_split_sums_to_the_whole_batch(
+    name: str, config: LossConfig, keys: list[str], rows: list[Row], data: st.DataObject
+):
+    labels = data.draw(st.lists(st.integers(0, 3), min_size=len(rows), max_size=len(rows)))
+    whole, whole_logp = make_batch(rows, keys)
+    whole_loss = get_loss(name)(whole, config).loss
+    whole_loss.backward()
+    split, split_logp = make_batch(rows, keys)
+    parts = [
+        get_loss(name)(_rows_of(split, split_logp, rows), config).loss
+        for rows in _partition(labels)
+    ]
+    split_loss = torch.stack(parts).sum()
+    split_loss.backward()
+    # fp64, the same terms summed in another order: ~1e-16 relative each.
+    torch.testing.assert_close(split_loss, whole_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split_logp.grad, whole_logp.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("name", "config", "keys"), INVARIANCE_CASES, ids=INVARIANCE_IDS)
+def test_padding_contributes_nothing(name: str, config: LossConfig, keys: list[str]):
+    # Extra padded columns whose inputs are all NaN change neither the loss nor the gradient.
+    rows = seeded_rows(7)
+    tight, tight_logp = make_batch(rows, keys)
+    padded, padded_logp = make_batch(rows, keys, extra_pad=3, pad_fill=NAN)
+    tight_loss, padded_loss = (
+        get_loss(name)(tight, config).loss,
+        get_loss(name)(padded, config).loss,
+    )
+    (tight_loss + padded_loss).backward()
+    assert tight_logp.grad is not None and padded_logp.grad is not None
+    torch.testing.assert_close(padded_loss, tight_loss, rtol=1e-12, atol=1e-12)
+    width = tight_logp.shape[1]
+    torch.testing.assert_close(padded_logp.grad[:, :width], tight_logp.grad, rtol=1e-12, atol=1e-12)
+    assert bool((padded_logp.grad[:, width:] == 0).all())
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def test_summarize_hand_values():
+    # ratios over counted tokens: [2, 1] and [0.5] -> mean 3.5/3; p95 of sorted [0.5, 1, 2] at
+    # position 0.95·2 = 1.9: 1 + 0.9·(2 − 1) = 1.9. Clipped (ppo, 0.8..1.2, A = 1): 2 -> 1 of 3.
+    first = {
+        "lp": [math.log(0.5)] * 2,
+        "logprobs": [math.log(0.25), math.log(0.5)],
+        "advantages": [1.0, 1.0],
+    }
+    second = {"lp": [math.log(0.25)], "logprobs": [math.log(0.5)], "advantages": [1.0]}
+    outputs = [run("ppo", [row], ["logprobs", "advantages"])[2] for row in (first, second)]
+    metrics = summarize(outputs)
+    assert metrics["ratio:mean"] == pytest.approx(3.5 / 3, rel=1e-12)
+    assert metrics["ratio_p95:max"] == pytest.approx(1.9, rel=1e-12)
+    assert metrics["clipped_frac:mean"] == pytest.approx(1 / 3, rel=1e-12)
+    # loss = −min(2, 1.2) − 1 − min(0.5, 0.8) = −2.7
+    assert metrics["loss:sum"] == pytest.approx(-2.7, rel=1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=row_lists(max_rows=5), data=st.data())
+def test_summarize_is_identical_for_any_micro_batch_split(rows: list[Row], data: st.DataObject):
+    config = LossConfig(kl_penalty_coef=0.1)
+    keys = [*W, "ref_logprobs"]
+    labels = data.draw(st.lists(st.integers(0, 3), min_size=len(rows), max_size=len(rows)))
+    batch, logp = make_batch(rows, keys)
+    entropy = torch.rand(
+        logp.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    batch = LossBatch(batch.logp_BT, batch.inputs, batch.pad_mask_BT, entropy)
+    whole = summarize([get_loss("ppo")(batch, config)])
+    parts = []
+    for part_rows in reversed(_partition(labels)):  # micro-batches in any order
+        part = _rows_of(batch, logp, part_rows)
+        part = LossBatch(part.logp_BT, part.inputs, part.pad_mask_BT, entropy[part_rows])
+        parts.append(get_loss("ppo")(part, config))
+    split = summarize(parts)
+    counted = any(w != 0 for row in rows for w in row["weights"])
+    names = {"ratio:mean", "ratio_p95:max", "clipped_frac:mean", "kl:mean", "entropy:mean"}
+    assert names <= whole.keys() if counted else whole.keys() == {"loss:sum"}
+    assert whole.keys() == split.keys()
+    for key in whole.keys() - {"loss:sum"}:
+        assert split[key] == whole[key], key  # sorted before summing: bit-identical
+    assert split["loss:sum"] == pytest.approx(whole["loss:sum"], rel=1e-12, abs=1e-12)
+
+
+def test_summarize_p95_matches_numpy():
+    rows = seeded_rows(3, lengths=(30, 17, 25))
+    out = run("ppo", rows, W)[2]
+    assert out.mask_BT is not None
+    ratios = out.per_token["ratio"][out.mask_BT].numpy()
+    assert summarize([out])["ratio_p95:max"] == pytest.approx(
+        float(np.percentile(ratios, 95)), rel=1e-12
+    )
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_registry_and_required_inputs():
+    assert list(LOSSES) == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+    assert set(REQUIRED_INPUTS) == set(LOSSES)
+    assert DEFAULT_THRESHOLDS == SPEC_THRESHOLDS
+    assert resolved_thresholds("cispo", LossConfig()) == (0.0, 4.0)
+    assert resolved_thresholds("ppo", LossConfig(clip_high_threshold=1.3)) == (0.8, 1.3)
+
+
+def test_unknown_loss_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown loss 'pop'.*cross_entropy.*gspo"):
+        get_loss("pop")
+    with pytest.raises(ValueError, match="unknown loss"):
+        check_inputs("stable_reinforce", ["target_tokens"])
+
+
+def test_missing_input_names_key_and_loss():
+    with pytest.raises(ValueError, match=r"'ppo' needs loss_fn_inputs\['advantages'\]"):
+        check_inputs("ppo", ["target_tokens", "logprobs"])
+    with pytest.raises(ValueError, match=r"'cross_entropy' needs loss_fn_inputs\['weights'\]"):
+        run("cross_entropy", [{"lp": [-1.0]}], [])
+    row = {"lp": [-1.0], "logprobs": [-1.0], "advantages": [1.0]}
+    with pytest.raises(
+        ValueError, match=r"truncated_importance_sampling needs .*'sampler_logprobs'"
+    ):
+        run("ppo", [row], POLICY, LossConfig(truncated_importance_sampling=2.0))
+    with pytest.raises(ValueError, match=r"kl_penalty_coef > 0 needs .*'ref_logprobs'"):
+        run("ppo", [row], POLICY, LossConfig(kl_penalty_coef=0.1))
+
+
+def test_from_mapping_forms():
+    config = LossConfig.from_mapping(
+        {"clip_low_threshold": 0.7, "beta": 1, "kl_mode": "advantage", "kimi_k2_tau": None}
+    )
+    assert (config.clip_low_threshold, config.beta, config.kl_mode, config.kimi_k2_tau) == (
+        0.7,
+        1.0,
+        "advantage",
+        None,
+    )
+    assert isinstance(config.beta, float)
+    eps = LossConfig.from_mapping({"epsilon": 0.2})
+    assert (eps.clip_low_threshold, eps.clip_high_threshold) == pytest.approx((0.8, 1.2))
+    asym = LossConfig.from_mapping({"epsilon": 0.2, "epsilon_high": 0.28})
+    assert (asym.clip_low_threshold, asym.clip_high_threshold) == pytest.approx((0.8, 1.28))
+    assert LossConfig.from_mapping({}) == LossConfig()
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        (
+            {"clip_low_treshold": 0.5},
+            "unknown loss config key 'clip_low_treshold'; did you mean 'clip_low_threshold'",
+        ),
+        ({"epsilonn": 0.2}, "did you mean 'epsilon'"),
+        ({"epsilon": -0.1}, "epsilon must be in \\[0, 1\\]"),
+        ({"epsilon": 1.5}, "epsilon must be in \\[0, 1\\]"),
+        ({"epsilon_high": -0.1}, "epsilon_high must be >= 0"),
+        ({"epsilon": 0.2, "clip_low_threshold": 0.8}, "not both"),
+        ({"beta": "big"}, "beta must be a number"),
+        ({"mask_prob_ratio": 1}, "mask_prob_ratio must be true or false"),
+        ({"importance_sampling_level": "tokens"}, "importance_sampling_level must be one of"),
+        ({"kl_estimator": "k2"}, "kl_estimator must be one of"),
+        ({"kl_mode": "reward"}, "kl_mode must be one of"),
+    ],
+)
+def test_from_mapping_rejects(values: dict[str, float | str | bool | None], match: str):
+    with pytest.raises(ValueError, match=match):
+        LossConfig.from_mapping(values)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"clip_low_threshold": 1.3, "clip_high_threshold": 1.2},
+            "clip_low_threshold .* must be <= clip_high_threshold",
+        ),
+        ({"clip_low_threshold": -0.1}, "clip_low_threshold must be a ratio bound >= 0"),
+        ({"clip_high_threshold": 0.0}, "clip_high_threshold must be a ratio bound > 0"),
+        ({"clip_high_threshold": float("inf")}, "clip_high_threshold"),
+        ({"beta": -1.0}, "beta must be >= 0"),
+        ({"kimi_k2_tau": -0.5}, "kimi_k2_tau must be >= 0"),
+        (
+            {"truncated_importance_sampling": 0.0},
+            "truncated_importance_sampling must be a cap U > 0",
+        ),
+        ({"kl_penalty_coef": float("nan")}, "kl_penalty_coef must be >= 0"),
+        ({"importance_sampling_level": "seq"}, "importance_sampling_level must be one of"),
+    ],
+)
+def test_config_post_init_rejects(kwargs: dict[str, object], match: str):
+    with pytest.raises(ValueError, match=match):
+        LossConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_config_checked_against_the_loss():
+    with pytest.raises(ValueError, match=r"clip_low_threshold .* for loss 'ppo'"):
+        resolved_thresholds("ppo", LossConfig(clip_low_threshold=1.5))  # above ppo's default 1.2
+    with pytest.raises(ValueError, match="'cross_entropy' does not use \\['kimi_k2_tau'\\]"):
+        check_config("cross_entropy", LossConfig(kimi_k2_tau=0.1))
+    with pytest.raises(ValueError, match="'dro' does not use"):
+        check_config("dro", LossConfig(importance_sampling_level="sequence"))
+    with pytest.raises(ValueError, match="gspo is sequence-level"):
+        check_config("gspo", LossConfig(importance_sampling_level="average"))
+    with pytest.raises(ValueError, match="need mask_prob_ratio=True"):
+        check_config("importance_sampling", LossConfig(clip_high_threshold=1.5))
+    with pytest.raises(ValueError, match="no clip thresholds"):
+        resolved_thresholds("dro", LossConfig())
+
+
+def test_nan_logprobs_need_the_allow_flag():
+    row = {
+        "lp": [-1.0, -1.0],
+        "logprobs": [-1.0, NAN],
+        "advantages": [1.0, 1.0],
+        "weights": [1.0, 1.0],
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn_inputs\['logprobs'\] is NaN/inf on 1 counted.*allow_missing_logprobs",
+    ):
+        run("ppo", [row], W)
+    # On a token with weight 0 (not counted) a NaN placeholder is fine.
+    row["weights"] = [1.0, 0.0]
+    assert run("ppo", [row], W)[0] == pytest.approx(-1.0, rel=1e-12)
+    row["weights"] = [1.0, 1.0]
+    row["sampler_logprobs"] = [NAN, -1.0]
+    with pytest.raises(ValueError, match=r"'sampler_logprobs'\] is NaN"):
+        run(
+            "ppo",
+            [{**row, "logprobs": [-1.0, -1.0]}],
+            [*W, "sampler_logprobs"],
+            LossConfig(truncated_importance_sampling=2.0),
+        )
+    row["ref_logprobs"] = [NAN, -1.0]
+    with pytest.raises(ValueError, match=r"'ref_logprobs'\] is NaN"):
+        run(
+            "ppo",
+            [row],
+            [*W, "ref_logprobs"],
+            LossConfig(kl_penalty_coef=0.1, allow_missing_logprobs=True),
+        )
+
+
+def test_nan_logprobs_inside_the_sequence_ratio_mask_are_rejected():
+    # Token 1 has weight 0 but enters gspo's sequence mean: its unknown q would bias s.
+    row = {"lp": [-1.0, -1.0], "logprobs": [-1.0, NAN], "advantages": [1.0, 1.0]}
+    row["weights"], row["sequence_ratio_mask"] = [1.0, 0.0], [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"'logprobs'\] is NaN/inf on 1 counted"):
+        run("gspo", [row], [*W, "sequence_ratio_mask"])
+
+
+def test_per_token_bounds_must_be_ordered():
+    row = {"lp": [-1.0], "logprobs": [-1.0], "advantages": [1.0]}
+    row["clip_low_threshold"], row["clip_high_threshold"] = [1.3], [1.2]
+    with pytest.raises(ValueError, match="per-token clip bounds"):
+        run("ppo", [row], [*POLICY, "clip_low_threshold", "clip_high_threshold"])
