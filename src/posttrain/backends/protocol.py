@@ -1,0 +1,38 @@
+"""`TrainableBackend`: what backend-agnostic code may call on any backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, Unpack, runtime_checkable
+
+from posttrain.backends.options import RLOptions, SFTOptions
+from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from posttrain.backends.sampling import SamplingClient
+    from posttrain.model import TrainableModel
+
+
+@runtime_checkable
+class TrainableBackend(Protocol):
+    """Every backend offers these with at least the shared options (`RLOptions`, `SFTOptions`)."""
+
+    async def register(self, model: TrainableModel) -> None: ...
+
+    async def train(
+        self,
+        model: TrainableModel,
+        trajectory_groups: Sequence[TrajectoryGroup],
+        **options: Unpack[RLOptions],
+    ) -> TrainResult: ...
+
+    async def train_sft(
+        self,
+        model: TrainableModel,
+        trajectories: Sequence[Trajectory],
+        **options: Unpack[SFTOptions],
+    ) -> TrainResult: ...
+
+    def sampling_client(self, model: TrainableModel) -> SamplingClient: ...
+
+    async def close(self) -> None: ...

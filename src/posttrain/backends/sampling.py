@@ -1,0 +1,39 @@
+"""A sampling client for a registered model's latest weights, used by rollout code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from posttrain.clients.protocol import TrainingClient
+from posttrain.types import ModelInput, SampleResponse, SamplingParams
+
+
+class SamplingClient:
+    """Samples from the weights the model has now (after the latest `train` call)."""
+
+    def __init__(self, client: TrainingClient, tokenizer: object) -> None:
+        self._client = client
+        self.tokenizer = tokenizer
+
+    async def sample(
+        self, prompt: ModelInput | Sequence[int], num_samples: int, params: SamplingParams
+    ) -> SampleResponse:
+        model_input = prompt if isinstance(prompt, ModelInput) else ModelInput.from_ints(prompt)
+        return await self._client.sample(model_input, num_samples, params)
+
+    async def sample_many(
+        self,
+        prompts: Sequence[ModelInput | Sequence[int]],
+        num_samples: int,
+        params: SamplingParams,
+    ) -> list[SampleResponse]:
+        """Several prompts in one batched call where the client supports it."""
+        inputs = [p if isinstance(p, ModelInput) else ModelInput.from_ints(p) for p in prompts]
+        batched = getattr(self._client, "sample_many", None)
+        if batched is not None:
+            return await batched(inputs, num_samples, params)
+        return [await self._client.sample(p, num_samples, params) for p in inputs]
+
+    async def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> list[float | None]:
+        model_input = prompt if isinstance(prompt, ModelInput) else ModelInput.from_ints(prompt)
+        return await self._client.compute_logprobs(model_input)

@@ -1,0 +1,135 @@
+"""LocalTrainingClient: the TrainingClient protocol over in-process workers."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from posttrain.algo.losses import LossConfig
+from posttrain.algo.loss_metrics import summarize_values
+from posttrain.clients.futures import APIFuture, OrderedRunner
+from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
+from posttrain.engine.dispatch import Dispatch
+from posttrain.engine.worker import PassResult
+from posttrain.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+)
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _check_name(name: str) -> str:
+    if not _NAME.match(name) or name in {".", ".."}:
+        raise ValueError(
+            f"checkpoint name {name!r} is not allowed: use letters, digits, '.', '_' and '-'"
+        )
+    return name
+
+
+def to_output(result: PassResult) -> ForwardBackwardOutput:
+    metrics = {"loss:sum": result.loss_sum, "tokens:sum": float(result.num_tokens)}
+    metrics.update(summarize_values(result.diagnostics))
+    return ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=[{"logprobs": lp} for lp in result.logprobs],
+        metrics=metrics,
+    )
+
+
+class LocalTrainingClient:
+    """Runs Tinker's primitives on workers in this process, one call at a time, in order."""
+
+    def __init__(self, dispatch: Dispatch, *, storage_dir: str | Path, base_model: str = "") -> None:
+        self.dispatch = dispatch
+        self.storage_dir = Path(storage_dir)
+        self.base_model = base_model
+        self._runner = OrderedRunner("posttrain-local")
+
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        config = LossConfig.from_mapping(loss_fn_config or {})
+        data = list(data)
+        return self._runner.submit(lambda: to_output(self.dispatch.forward(data, loss_fn, config)))
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        config = LossConfig.from_mapping(loss_fn_config or {})
+        data = list(data)
+        return self._runner.submit(
+            lambda: to_output(self.dispatch.forward_backward(data, loss_fn, config))
+        )
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return self._runner.submit(lambda: OptimStepResponse(self.dispatch.optim_step(adam_params)))
+
+    def sample(
+        self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams
+    ) -> APIFuture[SampleResponse]:
+        tokens = prompt.to_ints()
+        return self._runner.submit(
+            lambda: self.dispatch.sample([tokens], num_samples, sampling_params)[0]
+        )
+
+    def sample_many(
+        self, prompts: Sequence[ModelInput], num_samples: int, sampling_params: SamplingParams
+    ) -> APIFuture[list[SampleResponse]]:
+        """Sample several prompts in one batched call (posttrain's extension)."""
+        tokens = [p.to_ints() for p in prompts]
+        return self._runner.submit(lambda: self.dispatch.sample(tokens, num_samples, sampling_params))
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        tokens = prompt.to_ints()
+        return self._runner.submit(lambda: self.dispatch.compute_logprobs(tokens))
+
+    def reference_logprobs(self, data: Sequence[Datum]) -> APIFuture[list[list[float]]]:
+        """Target logprobs under the reference policy (base model), for KL penalties."""
+        data = list(data)
+        return self._runner.submit(lambda: self.dispatch.reference_logprobs(data))
+
+    def save_state(
+        self, name: str, trainer_state: Mapping[str, object] | None = None
+    ) -> APIFuture[SaveWeightsResponse]:
+        """Weights, optimizer and RNG state under `<storage>/checkpoints/<name>`, atomically.
+
+        `trainer_state` (posttrain's extension) is JSON saved beside them, for exact resume.
+        """
+        path = self.storage_dir / "checkpoints" / _check_name(name)
+        state = dict(trainer_state or {})
+        return self._runner.submit(
+            lambda: SaveWeightsResponse(str(self.dispatch.save_state(path, True, state)))
+        )
+
+    def load_state(self, path: str, with_optimizer: bool = False) -> APIFuture[LoadWeightsResponse]:
+        return self._runner.submit(
+            lambda: LoadWeightsResponse(
+                str(self.dispatch.load_state(Path(path), with_optimizer=with_optimizer))
+            )
+        )
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(path, with_optimizer=True)
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        path = self.storage_dir / "sampler_weights" / _check_name(name)
+        return self._runner.submit(lambda: SaveWeightsResponse(str(self.dispatch.save_weights(path))))
+
+    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.dispatch.tokenizer
+
+    def close(self) -> None:
+        self._runner.close()

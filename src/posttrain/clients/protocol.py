@@ -1,0 +1,65 @@
+"""The TrainingClient protocol: Tinker's primitives, implemented locally, on Ray, or remotely."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from posttrain.clients.futures import APIFuture
+from posttrain.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+)
+
+LossConfigValue = float | str | bool | None
+
+
+@dataclass(frozen=True)
+class SaveWeightsResponse:
+    """Where a checkpoint was written (a directory, or a tinker:// path on a remote service)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class LoadWeightsResponse:
+    path: str
+
+
+@runtime_checkable
+class TrainingClient(Protocol):
+    """Calls return futures and run in submission order; gradients accumulate until optim_step."""
+
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]: ...
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]: ...
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]: ...
+
+    def sample(
+        self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams
+    ) -> APIFuture[SampleResponse]: ...
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]: ...
+
+    def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]: ...
+
+    def load_state(self, path: str, with_optimizer: bool = False) -> APIFuture[LoadWeightsResponse]: ...
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]: ...

@@ -1,0 +1,70 @@
+"""Per-token logprobs of target tokens from a causal LM, without materialising [tokens, vocab].
+
+The decoder runs once for hidden states; the output projection and log-softmax run in chunks
+through `algo.logprobs`. A LoRA-wrapped unembedding contributes its effective weight
+W + delta, so gradients reach the adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from posttrain.algo.logprobs import token_logprobs_from_hidden
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def unembedding_weight(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output projection's effective weight [V, H] and bias, LoRA delta included."""
+    head = causal_lm(model).get_output_embeddings()  # type: ignore[operator]
+    base = getattr(head, "base_layer", None)
+    if base is None:
+        return head.weight, head.bias
+    weight = base.weight
+    if not getattr(head, "disable_adapters", False) and not getattr(head, "merged", False):
+        for adapter in head.active_adapters:
+            if adapter in head.lora_A:
+                weight = weight + head.get_delta_weight(adapter)
+    return weight, base.bias
+
+
+def target_logprobs(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    pad_mask_BT: torch.Tensor,
+    targets_BT: torch.Tensor,
+    *,
+    chunk_size: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target_t | tokens <= t) for every position, and optionally the entropy."""
+    decoder = causal_lm(model).get_decoder()  # type: ignore[operator]
+    hidden_BTH = decoder(input_ids=input_ids_BT, attention_mask=pad_mask_BT.long()).last_hidden_state
+    weight_VH, bias_V = unembedding_weight(model)
+    return token_logprobs_from_hidden(
+        hidden_BTH,
+        weight_VH,
+        targets_BT,
+        bias_V=bias_V,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run a PEFT model as its base model (the KL reference); a no-op for plain models."""
+    disable = getattr(model, "disable_adapter", None)
+    if disable is None:
+        yield
+        return
+    with disable():
+        yield

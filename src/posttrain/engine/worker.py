@@ -1,0 +1,254 @@
+"""One model replica: logprobs, losses with accumulated gradients, optimizer steps, state I/O.
+
+A worker knows micro-batches, never mini-batches: it splits whatever it is given by a token
+budget and accumulates gradients with sum semantics, so the split never changes the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from posttrain.algo.loss_metrics import counted_values
+from posttrain.algo.losses import LossBatch, LossConfig, check_inputs, get_loss
+from posttrain.engine import checkpoint
+from posttrain.engine.batching import pad_datums, split_by_token_budget
+from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
+from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
+from posttrain.engine.sampler import Sampler
+from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
+
+JSONValue = str | int | float | bool | None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    micro_batch_tokens: int = 8192  # padded tokens per micro-batch (rows x longest row)
+    logprob_chunk_size: int = 1024
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+
+
+@dataclass
+class PassResult:
+    """What one forward / forward_backward returns from one worker.
+
+    `diagnostics` holds 1-D per-token values over the loss's tokens, so results from several
+    workers concatenate into the whole-batch values exactly.
+    """
+
+    logprobs: list[torch.Tensor]
+    loss_sum: float
+    num_tokens: int
+    diagnostics: dict[str, torch.Tensor] = field(default_factory=dict[str, torch.Tensor])
+
+
+class Worker:
+    """Holds a model (full or PEFT LoRA), its optimizer, and runs the primitive operations."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: WorkerConfig | None = None,
+        *,
+        tokenizer: object | None = None,
+        reference_factory: Callable[[], nn.Module] | None = None,
+    ) -> None:
+        self.config = config or WorkerConfig()
+        self.model = model.to(self.config.device)
+        self.model.train()
+        self.tokenizer = tokenizer
+        self._sampler: Sampler | None = None
+        self.optimizer = create_adamw_optimizer(self.trainable_parameters().values())
+        self._reference_factory = reference_factory
+        self._reference: nn.Module | None = None
+        lm_config = causal_lm(model).config  # type: ignore[union-attr]
+        self.vocab_size = int(lm_config.vocab_size)
+        self.max_positions = int(getattr(lm_config, "max_position_embeddings", 1 << 30))
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def check_datums(self, datums: Sequence[Datum], loss_fn: str) -> None:
+        """Reject bad input before any compute, so a failed call leaves the worker unchanged."""
+        if not datums:
+            raise ValueError("no datums given: pass at least one Datum")
+        for i, datum in enumerate(datums):
+            check_inputs(loss_fn, datum.loss_fn_inputs.keys())
+            if datum.length > self.max_positions:
+                raise ValueError(
+                    f"datum {i} has {datum.length} tokens; the model has "
+                    f"max_position_embeddings={self.max_positions}"
+                )
+            ids = torch.tensor(datum.model_input.to_ints())
+            for name, tokens in (("model_input", ids), ("target_tokens", datum.loss_fn_inputs.get("target_tokens"))):
+                if tokens is None:
+                    continue
+                bad = (tokens < 0) | (tokens >= self.vocab_size)
+                if bool(bad.any()):
+                    token = int(tokens[bad][0])
+                    raise ValueError(
+                        f"datum {i} {name} has token id {token} outside the vocabulary "
+                        f"[0, {self.vocab_size})"
+                    )
+
+    def forward(self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig) -> PassResult:
+        self.check_datums(datums, loss_fn)
+        with torch.no_grad():
+            return self._run(datums, loss_fn, loss_config, backward=False)
+
+    def forward_backward(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig
+    ) -> PassResult:
+        self.check_datums(datums, loss_fn)
+        return self._run(datums, loss_fn, loss_config, backward=True)
+
+    def _run(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig, *, backward: bool
+    ) -> PassResult:
+        fn = get_loss(loss_fn)
+        logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
+        diagnostics: dict[str, list[torch.Tensor]] = {}
+        loss_sum, num_tokens = 0.0, 0
+        for rows in split_by_token_budget([d.length for d in datums], self.config.micro_batch_tokens):
+            batch = pad_datums([datums[r] for r in rows], device=self.config.device)
+            logp_BT, entropy_BT = target_logprobs(
+                self.model,
+                batch.input_ids_BT,
+                batch.pad_mask_BT,
+                batch.inputs["target_tokens"],
+                chunk_size=self.config.logprob_chunk_size,
+                with_entropy=True,
+            )
+            out = fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT, entropy_BT), loss_config)
+            if backward:
+                out.loss.backward()
+            loss_sum += float(out.loss.detach())
+            num_tokens += int((out.mask_BT != 0).sum()) if out.mask_BT is not None else batch.num_tokens
+            for key, flat in counted_values(out).items():
+                diagnostics.setdefault(key, []).append(flat)
+            for i, (row, length) in enumerate(zip(rows, batch.lengths, strict=True)):
+                logprobs[row] = logp_BT[i, :length].detach().float().cpu()
+        merged = {k: torch.cat(v) for k, v in diagnostics.items()}
+        return PassResult(logprobs, loss_sum, num_tokens, merged)
+
+    def reference_logprobs(self, datums: Sequence[Datum]) -> list[torch.Tensor]:
+        """Target logprobs under the reference policy: the base model (LoRA off) or a frozen copy."""
+        model = self.model
+        if self._reference_factory is not None and not hasattr(self.model, "disable_adapter"):
+            if self._reference is None:
+                self._reference = self._reference_factory().to(self.config.device).eval()
+            model = self._reference
+        out: list[torch.Tensor] = [torch.empty(0)] * len(datums)
+        with torch.no_grad(), adapters_disabled(model):
+            for rows in split_by_token_budget([d.length for d in datums], self.config.micro_batch_tokens):
+                batch = pad_datums([datums[r] for r in rows], device=self.config.device)
+                logp_BT, _ = target_logprobs(
+                    model,
+                    batch.input_ids_BT,
+                    batch.pad_mask_BT,
+                    batch.inputs["target_tokens"],
+                    chunk_size=self.config.logprob_chunk_size,
+                )
+                for i, row in enumerate(rows):
+                    out[row] = logp_BT[i, : batch.lengths[i]].float().cpu()
+        return out
+
+    def get_tokenizer(self) -> object:
+        return self.tokenizer
+
+    def sampler(self) -> Sampler:
+        if self._sampler is None:
+            self._sampler = Sampler(self.model, self.tokenizer)
+        return self._sampler
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        num_samples: int,
+        params: SamplingParams,
+        first_index: int = 0,
+    ) -> list[SampleResponse]:
+        return self.sampler().sample(prompts, num_samples, params, first_index=first_index)
+
+    def compute_logprobs(self, prompt: Sequence[int]) -> list[float | None]:
+        return self.sampler().compute_logprobs(prompt)
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return {n: p.grad for n, p in self.trainable_parameters().items()}
+
+    def set_grads(self, grads: Mapping[str, torch.Tensor | None]) -> None:
+        for name, param in self.trainable_parameters().items():
+            grad = grads[name]
+            param.grad = None if grad is None else grad.to(param.device).clone()
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Clip, step AdamW with this call's settings, zero gradients. Skips non-finite grads."""
+        params = list(self.trainable_parameters().values())
+        if all(p.grad is None for p in params):
+            return {"grad_norm:mean": 0.0, "skipped:sum": 1.0, "learning_rate:mean": adam.learning_rate}
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            set_adam_params(
+                self.optimizer,
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {
+            "grad_norm:mean": norm if not skipped else float("nan"),
+            "skipped:sum": float(skipped),
+            "learning_rate:mean": adam.learning_rate,
+        }
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save_state(
+        self,
+        path: Path,
+        with_optimizer: bool = True,
+        trainer_state: Mapping[str, JSONValue] | None = None,
+    ) -> Path:
+        return checkpoint.save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer if with_optimizer else None,
+            trainer_state=dict(trainer_state or {}),
+        )
+
+    def save_weights(self, path: Path) -> Path:
+        return checkpoint.save_weights(path, self.model)
+
+    def load_state(self, path: Path, with_optimizer: bool = True) -> dict[str, object]:
+        """Weights only, or (with_optimizer) an exact resume: optimizer and RNG state too."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return checkpoint.load_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer if with_optimizer else None,
+            restore_rng=with_optimizer,
+        )
+
+    def move_optimizer_state(self, device: str | None) -> None:
+        """Offload (to "cpu") or reload (None: the worker's device) the AdamW moments."""
+        device = device or self.config.device
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)

@@ -1,0 +1,146 @@
+"""TrainableModel: a named model in a project, registered with a backend, with its own logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from posttrain.logging_sinks import Sink, default_sinks
+from posttrain.types import JSONScalar, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from posttrain.backends.protocol import TrainableBackend
+
+Split = Literal["train", "val", "test"]
+
+
+@dataclass
+class TrainableModel:
+    """A model to post-train. `base_model` is a local directory or a hub id.
+
+    `lora_rank=None` trains every weight; otherwise LoRA adapters of that rank are trained.
+    `run_state` is JSON the caller wants restored on resume (a data cursor, a controller's
+    state); it is saved with every checkpoint.
+    """
+
+    name: str
+    project: str
+    base_model: str
+    lora_rank: int | None = 8
+    lora_alpha: float | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+    run_state: dict[str, JSONScalar | list[JSONScalar] | dict[str, JSONScalar]] = field(
+        default_factory=dict
+    )
+    _backend: TrainableBackend | None = field(default=None, init=False, repr=False)
+    _dir: Path | None = field(default=None, init=False, repr=False)
+    _step: int = field(default=0, init=False, repr=False)
+    _sinks: list[Sink] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key in ("name", "project"):
+            value = getattr(self, key)
+            if not value or "/" in value or value in {".", ".."}:
+                raise ValueError(f"TrainableModel.{key} must be a plain name, got {value!r}")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1 or None (full fine-tuning), got {self.lora_rank}")
+
+    async def register(self, backend: TrainableBackend) -> None:
+        """Attach to `backend`: load the base model, or resume from the latest checkpoint."""
+        await backend.register(self)
+
+    def attach(self, backend: TrainableBackend, directory: Path, step: int) -> None:
+        """Called by a backend's register()."""
+        self._backend, self._dir, self._step = backend, directory, step
+        self._sinks = default_sinks(directory, project=self.project, name=self.name)
+
+    @property
+    def backend(self) -> TrainableBackend:
+        if self._backend is None:
+            raise RuntimeError(
+                f"model {self.name!r} is not registered; call `await model.register(backend)` first"
+            )
+        return self._backend
+
+    @property
+    def directory(self) -> Path:
+        self.backend  # noqa: B018 - raises the clear "not registered" error
+        assert self._dir is not None
+        return self._dir
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        self._step = step
+
+    def config_dict(self) -> dict[str, object]:
+        keys = ("name", "project", "base_model", "lora_rank", "lora_alpha", "dtype", "seed")
+        return {k: asdict(self)[k] for k in keys}
+
+    async def log(
+        self,
+        groups: Sequence[TrajectoryGroup] | None = None,
+        *,
+        split: Split = "train",
+        metrics: Mapping[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Append reward statistics and `metrics` to history.jsonl and save the trajectories."""
+        step = self.step if step is None else step
+        row: dict[str, float] = {}
+        if groups:
+            rewards = [t.reward for g in groups for t in g.trajectories]
+            row["reward"] = statistics.fmean(rewards)
+            row["reward_std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+            row["num_trajectories"] = float(len(rewards))
+            for key in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
+                values = [t.metrics[key] for g in groups for t in g.trajectories if key in t.metrics]
+                row[key] = statistics.fmean(values)
+            self._write_trajectories(groups, split, step)
+        row.update({k: float(v) for k, v in (metrics or {}).items()})
+        record = {"step": step, "split": split, **{k: _json_float(v) for k, v in row.items()}}
+        with open(self.directory / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for sink in self._sinks:
+            sink.write(split, step, row)
+        return row
+
+    def _write_trajectories(self, groups: Sequence[TrajectoryGroup], split: str, step: int) -> None:
+        folder = self.directory / "trajectories" / split
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{step:05d}.jsonl", "w") as f:
+            for gi, group in enumerate(groups):
+                for trajectory in group.trajectories:
+                    f.write(json.dumps(trajectory_record(trajectory, gi)) + "\n")
+
+    def history(self) -> list[dict[str, object]]:
+        path = self.directory / "history.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _json_float(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, object]:
+    return {
+        "group": group,
+        "reward": trajectory.reward,
+        "metrics": dict(trajectory.metrics),
+        "metadata": dict(trajectory.metadata),
+        "messages": [dict(m) for m in trajectory.messages],
+        "segments": [
+            {"tokens": list(s.tokens), "trainable": s.trainable, "logprobs": list(s.logprobs) if s.logprobs else None}
+            for s in trajectory.segments
+        ],
+    }

@@ -1,0 +1,82 @@
+"""Metrics of one train() call, aggregated token-weighted across its mini-batches."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepMetrics:
+    """Counts and token-weighted means for one `train()` call."""
+
+    reward: float = 0.0
+    reward_std: float = 0.0
+    num_groups: int = 0
+    num_zero_variance_groups: int = 0
+    num_dropped_groups: int = 0
+    num_trajectories: int = 0
+    num_updates: int = 0
+    num_skipped_updates: int = 0
+    num_tokens: int = 0
+    nothing_to_train: bool = False
+    _sums: dict[str, float] = field(default_factory=dict[str, float])
+
+    @classmethod
+    def for_batch(
+        cls,
+        rewards: Sequence[float],
+        num_groups: int,
+        num_zero_variance_groups: int,
+        num_dropped_groups: int,
+    ) -> StepMetrics:
+        return cls(
+            reward=statistics.fmean(rewards) if rewards else 0.0,
+            reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            num_groups=num_groups,
+            num_zero_variance_groups=num_zero_variance_groups,
+            num_dropped_groups=num_dropped_groups,
+        )
+
+    def nothing_trainable(self) -> StepMetrics:
+        self.nothing_to_train = True
+        return self
+
+    def add_update(
+        self, forward: Mapping[str, float], optim: Mapping[str, float], *, num_tokens: int
+    ) -> None:
+        """Fold in one mini-batch: token-weighted for per-token means, plain sums otherwise."""
+        self.num_updates += 1
+        self.num_tokens += num_tokens
+        self.num_skipped_updates += int(optim.get("skipped:sum", 0.0))
+        self._add("loss", forward.get("loss:sum", 0.0), 1.0)
+        for key, value in forward.items():
+            name, _, reduction = key.partition(":")
+            if reduction == "mean":
+                self._add(name, value, float(num_tokens))
+        if "grad_norm:mean" in optim:
+            self._add("grad_norm", optim["grad_norm:mean"], 1.0)
+
+    def _add(self, name: str, value: float, weight: float) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + value * weight
+        self._sums[f"{name}.weight"] = self._sums.get(f"{name}.weight", 0.0) + weight
+
+    def as_dict(self) -> dict[str, float]:
+        out = {
+            "reward": self.reward,
+            "reward_std": self.reward_std,
+            "num_groups": float(self.num_groups),
+            "num_zero_variance_groups": float(self.num_zero_variance_groups),
+            "num_dropped_groups": float(self.num_dropped_groups),
+            "num_trajectories": float(self.num_trajectories),
+            "num_updates": float(self.num_updates),
+            "num_skipped_updates": float(self.num_skipped_updates),
+            "num_trainable_tokens": float(self.num_tokens),
+            "nothing_to_train": float(self.nothing_to_train),
+        }
+        for key, total in self._sums.items():
+            if not key.endswith(".weight"):
+                weight = self._sums[f"{key}.weight"]
+                out[key] = total / weight if weight else 0.0
+        return out

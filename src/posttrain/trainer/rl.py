@@ -1,0 +1,162 @@
+"""The one RL step every backend runs: groups -> advantages -> datums -> mini-batch updates.
+
+The step talks to a TrainingClient only, so the local, Ray and remote backends share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.algo.advantages import AdvantageConfig, compute_group_advantages, reduction_weights
+from posttrain.backends.options import RLConfig
+from posttrain.clients.protocol import TrainingClient
+from posttrain.trainer.datums import pad_masks, rl_datum, with_weights
+from posttrain.trainer.metrics import StepMetrics
+from posttrain.trainer.tensor_plots import TensorRecorder
+from posttrain.types import AdamParams, Datum, TrajectoryGroup
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """Datums of one RL step with the per-trajectory advantages that produced them."""
+
+    datums: list[Datum]
+    masks: list[torch.Tensor]
+    advantages: list[float]
+    rewards: list[float]
+    num_groups: int
+    num_zero_variance_groups: int
+    num_dropped_groups: int
+
+
+def loss_fn_config(config: RLConfig) -> dict[str, float | str | bool | None]:
+    """The algo.losses configuration an RLConfig asks for."""
+    return {
+        "epsilon": config.epsilon,
+        "epsilon_high": config.epsilon_high,
+        "beta": config.dro_beta if config.loss == "dro" else None,
+        "importance_sampling_level": config.importance_sampling_level,
+        "truncated_importance_sampling": config.truncated_importance_sampling,
+        "mask_prob_ratio": config.mask_prob_ratio,
+        "kimi_k2_tau": config.kimi_k2_tau,
+        "kl_penalty_coef": config.kl_penalty_coef,
+        "kl_estimator": config.kl_estimator,
+        "kl_mode": config.kl_mode,
+        "allow_missing_logprobs": config.allow_training_without_logprobs,
+    }
+
+
+def prepare_batch(groups: Sequence[TrajectoryGroup], config: RLConfig) -> PreparedBatch:
+    """Advantages per group, then one datum per trajectory of every kept group."""
+    if not groups:
+        raise ValueError("train() got an empty list of trajectory groups; pass at least one group")
+    result = compute_group_advantages(
+        [g.rewards for g in groups],
+        AdvantageConfig(
+            estimator=config.advantage_estimator,
+            scale_rewards=config.scale_rewards,
+            zero_variance=config.zero_variance_groups,
+            advantage_balance=config.advantage_balance,
+        ),
+    )
+    datums: list[Datum] = []
+    masks: list[torch.Tensor] = []
+    advantages: list[float] = []
+    for group, adv_G, kept in zip(groups, result.advantages, result.kept, strict=True):
+        if not kept:
+            continue
+        for trajectory, adv in zip(group.trajectories, adv_G.tolist(), strict=True):
+            datum, mask = rl_datum(
+                trajectory, adv, allow_missing_logprobs=config.allow_training_without_logprobs
+            )
+            if mask.sum() == 0:
+                continue
+            datums.append(datum)
+            masks.append(mask)
+            advantages.append(adv)
+    return PreparedBatch(
+        datums=datums,
+        masks=masks,
+        advantages=advantages,
+        rewards=[r for g in groups for r in g.rewards],
+        num_groups=result.num_groups,
+        num_zero_variance_groups=result.num_zero_variance_groups,
+        num_dropped_groups=result.num_dropped_groups,
+    )
+
+
+def split_minibatches(count: int, num_minibatches: int) -> list[range]:
+    """Contiguous, near-equal ranges; never more mini-batches than datums."""
+    parts = max(1, min(num_minibatches, count))
+    bounds = [round(i * count / parts) for i in range(parts + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def weighted(datums: list[Datum], masks: list[torch.Tensor], config: RLConfig) -> list[Datum]:
+    """Attach the loss-reduction weights, normalised over this whole mini-batch."""
+    weights_BT = reduction_weights(
+        pad_masks(masks), config.loss_reduction, constant=config.loss_reduction_constant
+    )
+    return [with_weights(d, weights_BT[i, : m.numel()]) for i, (d, m) in enumerate(zip(datums, masks, strict=True))]
+
+
+async def add_reference_inputs(
+    client: TrainingClient, datums: list[Datum], config: RLConfig
+) -> list[Datum]:
+    """Trainer logprobs as the ratio's reference (precalculate_logprobs) and KL reference."""
+    if config.precalculate_logprobs:
+        allow = {"allow_missing_logprobs": config.allow_training_without_logprobs}
+        scored = await client.forward(datums, "importance_sampling", allow)
+        datums = [
+            _with_inputs(d, logprobs=out["logprobs"], sampler_logprobs=d.loss_fn_inputs["logprobs"])
+            for d, out in zip(datums, scored.loss_fn_outputs, strict=True)
+        ]
+    if config.kl_penalty_coef > 0:
+        reference = getattr(client, "reference_logprobs", None)
+        if reference is None:
+            raise TypeError(
+                f"kl_penalty_coef needs reference logprobs, which {type(client).__name__} "
+                "cannot compute; use a local backend or set kl_penalty_coef=0"
+            )
+        ref = await reference(datums)
+        datums = [_with_inputs(d, ref_logprobs=torch.tensor(r)) for d, r in zip(datums, ref, strict=True)]
+    return datums
+
+
+def _with_inputs(datum: Datum, **inputs: torch.Tensor) -> Datum:
+    merged = dict(datum.loss_fn_inputs)
+    merged.update(inputs)
+    return Datum(datum.model_input, merged)
+
+
+async def train_rl_step(
+    client: TrainingClient,
+    groups: Sequence[TrajectoryGroup],
+    config: RLConfig,
+    *,
+    recorder: TensorRecorder | None = None,
+) -> StepMetrics:
+    """One call of `backend.train`: as many optimizer steps as mini-batches."""
+    batch = prepare_batch(groups, config)
+    metrics = StepMetrics.for_batch(batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups)
+    if not batch.datums:
+        return metrics.nothing_trainable()
+    datums = await add_reference_inputs(client, batch.datums, config)
+    adam = AdamParams(
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        grad_clip_norm=config.grad_clip,
+    )
+    loss_cfg = loss_fn_config(config)
+    for part in split_minibatches(len(datums), config.num_minibatches):
+        mini = weighted([datums[i] for i in part], [batch.masks[i] for i in part], config)
+        out = await client.forward_backward(mini, config.loss, loss_cfg)
+        if recorder is not None:
+            recorder.record(mini, out)
+        step = await client.optim_step(adam)
+        metrics.add_update(out.metrics, step.metrics or {}, num_tokens=sum(int(batch.masks[i].sum()) for i in part))
+    metrics.num_trajectories = len(datums)
+    return metrics

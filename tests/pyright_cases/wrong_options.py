@@ -1,0 +1,21 @@
+"""Calls pyright must reject: each line marked `# expect: <option>` is a type error."""
+
+from posttrain.backends.local import LocalBackend
+from posttrain.backends.protocol import TrainableBackend
+from posttrain.model import TrainableModel
+
+
+async def wrong_calls(backend: LocalBackend, generic: TrainableBackend, model: TrainableModel) -> None:
+    await backend.train(model, [], learning_rat=1e-5)  # expect: learning_rat
+    await backend.train(model, [], loss="reinforce")  # expect: loss
+    await backend.train(model, [], num_minibatches="2")  # expect: num_minibatches
+    await backend.train_sft(model, [], kl_penalty_coef=0.1)  # expect: kl_penalty_coef
+    await backend.train_sft(model, [], assistant_turns="first")  # expect: assistant_turns
+    await generic.train(model, [], kl_penalty_coef=0.1)  # expect: kl_penalty_coef
+    await generic.train(model, [], plot_tensors=True)  # expect: plot_tensors
+
+
+async def right_calls(backend: LocalBackend, generic: TrainableBackend, model: TrainableModel) -> None:
+    await backend.train(model, [], learning_rate=1e-5, loss="cispo", kl_penalty_coef=0.1)
+    await backend.train_sft(model, [], batch_size=4, assistant_turns="last")
+    await generic.train(model, [], learning_rate=1e-5, epsilon=0.2)
