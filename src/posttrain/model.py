@@ -6,7 +6,7 @@ import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -83,7 +83,7 @@ class TrainableModel:
 
     def config_dict(self) -> dict[str, object]:
         keys = ("name", "project", "base_model", "lora_rank", "lora_alpha", "dtype", "seed")
-        return {k: asdict(self)[k] for k in keys}
+        return {k: getattr(self, k) for k in keys}
 
     async def log(
         self,

@@ -33,6 +33,13 @@ class TrajectoryBuilder:
     def tokens(self) -> list[int]:
         return [t for s in self.segments for t in s.tokens]
 
+    def fork(self) -> TrajectoryBuilder:
+        """A copy of the conversation so far (one per completion of a shared prompt)."""
+        other = TrajectoryBuilder(self.tokenizer)
+        other.messages = [dict(m) for m in self.messages]
+        other.segments = list(self.segments)
+        return other
+
     def _render(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
             [dict(m) for m in messages],
