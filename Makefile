@@ -13,7 +13,7 @@ demo: setup
 test: setup
 	.venv/bin/python -m ruff check src tests benchmarks recipes
 	.venv/bin/python -m pyright
-	.venv/bin/python -m pytest -n 2 -q
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 -q
 
 lint: setup
 	.venv/bin/python -m ruff check src tests benchmarks recipes

@@ -1,0 +1,60 @@
+"""RL with the backend-first API: register a model, roll out groups, backend.train, model.log.
+
+Run: python recipes/rl_backend.py --steps 20 [--base-model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+
+import posttrain
+from posttrain.backends.local import LocalBackend
+from posttrain.engine.tiny import make_tiny_model
+from posttrain.model import TrainableModel
+from posttrain.rollout import TrajectoryBuilder, gather_groups
+
+
+async def rollout(sampler, word: str, group_size: int) -> posttrain.TrajectoryGroup:
+    """One prompt, `group_size` completions, reward 1 for the exact reversal."""
+    builder = TrajectoryBuilder(sampler.tokenizer)
+    prompt = builder.prompt({"role": "user", "content": f"reverse: {word}"})
+    params = posttrain.SamplingParams(max_tokens=12, temperature=1.0)
+    response = await sampler.sample(prompt, group_size, params)
+    trajectories = []
+    for sequence in response.sequences:
+        turn = builder.fork()
+        text = turn.completion(sequence)
+        correct = sequence.stop_reason == "stop" and text.strip() == word[::-1]
+        trajectories.append(turn.build(reward=float(correct)))
+    return posttrain.TrajectoryGroup(tuple(trajectories))
+
+
+async def main(argv: list[str] | None = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--base-model")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--path", default=tempfile.mkdtemp(prefix="posttrain-recipe-"))
+    args = parser.parse_args(argv)
+    base = args.base_model or str(make_tiny_model(tempfile.mkdtemp()))
+    backend = LocalBackend(args.path)
+    model = TrainableModel(name="reverser", project="recipes", base_model=base, lora_rank=None)
+    await model.register(backend)
+    rng = random.Random(0)
+    rewards = []
+    for _ in range(args.steps):
+        words = ["".join(rng.choices("abcdefgh", k=rng.randint(3, 5))) for _ in range(8)]
+        sampler = backend.sampling_client(model)
+        groups = await gather_groups(rollout(sampler, w, 8) for w in words)
+        result = await backend.train(model, groups, learning_rate=2e-4, loss="ppo")
+        await model.log(groups, metrics=result.metrics, step=result.step)
+        rewards.append(result.metrics["reward"])
+        print(f"step {result.step:3d}  reward {result.metrics['reward']:.3f}")
+    await backend.close()
+    return rewards
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
