@@ -1,0 +1,475 @@
+"""Batched sampling with a KV cache over a transformers causal LM, plain or PEFT-wrapped (LoRA).
+
+Every step runs the model's own forward (PEFT's LoRA forward included), so sampling always uses
+the current weights: adapters are never merged or unmerged, and nothing drifts.
+
+Logprobs. Each sampled token reports its logprob under the distribution it was drawn from before
+truncation, log_softmax(logits / temperature) over the full vocabulary (log_softmax(logits) for
+greedy, temperature 0). top-k / top-p truncation is not folded in, as in vLLM's default, so the
+values equal a teacher-forced forward pass at the same temperature.
+
+Seeds. Sequence j of prompt i draws from its own generator seeded by (seed, i, j), one uniform per
+step (inverse-CDF sampling), so a seeded sequence depends neither on the other prompts in the
+batch (nor their lengths) nor on num_samples. `seed=None` draws a fresh seed.
+
+Stops. `SamplingParams.stop=None` stops at EOS; an explicit `stop` replaces EOS (`[]` never stops
+early). The returned tokens include the EOS / stop token, or the tokens that completed a stop
+string (searched in the generated text only, special tokens as text). A sequence ends with
+stop_reason "length" after `max_tokens`, or when the model's positions run out (`max_tokens=None`
+samples up to that point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from posttrain.engine.logprob_pass import target_logprobs
+from posttrain.types import SampledSequence, SampleResponse, SamplingParams
+
+# Uniforms drawn per generator at a time. Fixed, so a seed always yields the same stream.
+_RNG_CHUNK = 64
+# Spare positions the KV cache reserves beyond the prompt at first (it doubles when full).
+_CACHE_STEP = 256
+
+
+class Sampler:
+    """Samples from `model` with a KV cache; see the module docstring for logprobs and seeds."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_positions: int | None = None,
+    ) -> None:
+        config = getattr(model, "config")  # noqa: B009 - nn.Module's stubs hide HF's config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(max_positions or config.max_position_embeddings)
+        if self.max_positions < 2:
+            raise ValueError(f"max_positions must be >= 2, got {self.max_positions}")
+        self.eos_ids = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if isinstance(pad, int) else (self.eos_ids or [0])[0]
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        num_samples: int,
+        params: SamplingParams,
+        *,
+        include_prompt_logprobs: bool = False,
+        first_index: int = 0,
+    ) -> list[SampleResponse]:
+        """`num_samples` completions of each prompt, all decoded in one batch.
+
+        `first_index` is the index of `prompts[0]` in the caller's whole batch: seeds use
+        (seed, first_index + i, j), so a batch split across workers samples what it would unsplit.
+        """
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if first_index < 0:
+            raise ValueError(f"first_index must be >= 0, got {first_index}")
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: give at least one prompt")
+        rows = [self._check_prompt(p, f"prompts[{i}]", room=1) for i, p in enumerate(prompts)]
+        room = [self.max_positions - len(row) for row in rows]
+        limits = [min(r, params.max_tokens or r) for r in room]
+        seed = secrets.randbits(63) if params.seed is None else params.seed
+        with _eval_mode(self.model), torch.inference_mode():
+            seeds = [
+                _sequence_seed(seed, first_index + i, j)
+                for i in range(len(rows))
+                for j in range(num_samples)
+            ]
+            out = self._generate(rows, num_samples, params, limits, seeds)
+        responses = out.responses(len(rows), num_samples)
+        if not include_prompt_logprobs:
+            return responses
+        return [
+            SampleResponse(r.sequences, self.compute_logprobs(row))
+            for r, row in zip(responses, rows, strict=True)
+        ]
+
+    def compute_logprobs(self, prompt: Sequence[int]) -> list[float | None]:
+        """log p(prompt[t] | prompt[:t]) for each position; None at position 0 (no prefix)."""
+        tokens = self._check_prompt(prompt, "prompt", room=0)
+        if len(tokens) == 1:
+            return [None]
+        ids_1T = torch.tensor([tokens], device=_device(self.model))
+        with _eval_mode(self.model), torch.inference_mode():
+            logp_1T, _ = target_logprobs(
+                self.model,
+                ids_1T[:, :-1],
+                torch.ones_like(ids_1T[:, :-1]),
+                ids_1T[:, 1:],
+                chunk_size=1024,
+            )
+        return [None, *logp_1T[0].float().tolist()]
+
+    def _check_prompt(self, prompt: Sequence[int], name: str, *, room: int) -> list[int]:
+        if isinstance(prompt, int | str):
+            raise ValueError(f"{name} must be a sequence of token ids, got {type(prompt).__name__}")
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise ValueError(f"{name} is empty: a prompt needs at least one token")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        if len(tokens) + room > self.max_positions:
+            raise ValueError(
+                f"{name} has {len(tokens)} tokens; the model's max_positions={self.max_positions} "
+                f"allows at most {self.max_positions - room}"
+            )
+        return tokens
+
+    def _generate(
+        self,
+        rows: list[list[int]],
+        num_samples: int,
+        params: SamplingParams,
+        limits: list[int],
+        seeds: list[int],
+    ) -> _Outputs:
+        device = _device(self.model)
+        stops = _Stops.build(params, self.eos_ids, device)
+        batch, logits_AV, cache = self._prefill(rows, num_samples, limits, device)
+        out = _Outputs.empty(batch.rows_A.numel(), max(limits), device)
+        uniforms = _Uniforms(seeds, device) if params.temperature > 0 else None
+        for step in range(max(limits)):
+            u_A = uniforms.at(step, batch.rows_A) if uniforms is not None else None
+            tokens_A, logp_A = choose_tokens(logits_AV, params, u_A)
+            out.write(batch.rows_A, step, tokens_A, logp_A)
+            hit_A = stops.hit(tokens_A, out, batch.rows_A, step, self.tokenizer)
+            done_A = hit_A | (step + 1 >= batch.limit_A)
+            if bool(done_A.any()):
+                out.finish(batch.rows_A[done_A], step + 1, hit_A[done_A])
+                # Finished rows leave the batch (and the KV cache): they cost no more compute.
+                keep_A = (~done_A).nonzero().squeeze(1)
+                if keep_A.numel() == 0:
+                    break
+                batch = batch.select(keep_A)
+                cache.batch_select_indices(keep_A)
+                tokens_A = tokens_A[keep_A]
+            logits_AV = self._decode(batch, tokens_A, step, cache)
+        return out
+
+    def _prefill(
+        self, rows: list[list[int]], num_samples: int, limits: list[int], device: torch.device
+    ) -> tuple[_Batch, torch.Tensor, Cache]:
+        """Run the left-padded prompts once and repeat the cache for the samples."""
+        width = max(len(row) for row in rows)
+        ids_PL = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=device)
+        mask_PL = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        # Real tokens sit at positions 0..len-1 whatever the padding, as in teacher forcing.
+        pos_PL = (mask_PL.cumsum(-1) - 1).clamp(min=0)
+        padded = bool((mask_PL == 0).any())
+        cache = _preallocated_cache(self.model, width + max(limits))
+        out = self.model(
+            input_ids=ids_PL,
+            attention_mask=mask_PL if padded else None,
+            position_ids=pos_PL,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        if num_samples > 1:
+            cache.batch_repeat_interleave(num_samples)
+        mask_AX = None
+        if padded:
+            new_PX = torch.ones(len(rows), max(limits), dtype=mask_PL.dtype, device=device)
+            mask_AX = torch.cat([mask_PL, new_PX], dim=1).repeat_interleave(num_samples, 0)
+        batch = _Batch(
+            rows_A=torch.arange(len(rows) * num_samples, device=device),
+            pos_A=mask_PL.sum(-1).repeat_interleave(num_samples),
+            limit_A=torch.tensor(limits, device=device).repeat_interleave(num_samples),
+            mask_AX=mask_AX,
+            prompt_width=width,
+        )
+        return batch, out.logits[:, -1].float().repeat_interleave(num_samples, 0), cache
+
+    def _decode(
+        self, batch: _Batch, tokens_A: torch.Tensor, step: int, cache: Cache
+    ) -> torch.Tensor:
+        """Feed the tokens sampled at `step`; return the next logits [A, V]."""
+        mask = None
+        if batch.mask_AX is not None:
+            mask = batch.mask_AX[:, : batch.prompt_width + step + 1]
+        out = self.model(
+            input_ids=tokens_A[:, None],
+            attention_mask=mask,
+            position_ids=(batch.pos_A + step)[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1].float()
+
+
+def choose_tokens(
+    logits_AV: torch.Tensor, params: SamplingParams, u_A: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token of each row and its untruncated logprob.
+
+    Draws by inverse CDF from `u_A` (uniforms in [0, 1)); greedy if temperature is 0 or u_A None.
+    """
+    if params.temperature == 0 or u_A is None:
+        tokens_A = logits_AV.argmax(-1)
+        scaled_AV = logits_AV
+    else:
+        scaled_AV = logits_AV / params.temperature
+        tokens_A = _inverse_cdf(truncate_logits(scaled_AV, params.top_k, params.top_p), u_A)
+    chosen_A = scaled_AV.gather(1, tokens_A[:, None]).squeeze(1)
+    return tokens_A, chosen_A - scaled_AV.logsumexp(-1)
+
+
+def truncate_logits(logits_AV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k, then outside the top-p nucleus, to -inf (top_k=-1, top_p=1: off)."""
+    if 0 < top_k < logits_AV.shape[-1]:
+        kth_A1 = logits_AV.topk(top_k, dim=-1).values[:, -1:]
+        logits_AV = logits_AV.masked_fill(logits_AV < kth_A1, float("-inf"))
+    if top_p < 1.0:
+        sorted_AV, order_AV = logits_AV.sort(dim=-1, descending=True)
+        probs_AV = sorted_AV.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+        drop_AV = (probs_AV.cumsum(-1) - probs_AV) >= top_p
+        logits_AV = logits_AV.masked_fill(drop_AV.scatter(-1, order_AV, drop_AV), float("-inf"))
+    return logits_AV
+
+
+def _inverse_cdf(logits_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u: a draw from softmax(logits)."""
+    # float64 so the cumulative sum over a large vocabulary keeps every token's share.
+    cdf_AV = logits_AV.double().softmax(-1).cumsum(-1)
+    total_A1 = cdf_AV[:, -1:]
+    # x < total strictly, so the chosen token has positive probability (cdf rises there).
+    x_A1 = torch.minimum(u_A[:, None] * total_A1, total_A1.nextafter(torch.zeros_like(total_A1)))
+    return torch.searchsorted(cdf_AV, x_A1, right=True).squeeze(1)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The rows still decoding: their output row, next position, token limit, attention mask."""
+
+    rows_A: torch.Tensor
+    pos_A: torch.Tensor
+    limit_A: torch.Tensor
+    mask_AX: torch.Tensor | None
+    prompt_width: int
+
+    def select(self, keep_A: torch.Tensor) -> _Batch:
+        mask = self.mask_AX[keep_A] if self.mask_AX is not None else None
+        return _Batch(
+            self.rows_A[keep_A], self.pos_A[keep_A], self.limit_A[keep_A], mask, self.prompt_width
+        )
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    """Tokens and logprobs of every sequence (row), filled step by step; lengths when done."""
+
+    tokens_BT: torch.Tensor
+    logp_BT: torch.Tensor
+    length_B: torch.Tensor
+    stopped_B: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, steps: int, device: torch.device) -> _Outputs:
+        return cls(
+            tokens_BT=torch.zeros(rows, steps, dtype=torch.long, device=device),
+            logp_BT=torch.zeros(rows, steps, device=device),
+            length_B=torch.zeros(rows, dtype=torch.long, device=device),
+            stopped_B=torch.zeros(rows, dtype=torch.bool, device=device),
+        )
+
+    def write(
+        self, rows_A: torch.Tensor, step: int, tokens_A: torch.Tensor, logp_A: torch.Tensor
+    ) -> None:
+        self.tokens_BT[rows_A, step] = tokens_A
+        self.logp_BT[rows_A, step] = logp_A
+
+    def finish(self, rows_D: torch.Tensor, length: int, stopped_D: torch.Tensor) -> None:
+        self.length_B[rows_D] = length
+        self.stopped_B[rows_D] = stopped_D
+
+    def responses(self, num_prompts: int, num_samples: int) -> list[SampleResponse]:
+        tokens, logps = self.tokens_BT.tolist(), self.logp_BT.tolist()
+        lengths, stopped = self.length_B.tolist(), self.stopped_B.tolist()
+        sequences = [
+            SampledSequence(
+                stop_reason="stop" if stopped[b] else "length",
+                tokens=tokens[b][: lengths[b]],
+                logprobs=logps[b][: lengths[b]],
+            )
+            for b in range(num_prompts * num_samples)
+        ]
+        return [
+            SampleResponse(sequences[i * num_samples : (i + 1) * num_samples])
+            for i in range(num_prompts)
+        ]
+
+
+@dataclass(frozen=True)
+class _Stops:
+    """Stop token ids and stop strings of one `sample` call."""
+
+    token_ids: torch.Tensor
+    strings: tuple[str, ...]
+    window: int  # generated tokens decoded when looking for a stop string
+
+    @classmethod
+    def build(cls, params: SamplingParams, eos_ids: list[int], device: torch.device) -> _Stops:
+        ids = eos_ids if params.stop is None else list(params.stop_tokens())
+        strings = params.stop_strings()
+        # A character is at most 4 byte-level tokens; +4 covers a partial character at the edge.
+        window = 4 * max((len(s) for s in strings), default=0) + 4
+        return cls(torch.tensor(ids, dtype=torch.long, device=device), strings, window)
+
+    def hit(
+        self,
+        tokens_A: torch.Tensor,
+        out: _Outputs,
+        rows_A: torch.Tensor,
+        step: int,
+        tokenizer: PreTrainedTokenizerBase,
+    ) -> torch.Tensor:
+        """Whether each row's newest token is a stop token or completes a stop string."""
+        hit_A = torch.isin(tokens_A, self.token_ids)
+        if not self.strings:
+            return hit_A
+        # Checked every step, so a stop string can only newly appear at the end of the text.
+        start = max(0, step + 1 - self.window)
+        for a, row in enumerate(rows_A.tolist()):
+            if not hit_A[a]:
+                tail = out.tokens_BT[row, start : step + 1].tolist()
+                text = tokenizer.decode(tail, skip_special_tokens=False)
+                hit_A[a] = any(s in text for s in self.strings)
+        return hit_A
+
+
+class _Uniforms:
+    """One torch.Generator per sequence, read `_RNG_CHUNK` uniforms at a time."""
+
+    def __init__(self, seeds: list[int], device: torch.device) -> None:
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.buffer_BC = torch.zeros(len(seeds), _RNG_CHUNK, dtype=torch.float64)
+        self.device = device
+
+    def at(self, step: int, rows_A: torch.Tensor) -> torch.Tensor:
+        rows = rows_A.cpu()
+        if step % _RNG_CHUNK == 0:
+            for row in rows.tolist():
+                self.buffer_BC[row] = torch.rand(
+                    _RNG_CHUNK, generator=self.generators[row], dtype=torch.float64
+                )
+        return self.buffer_BC[rows, step % _RNG_CHUNK].to(self.device)
+
+
+def _sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 64-bit generator seed for sequence (prompt_index, sample_index) under `seed`."""
+    key = f"{seed}:{prompt_index}:{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def _eos_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (int or list)."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    for value in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Sample without dropout (LoRA's included), then restore the caller's mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _preallocated_cache(model: nn.Module, max_length: int) -> DynamicCache:
+    """A DynamicCache whose full-attention layers write in place into growing buffers."""
+    cache = DynamicCache(config=getattr(model, "config"))  # noqa: B009
+    cache.layers = [
+        _PreallocatedLayer(max_length) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer writing keys/values in place into buffers with spare positions, instead of
+    concatenating (copying) the whole cache every step. Buffers double when full, up to
+    `max_length`, so a long `max_tokens` does not reserve memory it may never use."""
+
+    def __init__(self, max_length: int) -> None:
+        super().__init__()
+        self.max_length = max_length
+        self.length = 0
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buffers is None:
+            self.lazy_initialization(key_states, value_states)
+            self.buffers = (key_states[:, :, :0], value_states[:, :, :0])
+        end = self.length + key_states.shape[-2]
+        if end > self.buffers[0].shape[-2]:
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            self._copy(rows, min(self.max_length, max(end + _CACHE_STEP, 2 * end)))
+        buffers = self.buffers
+        buffers[0][:, :, self.length : end] = key_states
+        buffers[1][:, :, self.length : end] = value_states
+        self.length = end
+        return self._refresh(buffers)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.buffers is not None:
+            rows = torch.arange(self.buffers[0].shape[0], device=self.buffers[0].device)
+            self._copy(rows.repeat_interleave(repeats), self.buffers[0].shape[-2])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.buffers is not None:
+            self._copy(indices, self.buffers[0].shape[-2])
+
+    def _copy(self, rows: torch.Tensor, capacity: int) -> None:
+        """New buffers of `capacity` positions holding the written positions of `rows`."""
+        used = slice(0, self.length)
+        new_buffers = []
+        for old_BHTD in self.buffers or ():
+            new_BHTD = old_BHTD.new_zeros(len(rows), old_BHTD.shape[1], capacity, old_BHTD.shape[3])
+            new_BHTD[:, :, used] = old_BHTD[rows, :, used]
+            new_buffers.append(new_BHTD)
+        self.buffers = (new_buffers[0], new_buffers[1])
+        self._refresh(self.buffers)
+
+    def _refresh(
+        self, buffers: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Point keys/values (what attention and get_seq_length read) at the written positions."""
+        keys, values = (buffer[:, :, : self.length] for buffer in buffers)
+        self.keys, self.values = keys, values
+        return keys, values
