@@ -1,0 +1,419 @@
+"""Checkpoints: PEFT adapter or full safetensors weights, plus optimizer, RNG and trainer state.
+
+A checkpoint is a directory. It is written to a temporary sibling, fsynced and renamed into
+place, so a crash never leaves a half checkpoint at its path. `checkpoint.json`, written last,
+lists every file with its size: a directory without it, or missing a file it lists, is
+incomplete and loading it is an error, never a silent fresh start.
+
+A LoRA checkpoint holds exactly what `PeftModel.save_pretrained` writes (`adapter_config.json`,
+`adapter_model.safetensors`), so PEFT and vLLM load it as-is; a full one holds what
+`PreTrainedModel.save_pretrained` writes (`config.json`, safetensors weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Literal, TypeAlias, cast, get_args
+
+import torch
+from peft import PeftModel, PeftType
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from posttrain.engine.resume_state import (
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    rng_state,
+    set_rng_state,
+)
+
+JSONValue: TypeAlias = str | int | float | bool | list["JSONValue"] | dict[str, "JSONValue"] | None
+CheckpointKind = Literal["lora", "full"]
+
+FORMAT_VERSION = 1
+MANIFEST = "checkpoint.json"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng_state.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_REQUIRED: dict[CheckpointKind, tuple[str, ...]] = {
+    "lora": (ADAPTER_CONFIG, ADAPTER_WEIGHTS),
+    "full": ("config.json",),
+}
+# adapter_config.json fields that change which weights exist or how they are applied.
+_LORA_FIELDS = (
+    *("peft_type", "r", "lora_alpha", "target_modules", "exclude_modules", "modules_to_save"),
+    *("layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "bias"),
+    *("use_rslora", "use_dora", "fan_in_fan_out", "trainable_token_indices"),
+)
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    kind: CheckpointKind
+    files: dict[str, int]  # relative path -> size in bytes
+    optimizer: bool
+    rng: bool
+
+
+def save_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainer_state: Mapping[str, JSONValue] | None = None,
+    include_rng: bool = True,
+) -> Path:
+    """Write weights (adapter or full), optimizer, RNG and trainer state atomically to `path`.
+
+    An existing checkpoint at `path` is replaced; any other existing directory is refused.
+    """
+    final = Path(path)
+    kind = _model_kind(model)
+    # Everything that can be refused is checked before the first byte is written.
+    state_text = _encode_trainer_state(trainer_state)
+    optim_state = optimizer_state_by_name(model, optimizer) if optimizer is not None else None
+    _check_replaceable(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        _write_weights(tmp, model)
+        if optim_state is not None:
+            torch.save(optim_state, tmp / OPTIMIZER_FILE)
+        if include_rng:
+            torch.save(rng_state(), tmp / RNG_FILE)
+        (tmp / TRAINER_STATE_FILE).write_text(state_text)
+        _write_manifest(tmp, kind, optimizer=optim_state is not None, rng=include_rng)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_weights(path: str | Path, model: nn.Module) -> Path:
+    """Weights only (for a sampler): the same atomic checkpoint without optimizer or RNG state."""
+    return save_checkpoint(path, model=model, include_rng=False)
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    restore_rng: bool = True,
+) -> dict[str, JSONValue]:
+    """Restore weights in place, optimizer state (if given) and RNG; return the trainer state."""
+    root = Path(path)
+    manifest = _read_manifest(root)
+    kind = _model_kind(model)
+    if manifest.kind != kind:
+        held = "a LoRA adapter" if manifest.kind == "lora" else "full model weights"
+        ours = "a LoRA PeftModel" if kind == "lora" else "a full model without an adapter"
+        raise ValueError(
+            f"checkpoint at {root} holds {held} but the model is {ours}; "
+            "load it into a matching model"
+        )
+    if optimizer is not None and not manifest.optimizer:
+        raise ValueError(
+            f"checkpoint at {root} has no optimizer state ({OPTIMIZER_FILE}); "
+            "load it without an optimizer (with_optimizer=False) or pick another checkpoint"
+        )
+    if restore_rng and not manifest.rng:
+        raise ValueError(
+            f"checkpoint at {root} has no RNG state ({RNG_FILE}); load it with restore_rng=False"
+        )
+    # Read and check everything before touching the model, so a refusal leaves it untouched.
+    trainer_state = _read_trainer_state(root)
+    optim_state = None
+    if optimizer is not None:
+        saved = torch.load(root / OPTIMIZER_FILE, weights_only=True)
+        optim_state = optimizer_state_by_index(model, optimizer, saved, source=root)
+    rng = torch.load(root / RNG_FILE, weights_only=True) if restore_rng else None
+    if isinstance(model, PeftModel):
+        _load_adapter(root, model)
+    elif isinstance(model, PreTrainedModel):
+        _load_full(root, model, manifest)
+    if optimizer is not None and optim_state is not None:
+        optimizer.load_state_dict(optim_state)
+    if rng is not None:
+        set_rng_state(rng)
+    return trainer_state
+
+
+def checkpoint_kind(path: str | Path) -> CheckpointKind:
+    """The kind ("lora" or "full") recorded in a complete checkpoint's manifest."""
+    return _read_manifest(Path(path)).kind
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """True when `path` has a manifest and every file it lists, at the listed size."""
+    try:
+        _read_manifest(Path(path))
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints in `directory` named by integer step, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    steps = [p for p in root.iterdir() if p.name.isascii() and p.name.isdigit()]
+    return sorted((p for p in steps if is_complete_checkpoint(p)), key=lambda p: int(p.name))
+
+
+def prune_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete step checkpoints; return what was deleted."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest is never deleted), got {keep_last}")
+    doomed = list_checkpoints(directory)[:-keep_last]
+    for old in doomed:
+        # Rename first so a crash mid-delete leaves a hidden directory, not a half checkpoint.
+        hidden = old.with_name(f".{old.name}.deleting-{uuid.uuid4().hex}")
+        old.rename(hidden)
+        shutil.rmtree(hidden)
+    return doomed
+
+
+def _adapter_name(model: PeftModel) -> str:
+    return next(iter(model.peft_config))
+
+
+def _model_kind(model: nn.Module) -> CheckpointKind:
+    if isinstance(model, PeftModel):
+        if len(model.peft_config) != 1:
+            raise ValueError(
+                f"model must have exactly one adapter to checkpoint, got {sorted(model.peft_config)}"
+            )
+        peft_type = model.peft_config[_adapter_name(model)].peft_type
+        if peft_type != PeftType.LORA:
+            raise ValueError(f"model's adapter must be LoRA, got {peft_type}")
+        return "lora"
+    if isinstance(model, PreTrainedModel):
+        return "full"
+    raise ValueError(f"model must be a PeftModel or a PreTrainedModel, got {type(model).__name__}")
+
+
+def _encode_trainer_state(trainer_state: Mapping[str, JSONValue] | None) -> str:
+    state = dict(trainer_state or {})
+    if "format_version" in state:
+        raise ValueError("trainer_state must not use the reserved key 'format_version'")
+    try:
+        return json.dumps({"format_version": FORMAT_VERSION, **state}, indent=2, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"trainer_state must be JSON-serialisable (finite numbers): {err}"
+        ) from err
+
+
+def _read_trainer_state(root: Path) -> dict[str, JSONValue]:
+    state = json.loads((root / TRAINER_STATE_FILE).read_text())
+    if not isinstance(state, dict):
+        raise ValueError(f"{root / TRAINER_STATE_FILE} must hold a JSON object")
+    state = cast(dict[str, JSONValue], state)
+    state.pop("format_version", None)
+    return state
+
+
+def _check_replaceable(final: Path) -> None:
+    """Refuse to replace anything but a previous checkpoint (or an empty directory)."""
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise ValueError(f"checkpoint path {final} exists and is not a directory")
+    if not (final / MANIFEST).is_file() and any(final.iterdir()):
+        raise ValueError(
+            f"checkpoint path {final} is a non-empty directory without {MANIFEST}; "
+            "refusing to replace something that is not a checkpoint"
+        )
+
+
+def _write_weights(tmp: Path, model: nn.Module) -> None:
+    if not isinstance(model, PeftModel):
+        cast(PreTrainedModel, model).save_pretrained(str(tmp))  # _model_kind admitted it
+        return
+    name = _adapter_name(model)
+    with warnings.catch_warnings():
+        # PEFT announces that a targeted lm_head/embedding is saved whole: expected, not news.
+        warnings.filterwarnings("ignore", message="Setting `save_embedding_layers` to `True`")
+        model.save_pretrained(str(tmp), selected_adapters=[name])
+    if name != "default":
+        # PEFT nests any adapter not named "default" in a subdirectory; a checkpoint is flat.
+        for item in (tmp / name).iterdir():
+            item.rename(tmp / item.name)
+        (tmp / name).rmdir()
+
+
+def _fsync(path: Path) -> None:
+    if path.is_dir() and os.name != "posix":
+        return  # only POSIX can open and fsync a directory
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(tmp: Path, kind: CheckpointKind, *, optimizer: bool, rng: bool) -> None:
+    """Fsync every file, then write the manifest last: its presence means the rest is durable."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for file in files:
+        _fsync(file)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "files": {p.relative_to(tmp).as_posix(): p.stat().st_size for p in files},
+        "optimizer": optimizer,
+        "rng": rng,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _fsync(tmp / MANIFEST)
+    _fsync(tmp)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an old checkpoint there is moved aside first, deleted after."""
+    if not final.exists():
+        os.rename(tmp, final)
+        _fsync(final.parent)
+        return
+    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex}")
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    _fsync(final.parent)
+    shutil.rmtree(old)
+
+
+def _read_manifest(root: Path) -> _Manifest:
+    """The manifest of a complete checkpoint, or an error naming the path and what is missing."""
+    if not root.exists():
+        raise FileNotFoundError(f"no checkpoint at {root}")
+    if not root.is_dir():
+        raise ValueError(f"checkpoint path {root} is not a directory")
+    if not (root / MANIFEST).is_file():
+        raise ValueError(
+            f"incomplete checkpoint at {root}: {MANIFEST} is missing "
+            "(the save did not finish, or this is not a posttrain checkpoint)"
+        )
+    manifest = _parse_manifest(root / MANIFEST)
+    files = manifest.files
+    needed = [*_REQUIRED[manifest.kind], TRAINER_STATE_FILE]
+    needed += [OPTIMIZER_FILE] * manifest.optimizer + [RNG_FILE] * manifest.rng
+    if not any(name.endswith(".safetensors") for name in files):
+        needed.append(ADAPTER_WEIGHTS if manifest.kind == "lora" else "model.safetensors")
+    missing = {name for name in needed if name not in files}
+    missing |= {name for name in files if not (root / name).is_file()}
+    if missing:
+        raise ValueError(f"incomplete checkpoint at {root}: missing {', '.join(sorted(missing))}")
+    wrong = [name for name, size in files.items() if (root / name).stat().st_size != size]
+    if wrong:
+        raise ValueError(
+            f"corrupt checkpoint at {root}: size differs from {MANIFEST} for {', '.join(wrong)}"
+        )
+    return manifest
+
+
+def _parse_manifest(file: Path) -> _Manifest:
+    try:
+        raw = json.loads(file.read_text())
+        version, kind, files = raw["format_version"], raw["kind"], raw["files"]
+        optimizer, rng = bool(raw["optimizer"]), bool(raw["rng"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"corrupt manifest {file}: {err!r}") from err
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ValueError(f"{file} has format_version {version!r}; this reads <= {FORMAT_VERSION}")
+    if kind not in get_args(CheckpointKind):
+        raise ValueError(f"{file} has kind {kind!r}; expected 'lora' or 'full'")
+    if not isinstance(files, dict):
+        raise ValueError(f"corrupt manifest {file}: 'files' must map names to sizes")
+    return _Manifest(kind=kind, files=cast(dict[str, int], files), optimizer=optimizer, rng=rng)
+
+
+def _normalise(value: object) -> object:
+    """Sets and lists compare as sorted lists (PEFT keeps target_modules as a set in memory)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, set | list | tuple):
+        return sorted(str(_normalise(v)) for v in value)
+    return value
+
+
+def _load_adapter(root: Path, model: PeftModel) -> None:
+    name = _adapter_name(model)
+    saved = json.loads((root / ADAPTER_CONFIG).read_text())
+    current = model.peft_config[name].to_dict()
+    diffs = [
+        f"{key}: checkpoint {saved.get(key)!r}, model {current.get(key)!r}"
+        for key in _LORA_FIELDS
+        if _normalise(saved.get(key)) != _normalise(current.get(key))
+    ]
+    if diffs:
+        raise ValueError(
+            f"LoRA checkpoint at {root} does not match the model's adapter: {'; '.join(diffs)}"
+        )
+    weights = load_file(root / ADAPTER_WEIGHTS)
+    expected = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
+    _check_tensors(root / ADAPTER_WEIGHTS, weights, expected, allow_extra=True)
+    result = set_peft_model_state_dict(model, weights, adapter_name=name)
+    if result.unexpected_keys:
+        raise ValueError(
+            f"{root / ADAPTER_WEIGHTS} has weights the model lacks: {result.unexpected_keys[:5]}"
+        )
+
+
+def _load_full(root: Path, model: PreTrainedModel, manifest: _Manifest) -> None:
+    saved_type = json.loads((root / "config.json").read_text()).get("model_type")
+    if saved_type != model.config.model_type:
+        raise ValueError(
+            f"checkpoint at {root} is a {saved_type!r} model but the model is {model.config.model_type!r}"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for name in sorted(manifest.files):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(root / name))
+    expected = model.state_dict()
+    # save_pretrained writes a tied weight once; its twins are the same Parameter object.
+    all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tied = all_names - {n for n, _ in model.named_parameters()}
+    _check_tensors(
+        root, weights, {k: v for k, v in expected.items() if k not in tied}, allow_extra=False
+    )
+    model.load_state_dict(weights, strict=False)
+
+
+def _check_tensors(
+    source: Path,
+    saved: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    allow_extra: bool,
+) -> None:
+    """Same names (or a superset when `allow_extra`) and the same shapes, or a ValueError."""
+    problems = [f"missing {k}" for k in sorted(expected.keys() - saved.keys())[:5]]
+    if not allow_extra:
+        problems += [f"unexpected {k}" for k in sorted(saved.keys() - expected.keys())[:5]]
+    problems += [
+        f"{k}: checkpoint {tuple(saved[k].shape)}, model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in saved and saved[k].shape != v.shape
+    ][:5]
+    if problems:
+        raise ValueError(f"weights at {source} do not fit the model: {'; '.join(problems)}")
