@@ -1,5 +1,7 @@
 """posttrain: post-train language models with RL and SFT on one training core, many backends."""
 
+from typing import TYPE_CHECKING
+
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -14,10 +16,40 @@ from posttrain.types import (
     TrajectoryGroup,
 )
 
+if TYPE_CHECKING:
+    from posttrain.backends.local import LocalBackend
+    from posttrain.backends.protocol import TrainableBackend
+    from posttrain.clients.create import create_training_client
+    from posttrain.model import TrainableModel
+    from posttrain.rollout import TrajectoryBuilder, gather_groups
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The heavier pieces import torch and transformers; load them on first use only.
+    lazy = {
+        "TrainableModel": "posttrain.model",
+        "LocalBackend": "posttrain.backends.local",
+        "TrainableBackend": "posttrain.backends.protocol",
+        "create_training_client": "posttrain.clients.create",
+        "gather_groups": "posttrain.rollout",
+        "TrajectoryBuilder": "posttrain.rollout",
+    }
+    if name in lazy:
+        import importlib
+
+        return getattr(importlib.import_module(lazy[name]), name)
+    raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
 
 __all__ = [
     "AdamParams",
+    "LocalBackend",
+    "TrainableBackend",
+    "TrainableModel",
+    "TrajectoryBuilder",
+    "create_training_client",
+    "gather_groups",
     "Datum",
     "EncodedTextChunk",
     "ModelInput",
