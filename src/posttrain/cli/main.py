@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from posttrain.cli import tiny_cmd, train_cmd
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    train_cmd.add_parsers(subparsers)
+    tiny_cmd.add_parser(subparsers)
     return parser
 
 

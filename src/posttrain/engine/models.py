@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,12 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 
+# What the Hub accepts as a repository id: "name" or "org/name".
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """"float32" | "bfloat16" | "float16" (or a torch.dtype among them) to a torch.dtype."""
+    """ "float32" | "bfloat16" | "float16" (or a torch.dtype among them) to a torch.dtype."""
     if isinstance(name, torch.dtype):
         if name in DTYPES.values():
             return name
@@ -29,42 +33,70 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}") from None
+        raise ValueError(
+            f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}"
+        ) from None
 
 
 def _check_source(name_or_path: str | Path) -> str:
+    """A local model directory (checked now) or a hub id (left to transformers to fetch)."""
     text = str(name_or_path)
     path = Path(text).expanduser()
-    looks_local = path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
     if path.exists():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: it is not a saved model directory")
         return str(path)
-    if looks_local:
+    if isinstance(name_or_path, Path) or text.startswith((".", "~")) or not _HUB_ID.match(text):
         raise FileNotFoundError(f"base model path {text} does not exist")
     return text  # a hub id such as "Qwen/Qwen3-0.6B"
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout rate, so training logprobs equal sampling logprobs even in train mode."""
+    # Attention layers copy their rate from the config into a float attribute at construction
+    # (e.g. Qwen2Attention.attention_dropout), so zero those as well as nn.Dropout modules.
+    holders: list[object] = [*model.modules(), getattr(model, "config", None)]
+    for holder in holders:
+        if isinstance(holder, torch.nn.Dropout):
+            holder.p = 0.0
+        for key, value in vars(holder).items() if holder is not None else ():
+            if "dropout" in key and isinstance(value, float):
+                setattr(holder, key, 0.0)
 
 
 def load_hf_model(
     name_or_path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> PreTrainedModel:
-    """A transformers causal LM from a local directory or hub id, on `device`, in `dtype`."""
+    """A transformers causal LM from a local directory or hub id, on `device`, in `dtype`.
+
+    Dropout is zeroed and the model is in eval mode. Attention is SDPA: on CPU it matches or beats
+    eager attention on the 30M-parameter `small` tiny model and never materialises a [T, T] matrix.
+    """
     source = _check_source(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=parse_dtype(dtype), attn_implementation="sdpa"
     )
-    return model.to(device)
+    _disable_dropout(model)
+    model.eval()
+    return model.to(device)  # pyright: ignore[reportArgumentType]
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(_check_source(name_or_path))
+    """The tokenizer saved with a model; one without a pad token pads with EOS."""
+    tokenizer = AutoTokenizer.from_pretrained(_check_source(name_or_path))
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """LoRA (Hu et al. 2021) on the chosen parts, with Tinker's train_* switches."""
+    """LoRA (Hu et al. 2021: W = W0 + (alpha / rank) B A) with Tinker's train_* switches.
 
-    rank: int
+    Defaults are Tinker's: rank 32 and alpha 32, so the adapter scale alpha / rank is 1.
+    """
+
+    rank: int = 32
     alpha: float = 32.0
     dropout: float = 0.0
     train_attn: bool = True
@@ -83,9 +115,11 @@ class LoraSettings:
 
     @staticmethod
     def default_alpha(rank: int) -> float:
+        """32 up to rank 32 (Tinker's fixed alpha), else `rank`, so alpha / rank stays <= 1."""
         return 32.0 if rank <= 32 else float(rank)
 
     def target_modules(self) -> list[str]:
+        """The linear layers LoRA wraps: attention, MLP and unembedding per the flags."""
         modules: list[str] = []
         if self.train_attn:
             modules += ATTN_MODULES
@@ -96,13 +130,24 @@ class LoraSettings:
         return modules
 
 
-def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
-    """Wrap `model` with LoRA adapters; only the adapters train."""
+def apply_lora(
+    model: PreTrainedModel, settings: LoraSettings, *, seed: int | None = None
+) -> PeftModel:
+    """Wrap `model` with LoRA adapters; only the adapters train.
+
+    B starts at zero, so the wrapped model computes what `model` does. The random A matrices
+    come from torch's global generator, or from `seed` without touching that generator.
+    """
     config = LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # pyright: ignore[reportArgumentType]  # peft annotates int
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules(),
+        bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)  # type: ignore[return-value]
+    if seed is None:
+        return get_peft_model(model, config)  # type: ignore[return-value]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)  # type: ignore[return-value]
