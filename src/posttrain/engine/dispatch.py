@@ -121,6 +121,8 @@ class Dispatch:
         self, method: str, datums: Sequence[Datum], loss_fn: str, config: LossConfig
     ) -> PassResult:
         """Shard datums by tokens across ranks, run `method` on each shard, gather in order."""
+        if not datums:
+            raise ValueError("no datums given: pass at least one Datum")
         shards = shard_for_ranks([d.length for d in datums], self.num_workers)
         # A rank with an empty shard has nothing to compute; sum semantics make skipping exact.
         args = [([datums[i] for i in shard], loss_fn, config) if shard else None for shard in shards]
