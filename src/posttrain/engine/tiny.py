@@ -1,0 +1,205 @@
+"""Tiny causal LMs with a byte-level tokenizer, built locally for tests and examples.
+
+The tokenizer has one token per byte (ids 0..255 are the byte values) plus four special tokens,
+so arithmetic and string tasks tokenise one character per token and the vocabulary stays small.
+The chat template renders each turn as ``<|im_start|>{role}\\n{content}<|eos|>`` after a leading
+``<|bos|>``. An assistant turn therefore ends with EOS, exactly what a sampler stops on, and
+rendering a conversation prefix (with or without the generation prompt) yields a token prefix of
+rendering the longer conversation: sampled tokens can be stitched into multi-turn trajectories
+without re-rendering.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+Arch = Literal["qwen2", "llama"]
+Size = Literal["tiny", "small"]
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+IM_START_TOKEN = "<|im_start|>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN)
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Seeding and drawing from torch's global RNG must not interleave between threads.
+_INIT_LOCK = threading.Lock()
+
+# Bump when the files make_tiny_model writes change, so cached copies are rebuilt.
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int
+
+
+_SHAPES: dict[Size, _Shape] = {
+    # 107,584 parameters for qwen2 (q/k/v biases), 107,328 for llama.
+    "tiny": _Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=512),
+    # 29,778,432 parameters for qwen2, 29,768,192 for llama.
+    "small": _Shape(
+        hidden=512, layers=10, heads=8, kv_heads=4, intermediate=1408, max_positions=1024
+    ),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character (what ByteLevel pre-tokenises to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer: token id == byte value, specials at 256..259, chat template."""
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    # A BPE without merges is a plain byte lookup after ByteLevel maps bytes to characters.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # NFC because transformers loads any qwen2 directory with Qwen2Tokenizer, which imposes it;
+    # doing the same here makes both load paths (and both archs) tokenise identically.
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        additional_special_tokens=[IM_START_TOKEN],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=_SHAPES["small"].max_positions,
+        clean_up_tokenization_spaces=False,
+    )
+    return tokenizer
+
+
+def build_config(arch: Arch = "qwen2", size: Size = "tiny") -> PretrainedConfig:
+    """The transformers config for an (arch, size) pair, with the tokenizer's special ids."""
+    if size not in _SHAPES:
+        raise ValueError(f"size must be one of {sorted(_SHAPES)}, got {size!r}")
+    config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    if arch not in config_classes:
+        raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
+    shape = _SHAPES[size]
+    return config_classes[arch](
+        vocab_size=VOCAB_SIZE,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        max_position_embeddings=shape.max_positions,
+        bos_token_id=256 + SPECIAL_TOKENS.index(BOS_TOKEN),
+        eos_token_id=256 + SPECIAL_TOKENS.index(EOS_TOKEN),
+        pad_token_id=256 + SPECIAL_TOKENS.index(PAD_TOKEN),
+        # Untied so the unembedding is its own matrix (trainable apart, a LoRA target).
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+    )
+
+
+def make_tiny_model(
+    path: str | Path, *, arch: Arch = "qwen2", size: Size = "tiny", seed: int = 0
+) -> Path:
+    """Write a randomly initialised causal LM and its tokenizer to `path`; same seed, same bits.
+
+    Parameter counts: tiny 107,584 (qwen2) / 107,328 (llama); small 29,778,432 (qwen2) /
+    29,768,192 (llama). The directory loads with `AutoModelForCausalLM.from_pretrained` and
+    `AutoTokenizer.from_pretrained`.
+    """
+    config = build_config(arch, size)
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = config.max_position_embeddings
+    # fork_rng keeps the caller's global RNG untouched by our seeding.
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def default_cache_dir() -> Path:
+    """`$POSTTRAIN_CACHE/tiny-models`, else `~/.cache/posttrain/tiny-models`."""
+    root = os.environ.get("POSTTRAIN_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "posttrain"
+    return base / "tiny-models"
+
+
+def tiny_model_path(
+    cache_dir: str | Path | None = None,
+    *,
+    arch: Arch = "qwen2",
+    size: Size = "tiny",
+    seed: int = 0,
+) -> Path:
+    """Build the tiny model once into a cache directory keyed by its arguments, then reuse it.
+
+    The model is written to a temporary sibling directory and renamed into place, so concurrent
+    processes (pytest-xdist workers) never see a half-written model.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"{arch}-{size}-seed{seed}-v{FORMAT_VERSION}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        make_tiny_model(tmp, arch=arch, size=size, seed=seed)
+        try:
+            tmp.rename(final)
+        except OSError:
+            # Another process won the race; its copy is complete and identical.
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,166 @@
+"""Tests for dtype parsing, model and tokenizer loading, and LoRA wrapping."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel
+
+from posttrain.engine.models import (
+    ATTN_MODULES,
+    MLP_MODULES,
+    LoraSettings,
+    apply_lora,
+    load_hf_model,
+    load_tokenizer,
+    parse_dtype,
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)],
+)
+def test_parse_dtype(name: str, dtype: torch.dtype) -> None:
+    assert parse_dtype(name) is dtype
+    assert parse_dtype(dtype) is dtype
+
+
+@pytest.mark.parametrize("bad", ["fp8", "float64", "fp32", torch.float64, torch.int8])
+def test_parse_dtype_rejects_with_choices(bad: str | torch.dtype) -> None:
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        parse_dtype(bad)
+
+
+def test_load_hf_model(tiny_model_dir: Path) -> None:
+    model = load_hf_model(tiny_model_dir)
+    assert not model.training
+    assert model.config._attn_implementation == "sdpa"
+    assert next(model.parameters()).dtype == torch.float32
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    assert model.config.attention_dropout == 0.0
+    with torch.no_grad():
+        logits_BTV = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits_BTV.shape == (1, 3, 260)
+
+
+def test_load_hf_model_bfloat16_from_str_path(tiny_model_dir: Path) -> None:
+    model = load_hf_model(str(tiny_model_dir), dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_dropout_zeroed_even_in_train_mode(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    # A copy of the tiny model whose config asks for attention dropout 0.5.
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    config_path = tmp_path / "m" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"attention_dropout": 0.5}))
+    model = load_hf_model(tmp_path / "m")
+    assert model.config.attention_dropout == 0.0
+    model.train()
+    ids_BT = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        first, second = model(input_ids=ids_BT).logits, model(input_ids=ids_BT).logits
+    assert torch.equal(first, second)  # no randomness left in train mode
+
+
+@pytest.mark.parametrize("missing", ["/no/such/model", "./no-such-model", "~/no-such-model"])
+def test_missing_local_path_names_it(missing: str) -> None:
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        load_hf_model(missing)
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        load_tokenizer(missing)
+
+
+def test_missing_path_object_and_nested_relative(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_hf_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="a/b/c"):
+        load_hf_model("a/b/c")  # two slashes: not a hub id
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        load_hf_model(tmp_path)
+
+
+def test_load_tokenizer(tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert tokenizer.pad_token_id == 258
+    assert tokenizer.decode(tokenizer("3+4=7")["input_ids"]) == "3+4=7"
+
+
+def test_lora_settings_defaults_and_checks() -> None:
+    default = LoraSettings()
+    assert (default.rank, default.alpha, default.dropout) == (32, 32.0, 0.0)
+    assert default.target_modules() == [*ATTN_MODULES, *MLP_MODULES, "lm_head"]
+    assert LoraSettings.default_alpha(8) == 32.0
+    assert LoraSettings.default_alpha(64) == 64.0
+    for kwargs, match in [
+        (dict(rank=0), "rank must be >= 1"),
+        (dict(alpha=0.0), "alpha must be > 0"),
+        (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (dict(train_attn=False, train_mlp=False, train_unembed=False), "at least one"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            LoraSettings(**kwargs)  # type: ignore[arg-type]
+
+
+FLAGS = [
+    (True, True, True),
+    (True, False, False),
+    (False, True, False),
+    (False, False, True),
+    (True, False, True),
+]
+
+
+@pytest.mark.parametrize(("attn", "mlp", "unembed"), FLAGS)
+def test_apply_lora_trains_exactly_the_flagged_modules(
+    tiny_model_dir: Path, attn: bool, mlp: bool, unembed: bool
+) -> None:
+    settings = LoraSettings(rank=4, alpha=8, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
+    model = apply_lora(load_hf_model(tiny_model_dir), settings, seed=0)
+    assert isinstance(model, PeftModel)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    layer_modules = [
+        *(f"self_attn.{m}" for m in ATTN_MODULES if attn),
+        *(f"mlp.{m}" for m in MLP_MODULES if mlp),
+    ]
+    expected = {
+        f"base_model.model.model.layers.{layer}.{module}.lora_{ab}.default.weight"
+        for layer in range(2)
+        for module in layer_modules
+        for ab in "AB"
+    }
+    if unembed:
+        expected |= {f"base_model.model.lm_head.lora_{ab}.default.weight" for ab in "AB"}
+    assert trainable == expected
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    assert all(4 in shape for shape in shapes.values())  # rank 4 on one side of A and B
+    config = model.peft_config["default"]
+    assert isinstance(config, LoraConfig)
+    assert config.lora_alpha == 8
+
+
+def test_apply_lora_starts_equal_to_base_and_seed_is_deterministic(tiny_model_dir: Path) -> None:
+    ids_BT = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        base_BTV = load_hf_model(tiny_model_dir)(input_ids=ids_BT).logits
+        before = torch.random.get_rng_state()
+        a = apply_lora(load_hf_model(tiny_model_dir), LoraSettings(rank=4), seed=7)
+        assert torch.equal(torch.random.get_rng_state(), before)  # global RNG untouched
+        b = apply_lora(load_hf_model(tiny_model_dir), LoraSettings(rank=4), seed=7)
+        c = apply_lora(load_hf_model(tiny_model_dir), LoraSettings(rank=4), seed=8)
+        # B = 0 at init, so the adapter adds exact zeros: bit-identical logits.
+        assert torch.equal(a(input_ids=ids_BT).logits, base_BTV)
+    a_state, b_state, c_state = (m.state_dict() for m in (a, b, c))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert torch.equal(a_state[name], b_state[name])
+    assert not torch.equal(a_state[name], c_state[name])
