@@ -110,24 +110,28 @@ async def gather_groups(
     if max_exceptions < 0:
         raise ValueError(f"max_exceptions must be >= 0, got {max_exceptions}")
     tasks = [asyncio.ensure_future(g) for g in groups]
-    results: list[TrajectoryGroup] = []
-    failures: list[BaseException] = []
+    index = {task: i for i, task in enumerate(tasks)}
+    results: dict[int, TrajectoryGroup] = {}
+    failures = 0
+    pending = set(tasks)
     bar = tqdm(total=len(tasks), desc=desc, disable=not progress, leave=False)
     try:
-        for next_done in asyncio.as_completed(tasks):
-            try:
-                results.append(await next_done)
-            except Exception as exc:  # a rollout's own error: count it, maybe tolerate it
-                failures.append(exc)
-                log.warning("rollout failed (%d so far): %r", len(failures), exc)
-                if len(failures) > max_exceptions:
-                    raise
-            bar.update(1)
-            bar.set_postfix(failed=len(failures))
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                error = task.exception()
+                if error is None:
+                    results[index[task]] = task.result()
+                else:
+                    failures += 1
+                    log.warning("rollout failed (%d so far): %r", failures, error)
+                    if failures > max_exceptions:
+                        raise error
+                bar.update(1)
+            bar.set_postfix(failed=failures)
     finally:
         bar.close()
-        for task in tasks:
+        for task in pending:
             task.cancel()
-    # as_completed yields in completion order; return groups in submission order instead.
-    order = {id(t.result()): i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is None}
-    return sorted(results, key=lambda g: order.get(id(g), 0))
+    # Groups come back in submission order, whatever order they finished in.
+    return [results[i] for i in sorted(results)]
