@@ -31,7 +31,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def render_prompt(tokenizer, word: str) -> list[int]:
     messages = [{"role": "user", "content": f"reverse: {word}"}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def reward(tokenizer, tokens: list[int], stop_reason: str, word: str) -> float:
@@ -69,7 +73,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         datums, all_rewards = [], []
         for prompt, word, future in zip(prompts, words, futures, strict=True):
             sequences = future.result().sequences
-            rewards_G = torch.tensor([reward(tokenizer, s.tokens, s.stop_reason, word) for s in sequences])
+            rewards_G = torch.tensor(
+                [reward(tokenizer, s.tokens, s.stop_reason, word) for s in sequences]
+            )
             all_rewards += rewards_G.tolist()
             adv_G = group_advantages(rewards_G)
             for seq, adv in zip(sequences, adv_G.tolist(), strict=True):
@@ -79,11 +85,16 @@ def main(argv: list[str] | None = None) -> list[float]:
             # Token-mean reduction: scale advantages by 1 / (trainable tokens in the batch).
             total = sum(float(d.loss_fn_inputs["mask"].sum()) for d in datums)
             datums = [
-                Datum(d.model_input, {**d.loss_fn_inputs, "advantages": d.loss_fn_inputs["advantages"] / total})
+                Datum(
+                    d.model_input,
+                    {**d.loss_fn_inputs, "advantages": d.loss_fn_inputs["advantages"] / total},
+                )
                 for d in datums
             ]
             client.forward_backward(datums, "ppo").result()
-            client.optim_step(AdamParams(learning_rate=args.learning_rate, grad_clip_norm=1.0)).result()
+            client.optim_step(
+                AdamParams(learning_rate=args.learning_rate, grad_clip_norm=1.0)
+            ).result()
         mean_reward = sum(all_rewards) / len(all_rewards)
         rewards_per_step.append(mean_reward)
         print(f"step {step + 1:3d}  reward {mean_reward:.3f}  datums {len(datums)}")

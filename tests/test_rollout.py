@@ -20,14 +20,21 @@ def test_multi_turn_keeps_sampled_tokens_and_masks_the_rest(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     builder = TrajectoryBuilder(tok)
     first = builder.prompt({"role": "user", "content": "2+2?"})
-    assert first == tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert first == tok.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert builder.completion(sampled(tok, "4")) == "4"
     builder.prompt({"role": "tool", "content": "ok"})
     builder.completion(sampled(tok, "done"))
     traj = builder.build(reward=1.0)
     assert [s.trainable for s in traj.segments] == [False, True, False, True]
     # The exact tokens equal the template's rendering of the whole conversation.
-    rendered = tok.apply_chat_template([dict(m) for m in traj.messages], tokenize=True, return_dict=False)
+    rendered = tok.apply_chat_template(
+        [dict(m) for m in traj.messages], tokenize=True, return_dict=False
+    )
     assert traj.tokens == list(rendered)
     assert traj.num_trainable_tokens == 2 + 5  # "4"+EOS, "done"+EOS
 
@@ -51,7 +58,9 @@ async def test_gather_groups_keeps_order_and_tolerates_failures():
     async def boom() -> TrajectoryGroup:
         raise RuntimeError("rollout failed")
 
-    out = await gather_groups([ok(1.0, 0.02), boom(), ok(2.0, 0.0)], max_exceptions=1, progress=False)
+    out = await gather_groups(
+        [ok(1.0, 0.02), boom(), ok(2.0, 0.0)], max_exceptions=1, progress=False
+    )
     assert [g.rewards for g in out] == [[1.0], [2.0]]
     with pytest.raises(RuntimeError, match="rollout failed"):
         await gather_groups([ok(1.0, 0.0), boom()], max_exceptions=0, progress=False)

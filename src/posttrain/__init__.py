@@ -42,6 +42,7 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(lazy[name]), name)
     raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
 
+
 __all__ = [
     "AdamParams",
     "Datum",

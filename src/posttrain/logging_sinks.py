@@ -34,7 +34,7 @@ class TensorBoardSink:
 
 class WandbSink:
     def __init__(self, project: str, name: str) -> None:
-        import wandb
+        import wandb  # pyright: ignore[reportMissingImports]
 
         self._run = wandb.init(project=project, name=name, resume="allow")
 
@@ -44,7 +44,7 @@ class WandbSink:
 
 class MLflowSink:
     def __init__(self, project: str, name: str) -> None:
-        import mlflow
+        import mlflow  # pyright: ignore[reportMissingImports]
 
         mlflow.set_experiment(project)
         self._mlflow = mlflow
@@ -59,7 +59,9 @@ def requested_sinks(env: Mapping[str, str] | None = None) -> list[str]:
     names = [n.strip() for n in value.split(",") if n.strip()]
     for name in names:
         if name not in SINK_NAMES:
-            raise ValueError(f"POSTTRAIN_LOG_TO names unknown sink {name!r}; use {', '.join(SINK_NAMES)}")
+            raise ValueError(
+                f"POSTTRAIN_LOG_TO names unknown sink {name!r}; use {', '.join(SINK_NAMES)}"
+            )
     return names
 
 
@@ -68,7 +70,9 @@ def default_sinks(directory: Path, *, project: str, name: str) -> list[Sink]:
     sinks: list[Sink] = []
     for sink in requested_sinks():
         if importlib.util.find_spec(_PACKAGES[sink]) is None:
-            raise ImportError(f"POSTTRAIN_LOG_TO asks for {sink}, which is not installed: pip install {sink}")
+            raise ImportError(
+                f"POSTTRAIN_LOG_TO asks for {sink}, which is not installed: pip install {sink}"
+            )
         if sink == "tensorboard":
             sinks.append(TensorBoardSink(directory))
         elif sink == "wandb":

@@ -49,7 +49,9 @@ class TrainableModel:
             if not value or "/" in value or value in {".", ".."}:
                 raise ValueError(f"TrainableModel.{key} must be a plain name, got {value!r}")
         if self.lora_rank is not None and self.lora_rank < 1:
-            raise ValueError(f"lora_rank must be >= 1 or None (full fine-tuning), got {self.lora_rank}")
+            raise ValueError(
+                f"lora_rank must be >= 1 or None (full fine-tuning), got {self.lora_rank}"
+            )
 
     async def register(self, backend: TrainableBackend) -> None:
         """Attach to `backend`: load the base model, or resume from the latest checkpoint."""
@@ -102,7 +104,9 @@ class TrainableModel:
             row["reward_std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
             row["num_trajectories"] = float(len(rewards))
             for key in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
-                values = [t.metrics[key] for g in groups for t in g.trajectories if key in t.metrics]
+                values = [
+                    t.metrics[key] for g in groups for t in g.trajectories if key in t.metrics
+                ]
                 row[key] = statistics.fmean(values)
             self._write_trajectories(groups, split, step)
         row.update({k: float(v) for k, v in (metrics or {}).items()})
@@ -140,7 +144,11 @@ def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, object]:
         "metadata": dict(trajectory.metadata),
         "messages": [dict(m) for m in trajectory.messages],
         "segments": [
-            {"tokens": list(s.tokens), "trainable": s.trainable, "logprobs": list(s.logprobs) if s.logprobs else None}
+            {
+                "tokens": list(s.tokens),
+                "trainable": s.trainable,
+                "logprobs": list(s.logprobs) if s.logprobs else None,
+            }
             for s in trajectory.segments
         ],
     }

@@ -108,7 +108,9 @@ async def test_nothing_trainable_still_advances_the_step(tiny_model_dir, tmp_pat
     model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     await model.register(backend)
     groups = synthetic_groups(0)
-    same = [TrajectoryGroup(tuple(Trajectory(t.segments, 1.0) for t in g.trajectories)) for g in groups]
+    same = [
+        TrajectoryGroup(tuple(Trajectory(t.segments, 1.0) for t in g.trajectories)) for g in groups
+    ]
     result = await backend.train(model, same, save_checkpoint=False)
     assert result.step == 1 and result.checkpoint_path is None
     assert result.metrics["nothing_to_train"] == 1.0

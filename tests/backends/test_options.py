@@ -33,29 +33,46 @@ def test_option_sets_and_configs_name_the_same_keys():
 def test_pyright_rejects_each_unsupported_option():
     proc = subprocess.run(
         [
-            sys.executable, "-m", "pyright", "--outputjson",
-            "--project", str(CASES.parent), "--pythonpath", sys.executable, str(CASES),
+            sys.executable,
+            "-m",
+            "pyright",
+            "--outputjson",
+            "--project",
+            str(CASES.parent),
+            "--pythonpath",
+            sys.executable,
+            str(CASES),
         ],
         capture_output=True,
         text=True,
         check=False,
     )
     report = json.loads(proc.stdout)
-    error_lines = {d["range"]["start"]["line"] + 1 for d in report["generalDiagnostics"] if d["severity"] == "error"}
+    error_lines = {
+        d["range"]["start"]["line"] + 1
+        for d in report["generalDiagnostics"]
+        if d["severity"] == "error"
+    }
     lines = CASES.read_text().splitlines()
     expected = {i + 1 for i, line in enumerate(lines) if re.search(r"\)  # expect: \w+$", line)}
     assert expected, "the case file lost its markers"
     assert error_lines == expected, (error_lines, expected)
     for number in expected:
         name = re.search(r"# expect: (\w+)", lines[number - 1]).group(1)  # type: ignore[union-attr]
-        messages = [d["message"] for d in report["generalDiagnostics"] if d["range"]["start"]["line"] + 1 == number]
+        messages = [
+            d["message"]
+            for d in report["generalDiagnostics"]
+            if d["range"]["start"]["line"] + 1 == number
+        ]
         assert any(name in m for m in messages), (number, messages)
 
 
 async def test_runtime_rejects_unknown_option_before_looking_at_anything(tmp_path):
     backend = LocalBackend(tmp_path)
     model = TrainableModel(name="m", project="p", base_model="does-not-exist")  # never registered
-    with pytest.raises(TypeError, match=r"LocalBackend.train\(\).*'learning_rat'.*did you mean 'learning_rate'"):
+    with pytest.raises(
+        TypeError, match=r"LocalBackend.train\(\).*'learning_rat'.*did you mean 'learning_rate'"
+    ):
         await backend.train(model, [], learning_rat=1e-5)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"LocalBackend.train_sft\(\).*'kl_penalty_coef'"):
         await backend.train_sft(model, [], kl_penalty_coef=0.1)  # type: ignore[call-arg]

@@ -14,7 +14,12 @@ def sft_datums(tokenizer, texts: list[str]) -> list[Datum]:
     out = []
     for text in texts:
         ids = tokenizer(text)["input_ids"]
-        out.append(Datum(ModelInput.from_ints(ids[:-1]), {"target_tokens": ids[1:], "weights": [1.0 / 200] * (len(ids) - 1)}))
+        out.append(
+            Datum(
+                ModelInput.from_ints(ids[:-1]),
+                {"target_tokens": ids[1:], "weights": [1.0 / 200] * (len(ids) - 1)},
+            )
+        )
     return out
 
 
@@ -27,7 +32,12 @@ def client(tiny_model_dir, tmp_path):
 
 def test_sft_cuts_the_loss(client):
     # Ten fixed sentences; full fine-tuning of the 0.1M model memorises them quickly.
-    texts = [f"the {w} sat on the mat {i}" for i, w in enumerate("cat dog fox owl bee ant elk yak emu gnu".split())]
+    texts = [
+        f"the {w} sat on the mat {i}"
+        for i, w in enumerate(
+            ["cat", "dog", "fox", "owl", "bee", "ant", "elk", "yak", "emu", "gnu"]
+        )
+    ]
     datums = sft_datums(client.get_tokenizer(), texts)
     first = client.forward(datums, "cross_entropy").result().metrics["loss:sum"]
     for _ in range(60):
@@ -41,16 +51,27 @@ def test_sft_cuts_the_loss(client):
 
 def test_sample_logprobs_equal_forward_logprobs(client):
     prompt = client.get_tokenizer()("hello")["input_ids"]
-    response = client.sample(ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=6, seed=1)).result()
+    response = client.sample(
+        ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=6, seed=1)
+    ).result()
     for seq in response.sequences:
         full = prompt + seq.tokens
-        datum = Datum(ModelInput.from_ints(full[:-1]), {"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)})
+        datum = Datum(
+            ModelInput.from_ints(full[:-1]),
+            {"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+        )
         scored = client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
         # KV-cache decoding vs one full pass: same math, different summation order (fp32).
-        torch.testing.assert_close(scored[len(prompt) - 1 :], torch.tensor(seq.logprobs), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            scored[len(prompt) - 1 :], torch.tensor(seq.logprobs), rtol=0, atol=1e-5
+        )
         rescored = client.compute_logprobs(ModelInput.from_ints(full)).result()
-        torch.testing.assert_close(torch.tensor(rescored[len(prompt) :]), torch.tensor(seq.logprobs), rtol=0, atol=1e-5)
-    again = client.sample(ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=6, seed=1)).result()
+        torch.testing.assert_close(
+            torch.tensor(rescored[len(prompt) :]), torch.tensor(seq.logprobs), rtol=0, atol=1e-5
+        )
+    again = client.sample(
+        ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=6, seed=1)
+    ).result()
     assert [s.tokens for s in again.sequences] == [s.tokens for s in response.sequences]
 
 
@@ -68,7 +89,13 @@ def test_exact_resume_through_the_client(tiny_model_dir, tmp_path):
         gen = torch.Generator().manual_seed(seed)
         for _ in range(steps):
             ids = torch.randint(3, 250, (4, 9), generator=gen)
-            datums = [Datum(ModelInput.from_ints(r[:-1].tolist()), {"target_tokens": r[1:], "weights": torch.full((8,), 0.03)}) for r in ids]
+            datums = [
+                Datum(
+                    ModelInput.from_ints(r[:-1].tolist()),
+                    {"target_tokens": r[1:], "weights": torch.full((8,), 0.03)},
+                )
+                for r in ids
+            ]
             c.forward_backward(datums, "cross_entropy").result()
             c.optim_step(AdamParams(learning_rate=1e-3, weight_decay=0.01)).result()
 
@@ -78,7 +105,9 @@ def test_exact_resume_through_the_client(tiny_model_dir, tmp_path):
     first = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "b")
     train(first, 3, seed=1)
     path = first.save_state("after-3").result().path
-    second = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "c", seed=99)
+    second = create_training_client(
+        tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "c", seed=99
+    )
     second.load_state(path, with_optimizer=True).result()
     train(second, 2, seed=2)
     a = straight.dispatch.executor.workers[0].trainable_parameters()  # type: ignore[attr-defined]
@@ -92,9 +121,26 @@ def test_exact_resume_through_the_client(tiny_model_dir, tmp_path):
 def test_bad_input_raises_and_the_client_keeps_working(client, tmp_path):
     good = sft_datums(client.get_tokenizer(), ["abc"])
     bad_cases = [
-        ([Datum(ModelInput.from_ints([5, 999]), {"target_tokens": [6, 7], "weights": [1.0, 1.0]})], "cross_entropy", "999"),
+        (
+            [
+                Datum(
+                    ModelInput.from_ints([5, 999]), {"target_tokens": [6, 7], "weights": [1.0, 1.0]}
+                )
+            ],
+            "cross_entropy",
+            "999",
+        ),
         ([Datum(ModelInput.from_ints([5]), {"target_tokens": [6]})], "cross_entropy", "weights"),
-        ([Datum(ModelInput.from_ints([5] * 600), {"target_tokens": [6] * 600, "weights": [1.0] * 600})], "cross_entropy", "max_position"),
+        (
+            [
+                Datum(
+                    ModelInput.from_ints([5] * 600),
+                    {"target_tokens": [6] * 600, "weights": [1.0] * 600},
+                )
+            ],
+            "cross_entropy",
+            "max_position",
+        ),
         (good, "reinforce", "cross_entropy"),
         ([], "cross_entropy", "no datums"),
     ]

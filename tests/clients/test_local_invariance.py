@@ -63,7 +63,11 @@ def clients(tiny_model_dir, tmp_path_factory):
             tiny_model_dir, lora_rank=4, storage_dir=base / "c", num_workers=2
         ),
         "dp3": create_training_client(
-            tiny_model_dir, lora_rank=4, storage_dir=base / "d", num_workers=3, micro_batch_tokens=30
+            tiny_model_dir,
+            lora_rank=4,
+            storage_dir=base / "d",
+            num_workers=3,
+            micro_batch_tokens=30,
         ),
     }
     yield made

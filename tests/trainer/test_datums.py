@@ -35,7 +35,9 @@ def test_multi_turn_masks_only_sampled_targets():
 
 
 def test_trainable_segment_without_logprobs_is_an_error_unless_allowed():
-    traj = Trajectory(segments=(TokenSegment((1, 2)), TokenSegment((3,), trainable=True)), reward=0.0)
+    traj = Trajectory(
+        segments=(TokenSegment((1, 2)), TokenSegment((3,), trainable=True)), reward=0.0
+    )
     with pytest.raises(ValueError, match="allow_training_without_logprobs"):
         rl_datum(traj, 1.0)
     datum, _ = rl_datum(traj, 1.0, allow_missing_logprobs=True)

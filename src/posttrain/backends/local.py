@@ -137,7 +137,10 @@ def _write_model_json(directory: Path, model: TrainableModel) -> None:
     config = model.config_dict()
     if path.exists():
         saved = json.loads(path.read_text())
-        if saved.get("base_model") != config["base_model"] or saved.get("lora_rank") != config["lora_rank"]:
+        if (
+            saved.get("base_model") != config["base_model"]
+            or saved.get("lora_rank") != config["lora_rank"]
+        ):
             raise ValueError(
                 f"{directory} already holds model {model.name!r} with base_model="
                 f"{saved.get('base_model')!r}, lora_rank={saved.get('lora_rank')!r}; use another "

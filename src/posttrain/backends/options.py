@@ -9,10 +9,12 @@ and, at run time, a `TypeError` raised by `check_options` before anything else i
 from __future__ import annotations
 
 import difflib
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-import types
-from typing import Literal, TypedDict, Union, get_args, get_origin, get_type_hints
+from typing import Literal, Union, get_args, get_origin, get_type_hints
+
+from typing_extensions import TypedDict
 
 from posttrain.algo.advantages import AdvantageEstimator, ReductionPreset
 from posttrain.algo.ratios import ImportanceSamplingLevel, KLEstimator
@@ -23,7 +25,7 @@ LRDecay = Literal["cosine", "linear", "constant"]
 AssistantTurns = Literal["all", "last"]
 
 
-class RLOptions(TypedDict, total=False):
+class SharedRLFields(TypedDict, total=False):
     """RL options every backend honours (the loss runs where the weights are)."""
 
     learning_rate: float
@@ -48,8 +50,8 @@ class RLOptions(TypedDict, total=False):
     save_checkpoint: bool
 
 
-class LocalRLOptions(RLOptions, total=False):
-    """Options that need the weights in this process (reference model, trainer logprobs)."""
+class WeightsInProcessFields(SharedRLFields, total=False):
+    """Options that need the trainer's weights at hand (reference model, trainer logprobs)."""
 
     kl_penalty_coef: float
     kl_estimator: KLEstimator
@@ -59,7 +61,17 @@ class LocalRLOptions(RLOptions, total=False):
     plot_tensors: bool
 
 
-class SFTOptions(TypedDict, total=False):
+# Closed TypedDicts (PEP 728): no keys beyond those declared. That is what lets pyright accept
+# a backend with more options where backend-agnostic code expects `TrainableBackend`.
+class RLOptions(SharedRLFields, total=False, closed=True):
+    """What backend-agnostic code may pass to any backend's `train()`."""
+
+
+class LocalRLOptions(WeightsInProcessFields, total=False, closed=True):
+    """LocalBackend.train() options."""
+
+
+class SFTOptions(TypedDict, total=False, closed=True):
     """Supervised fine-tuning options every backend honours."""
 
     learning_rate: float
@@ -185,7 +197,9 @@ def check_field_types(config: object) -> None:
     for name, annotation in get_type_hints(type(config)).items():
         value = getattr(config, name)
         if not _accepts(annotation, value):
-            raise ValueError(f"option {name}={value!r} is invalid: expected {_describe(annotation)}")
+            raise ValueError(
+                f"option {name}={value!r} is invalid: expected {_describe(annotation)}"
+            )
 
 
 def option_names(options_type: type) -> frozenset[str]:

@@ -6,8 +6,8 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from posttrain.algo.losses import LossConfig
 from posttrain.algo.loss_metrics import summarize_values
+from posttrain.algo.losses import LossConfig
 from posttrain.clients.futures import APIFuture, OrderedRunner
 from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
 from posttrain.engine.dispatch import Dispatch
@@ -46,7 +46,9 @@ def to_output(result: PassResult) -> ForwardBackwardOutput:
 class LocalTrainingClient:
     """Runs Tinker's primitives on workers in this process, one call at a time, in order."""
 
-    def __init__(self, dispatch: Dispatch, *, storage_dir: str | Path, base_model: str = "") -> None:
+    def __init__(
+        self, dispatch: Dispatch, *, storage_dir: str | Path, base_model: str = ""
+    ) -> None:
         self.dispatch = dispatch
         self.storage_dir = Path(storage_dir)
         self.base_model = base_model
@@ -90,7 +92,9 @@ class LocalTrainingClient:
     ) -> APIFuture[list[SampleResponse]]:
         """Sample several prompts in one batched call (posttrain's extension)."""
         tokens = [p.to_ints() for p in prompts]
-        return self._runner.submit(lambda: self.dispatch.sample(tokens, num_samples, sampling_params))
+        return self._runner.submit(
+            lambda: self.dispatch.sample(tokens, num_samples, sampling_params)
+        )
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         tokens = prompt.to_ints()
@@ -126,7 +130,9 @@ class LocalTrainingClient:
 
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
         path = self.storage_dir / "sampler_weights" / _check_name(name)
-        return self._runner.submit(lambda: SaveWeightsResponse(str(self.dispatch.save_weights(path))))
+        return self._runner.submit(
+            lambda: SaveWeightsResponse(str(self.dispatch.save_weights(path)))
+        )
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.dispatch.tokenizer

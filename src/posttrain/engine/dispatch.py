@@ -32,9 +32,7 @@ class Executor(Protocol):
     @property
     def num_workers(self) -> int: ...
 
-    def run(
-        self, method: str, per_rank_args: Sequence[tuple[object, ...] | None]
-    ) -> list[object]:
+    def run(self, method: str, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
         """Call `method` on each rank with its arguments; a rank given None is skipped."""
         ...
 
@@ -55,9 +53,7 @@ class InProcessExecutor:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def run(
-        self, method: str, per_rank_args: Sequence[tuple[object, ...] | None]
-    ) -> list[object]:
+    def run(self, method: str, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
         return [
             None if args is None else getattr(worker, method)(*args)
             for worker, args in zip(self.workers, per_rank_args, strict=True)
@@ -69,8 +65,8 @@ class InProcessExecutor:
         per_rank = [w.grads() for w in self.workers]
         summed: dict[str, torch.Tensor | None] = {}
         for name in per_rank[0]:
-            grads = [g[name] for g in per_rank if g[name] is not None]
-            summed[name] = torch.stack([g.cpu() for g in grads]).sum(0) if grads else None
+            grads = [g.cpu() for rank in per_rank if (g := rank[name]) is not None]
+            summed[name] = torch.stack(grads).sum(0) if grads else None
         for worker in self.workers:
             worker.set_grads(summed)
 
@@ -125,7 +121,9 @@ class Dispatch:
             raise ValueError("no datums given: pass at least one Datum")
         shards = shard_for_ranks([d.length for d in datums], self.num_workers)
         # A rank with an empty shard has nothing to compute; sum semantics make skipping exact.
-        args = [([datums[i] for i in shard], loss_fn, config) if shard else None for shard in shards]
+        args = [
+            ([datums[i] for i in shard], loss_fn, config) if shard else None for shard in shards
+        ]
         results = self.executor.run(method, args)
         kept = [(r, s) for r, s in zip(results, shards, strict=True) if s]
         return merge_results([r for r, _ in kept], [s for _, s in kept])  # type: ignore[misc]
@@ -165,13 +163,17 @@ class Dispatch:
 
     def compute_logprobs(self, prompt: Sequence[int]) -> list[float | None]:
         self.ensure_placement("sample")
-        return self.executor.run("compute_logprobs", [(prompt,)] + [None] * (self.num_workers - 1))[0]  # type: ignore[return-value]
+        return self.executor.run("compute_logprobs", [(prompt,)] + [None] * (self.num_workers - 1))[
+            0
+        ]  # type: ignore[return-value]
 
     def reference_logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         shards = shard_for_ranks([d.length for d in datums], self.num_workers)
         args = [([datums[i] for i in shard],) if shard else None for shard in shards]
         out: list[list[float]] = [[] for _ in datums]
-        for result, shard in zip(self.executor.run("reference_logprobs", args), shards, strict=True):
+        for result, shard in zip(
+            self.executor.run("reference_logprobs", args), shards, strict=True
+        ):
             for index, lp in zip(shard, result or [], strict=True):  # type: ignore[arg-type]
                 out[index] = lp.tolist()
         return out

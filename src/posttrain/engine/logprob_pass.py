@@ -19,7 +19,12 @@ from posttrain.algo.logprobs import token_logprobs_from_hidden
 def causal_lm(model: nn.Module) -> nn.Module:
     """The transformers causal LM inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
+    base = get_base() if callable(get_base) else model
+    if not isinstance(base, nn.Module):
+        raise TypeError(
+            f"expected a torch module inside {type(model).__name__}, got {type(base).__name__}"
+        )
+    return base
 
 
 def unembedding_weight(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,7 +52,9 @@ def target_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target_t | tokens <= t) for every position, and optionally the entropy."""
     decoder = causal_lm(model).get_decoder()  # type: ignore[operator]
-    hidden_BTH = decoder(input_ids=input_ids_BT, attention_mask=pad_mask_BT.long()).last_hidden_state
+    hidden_BTH = decoder(
+        input_ids=input_ids_BT, attention_mask=pad_mask_BT.long()
+    ).last_hidden_state
     weight_VH, bias_V = unembedding_weight(model)
     return token_logprobs_from_hidden(
         hidden_BTH,

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.algo.loss_metrics import counted_values
 from posttrain.algo.losses import LossBatch, LossConfig, check_inputs, get_loss
 from posttrain.engine import checkpoint
 from posttrain.engine.batching import pad_datums, split_by_token_budget
+from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.sampler import Sampler
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
-
-JSONValue = str | int | float | bool | None
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Worker:
         model: nn.Module,
         config: WorkerConfig | None = None,
         *,
-        tokenizer: object | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         reference_factory: Callable[[], nn.Module] | None = None,
     ) -> None:
         self.config = config or WorkerConfig()
@@ -72,7 +72,7 @@ class Worker:
         self.optimizer = create_adamw_optimizer(self.trainable_parameters().values())
         self._reference_factory = reference_factory
         self._reference: nn.Module | None = None
-        lm_config = causal_lm(model).config  # type: ignore[union-attr]
+        lm_config = getattr(causal_lm(model), "config")  # noqa: B009 - HF config, hidden from nn.Module's stubs
         self.vocab_size = int(lm_config.vocab_size)
         self.max_positions = int(getattr(lm_config, "max_position_embeddings", 1 << 30))
 
@@ -91,7 +91,10 @@ class Worker:
                     f"max_position_embeddings={self.max_positions}"
                 )
             ids = torch.tensor(datum.model_input.to_ints())
-            for name, tokens in (("model_input", ids), ("target_tokens", datum.loss_fn_inputs.get("target_tokens"))):
+            for name, tokens in (
+                ("model_input", ids),
+                ("target_tokens", datum.loss_fn_inputs.get("target_tokens")),
+            ):
                 if tokens is None:
                     continue
                 bad = (tokens < 0) | (tokens >= self.vocab_size)
@@ -120,7 +123,9 @@ class Worker:
         logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         diagnostics: dict[str, list[torch.Tensor]] = {}
         loss_sum, num_tokens = 0.0, 0
-        for rows in split_by_token_budget([d.length for d in datums], self.config.micro_batch_tokens):
+        for rows in split_by_token_budget(
+            [d.length for d in datums], self.config.micro_batch_tokens
+        ):
             batch = pad_datums([datums[r] for r in rows], device=self.config.device)
             logp_BT, entropy_BT = target_logprobs(
                 self.model,
@@ -134,7 +139,9 @@ class Worker:
             if backward:
                 out.loss.backward()
             loss_sum += float(out.loss.detach())
-            num_tokens += int((out.mask_BT != 0).sum()) if out.mask_BT is not None else batch.num_tokens
+            num_tokens += (
+                int((out.mask_BT != 0).sum()) if out.mask_BT is not None else batch.num_tokens
+            )
             for key, flat in counted_values(out).items():
                 diagnostics.setdefault(key, []).append(flat)
             for i, (row, length) in enumerate(zip(rows, batch.lengths, strict=True)):
@@ -151,7 +158,9 @@ class Worker:
             model = self._reference
         out: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         with torch.no_grad(), adapters_disabled(model):
-            for rows in split_by_token_budget([d.length for d in datums], self.config.micro_batch_tokens):
+            for rows in split_by_token_budget(
+                [d.length for d in datums], self.config.micro_batch_tokens
+            ):
                 batch = pad_datums([datums[r] for r in rows], device=self.config.device)
                 logp_BT, _ = target_logprobs(
                     model,
@@ -168,6 +177,8 @@ class Worker:
         return self.tokenizer
 
     def sampler(self) -> Sampler:
+        if self.tokenizer is None:
+            raise ValueError("this worker has no tokenizer; give one to sample")
         if self._sampler is None:
             self._sampler = Sampler(self.model, self.tokenizer)
         return self._sampler
@@ -196,7 +207,11 @@ class Worker:
         """Clip, step AdamW with this call's settings, zero gradients. Skips non-finite grads."""
         params = list(self.trainable_parameters().values())
         if all(p.grad is None for p in params):
-            return {"grad_norm:mean": 0.0, "skipped:sum": 1.0, "learning_rate:mean": adam.learning_rate}
+            return {
+                "grad_norm:mean": 0.0,
+                "skipped:sum": 1.0,
+                "learning_rate:mean": adam.learning_rate,
+            }
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         skipped = not math.isfinite(norm)
@@ -235,7 +250,7 @@ class Worker:
     def save_weights(self, path: Path) -> Path:
         return checkpoint.save_weights(path, self.model)
 
-    def load_state(self, path: Path, with_optimizer: bool = True) -> dict[str, object]:
+    def load_state(self, path: Path, with_optimizer: bool = True) -> dict[str, JSONValue]:
         """Weights only, or (with_optimizer) an exact resume: optimizer and RNG state too."""
         self.optimizer.zero_grad(set_to_none=True)
         return checkpoint.load_checkpoint(

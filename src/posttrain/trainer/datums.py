@@ -34,7 +34,9 @@ def trajectory_arrays(
         lps = segment.logprobs if segment.logprobs is not None else [math.nan] * len(segment.tokens)
         logprobs.extend(lps if segment.trainable else [math.nan] * len(segment.tokens))
     if len(tokens) < 2:
-        raise ValueError("a trajectory needs at least 2 tokens to train on (a context and a target)")
+        raise ValueError(
+            "a trajectory needs at least 2 tokens to train on (a context and a target)"
+        )
     # Shift by one: position i predicts token i+1, so drop the first token's mask and logprob.
     return tokens, torch.tensor(mask[1:]), torch.tensor(logprobs[1:])
 

@@ -100,7 +100,10 @@ def weighted(datums: list[Datum], masks: list[torch.Tensor], config: RLConfig) -
     weights_BT = reduction_weights(
         pad_masks(masks), config.loss_reduction, constant=config.loss_reduction_constant
     )
-    return [with_weights(d, weights_BT[i, : m.numel()]) for i, (d, m) in enumerate(zip(datums, masks, strict=True))]
+    return [
+        with_weights(d, weights_BT[i, : m.numel()])
+        for i, (d, m) in enumerate(zip(datums, masks, strict=True))
+    ]
 
 
 async def add_reference_inputs(
@@ -122,7 +125,9 @@ async def add_reference_inputs(
                 "cannot compute; use a local backend or set kl_penalty_coef=0"
             )
         ref = await reference(datums)
-        datums = [_with_inputs(d, ref_logprobs=torch.tensor(r)) for d, r in zip(datums, ref, strict=True)]
+        datums = [
+            _with_inputs(d, ref_logprobs=torch.tensor(r)) for d, r in zip(datums, ref, strict=True)
+        ]
     return datums
 
 
@@ -141,7 +146,9 @@ async def train_rl_step(
 ) -> StepMetrics:
     """One call of `backend.train`: as many optimizer steps as mini-batches."""
     batch = prepare_batch(groups, config)
-    metrics = StepMetrics.for_batch(batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups)
+    metrics = StepMetrics.for_batch(
+        batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups
+    )
     if not batch.datums:
         return metrics.nothing_trainable()
     datums = await add_reference_inputs(client, batch.datums, config)
@@ -157,6 +164,8 @@ async def train_rl_step(
         if recorder is not None:
             recorder.record(mini, out)
         step = await client.optim_step(adam)
-        metrics.add_update(out.metrics, step.metrics or {}, num_tokens=sum(int(batch.masks[i].sum()) for i in part))
+        metrics.add_update(
+            out.metrics, step.metrics or {}, num_tokens=sum(int(batch.masks[i].sum()) for i in part)
+        )
     metrics.num_trajectories = len(datums)
     return metrics

@@ -25,9 +25,7 @@ def last_turn_only(trajectory: Trajectory) -> Trajectory:
     return replace(trajectory, segments=segments)
 
 
-def sft_batches(
-    trajectories: Sequence[Trajectory], config: SFTConfig
-) -> list[list[Trajectory]]:
+def sft_batches(trajectories: Sequence[Trajectory], config: SFTConfig) -> list[list[Trajectory]]:
     """Shuffled (seeded) batches of `batch_size` for every epoch, in training order."""
     usable = [t for t in trajectories if t.num_trainable_tokens > 0]
     if not usable:
@@ -76,7 +74,9 @@ async def train_sft(
         )
         out = await client.forward_backward(datums, "cross_entropy", {})
         step = await client.optim_step(adam)
-        metrics.add_update(out.metrics, step.metrics or {}, num_tokens=int(sum(m.sum() for m in masks)))
+        metrics.add_update(
+            out.metrics, step.metrics or {}, num_tokens=int(sum(m.sum() for m in masks))
+        )
         if on_step is not None:
             on_step(index, out.metrics["loss:sum"])
     return metrics
