@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.engine import sampler as sampler_module
+from posttrain.engine import kv_cache
 from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, load_tokenizer
 from posttrain.engine.sampler import Sampler, choose_tokens, truncate_logits
 from posttrain.types import SampledSequence, SamplingParams
@@ -107,7 +107,7 @@ def test_kv_cache_growth(
 ) -> None:
     # With 4 spare positions the cache buffers grow (double) several times mid-generation,
     # also after finished rows have left the batch.
-    monkeypatch.setattr(sampler_module, "_CACHE_STEP", 4)
+    monkeypatch.setattr(kv_cache, "_CACHE_STEP", 4)
     params = SamplingParams(max_tokens=40, seed=2, stop=MANY_STOPS[:8])
     responses = sampler.sample(PROMPTS, 3, params)
     assert max(len(s.tokens) for r in responses for s in r.sequences) > 2 * len(PROMPTS[2]) + 4

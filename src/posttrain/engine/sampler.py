@@ -30,15 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache
 
+from posttrain.engine.kv_cache import preallocated_cache
 from posttrain.engine.logprob_pass import target_logprobs
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
 # Uniforms drawn per generator at a time. Fixed, so a seed always yields the same stream.
 _RNG_CHUNK = 64
-# Spare positions the KV cache reserves beyond the prompt at first (it doubles when full).
-_CACHE_STEP = 256
 
 
 class Sampler:
@@ -176,7 +175,7 @@ class Sampler:
         # Real tokens sit at positions 0..len-1 whatever the padding, as in teacher forcing.
         pos_PL = (mask_PL.cumsum(-1) - 1).clamp(min=0)
         padded = bool((mask_PL == 0).any())
-        cache = _preallocated_cache(self.model, width + max(limits))
+        cache = preallocated_cache(self.model, width + max(limits))
         out = self.model(
             input_ids=ids_PL,
             attention_mask=mask_PL if padded else None,
@@ -407,69 +406,3 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
-
-
-def _preallocated_cache(model: nn.Module, max_length: int) -> DynamicCache:
-    """A DynamicCache whose full-attention layers write in place into growing buffers."""
-    cache = DynamicCache(config=getattr(model, "config"))  # noqa: B009
-    cache.layers = [
-        _PreallocatedLayer(max_length) if type(layer) is DynamicLayer else layer
-        for layer in cache.layers
-    ]
-    return cache
-
-
-class _PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer writing keys/values in place into buffers with spare positions, instead of
-    concatenating (copying) the whole cache every step. Buffers double when full, up to
-    `max_length`, so a long `max_tokens` does not reserve memory it may never use."""
-
-    def __init__(self, max_length: int) -> None:
-        super().__init__()
-        self.max_length = max_length
-        self.length = 0
-        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.buffers is None:
-            self.lazy_initialization(key_states, value_states)
-            self.buffers = (key_states[:, :, :0], value_states[:, :, :0])
-        end = self.length + key_states.shape[-2]
-        if end > self.buffers[0].shape[-2]:
-            rows = torch.arange(key_states.shape[0], device=key_states.device)
-            self._copy(rows, min(self.max_length, max(end + _CACHE_STEP, 2 * end)))
-        buffers = self.buffers
-        buffers[0][:, :, self.length : end] = key_states
-        buffers[1][:, :, self.length : end] = value_states
-        self.length = end
-        return self._refresh(buffers)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.buffers is not None:
-            rows = torch.arange(self.buffers[0].shape[0], device=self.buffers[0].device)
-            self._copy(rows.repeat_interleave(repeats), self.buffers[0].shape[-2])
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.buffers is not None:
-            self._copy(indices, self.buffers[0].shape[-2])
-
-    def _copy(self, rows: torch.Tensor, capacity: int) -> None:
-        """New buffers of `capacity` positions holding the written positions of `rows`."""
-        used = slice(0, self.length)
-        new_buffers = []
-        for old_BHTD in self.buffers or ():
-            new_BHTD = old_BHTD.new_zeros(len(rows), old_BHTD.shape[1], capacity, old_BHTD.shape[3])
-            new_BHTD[:, :, used] = old_BHTD[rows, :, used]
-            new_buffers.append(new_BHTD)
-        self.buffers = (new_buffers[0], new_buffers[1])
-        self._refresh(self.buffers)
-
-    def _refresh(
-        self, buffers: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Point keys/values (what attention and get_seq_length read) at the written positions."""
-        keys, values = (buffer[:, :, : self.length] for buffer in buffers)
-        self.keys, self.values = keys, values
-        return keys, values
