@@ -232,3 +232,41 @@ def resolve_sft(options: Mapping[str, object], backend: str) -> SFTConfig:
 
 def config_field_names(config_type: type) -> frozenset[str]:
     return frozenset(f.name for f in fields(config_type))
+
+
+# One line per option, shown by `posttrain backends` and the option schemas.
+HELP: dict[str, str] = {
+    "learning_rate": "AdamW learning rate for this call's updates",
+    "loss": "policy loss from posttrain.algo.losses",
+    "epsilon": "clip range low side: ratio >= 1 - epsilon (None: the loss's default)",
+    "epsilon_high": "clip range high side: ratio <= 1 + epsilon_high (None: epsilon)",
+    "dro_beta": "quadratic penalty of the dro loss",
+    "importance_sampling_level": "token ratios, one ratio per sequence (GSPO), or a mix",
+    "advantage_estimator": "group baseline: grpo, dr_grpo (no std), rloo, maxrl",
+    "scale_rewards": "divide grpo advantages by the group's reward std",
+    "advantage_balance": "in [-1, 1]: >0 down-weights negative advantages, <0 positive ones",
+    "zero_variance_groups": "drop or keep groups whose rewards are all equal (counted either way)",
+    "loss_reduction": "token_mean (DAPO), sequence_mean (GRPO), constant (Dr. GRPO), or sum",
+    "loss_reduction_constant": "normaliser for loss_reduction='constant'",
+    "truncated_importance_sampling": "cap U on the trainer/sampler ratio (needs precalculate_logprobs)",
+    "mask_prob_ratio": "zero the loss of tokens whose ratio leaves the clip band",
+    "kimi_k2_tau": "Kimi K2's tau: advantages minus tau times the log-ratio",
+    "allow_training_without_logprobs": "train trajectories without sampler logprobs (ratio 1)",
+    "num_minibatches": "optimizer steps per call, each on its share of the trajectories",
+    "grad_clip": "max global gradient norm (0 turns clipping off)",
+    "weight_decay": "AdamW decoupled weight decay",
+    "save_checkpoint": "checkpoint after the call (weights, optimizer, RNG, run_state)",
+    "kl_penalty_coef": "KL penalty weight against the base model (LoRA disabled)",
+    "kl_estimator": "k1 (log-ratio) or k3 (Schulman's unbiased, non-negative) estimator",
+    "kl_mode": "add the KL to the loss, or shape the advantages with it (ART)",
+    "precalculate_logprobs": "score the batch with the trainer's weights first; use those as the ratio's reference",
+    "logprob_calculation_chunk_size": "tokens per chunk when computing logprobs (memory vs speed)",
+    "plot_tensors": "save a PNG of the step's advantages, ratios and logprobs",
+    "lr_schedule": "learning-rate decay after warm-up: cosine, linear or constant",
+    "warmup_steps": "linear warm-up steps",
+    "min_lr_ratio": "final learning rate as a fraction of the peak",
+    "batch_size": "trajectories per optimizer step",
+    "epochs": "passes over the trajectories",
+    "assistant_turns": "train every assistant turn, or only the last",
+    "shuffle_seed": "seed of the order the trajectories are visited in",
+}
