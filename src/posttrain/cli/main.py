@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.cli import tiny_cmd, train_cmd
+from posttrain.cli import backends_cmd, doctor_cmd, tiny_cmd, train_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     train_cmd.add_parsers(subparsers)
     tiny_cmd.add_parser(subparsers)
+    backends_cmd.add_parser(subparsers)
+    doctor_cmd.add_parser(subparsers)
     return parser
 
 
