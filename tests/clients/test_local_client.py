@@ -44,9 +44,10 @@ def test_sft_cuts_the_loss(client):
         client.forward_backward(datums, "cross_entropy").result()
         client.optim_step(AdamParams(learning_rate=3e-3, grad_clip_norm=1.0)).result()
     last = client.forward(datums, "cross_entropy").result().metrics["loss:sum"]
-    # Uniform over 260 tokens is ln 260 = 5.56 nats per token; we ask for a 4x cut.
+    # Uniform over 260 tokens is ln 260 = 5.56 nats per token. Measured: 6.38 -> 0.24 (27x);
+    # we ask for 10x, so seeds and BLAS differences have room but a broken update does not.
     assert first > 5.0
-    assert last < first / 4, (first, last)
+    assert last < first / 10, (first, last)
 
 
 def test_sample_logprobs_equal_forward_logprobs(client):
