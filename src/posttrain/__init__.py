@@ -19,6 +19,7 @@ from posttrain.types import (
 if TYPE_CHECKING:
     from posttrain.backends.local import LocalBackend
     from posttrain.backends.protocol import TrainableBackend
+    from posttrain.backends.ray import RayBackend
     from posttrain.clients.create import create_training_client
     from posttrain.model import TrainableModel
     from posttrain.rollout import TrajectoryBuilder, gather_groups
@@ -32,6 +33,7 @@ def __getattr__(name: str) -> object:
         "TrainableModel": "posttrain.model",
         "LocalBackend": "posttrain.backends.local",
         "TrainableBackend": "posttrain.backends.protocol",
+        "RayBackend": "posttrain.backends.ray",
         "create_training_client": "posttrain.clients.create",
         "gather_groups": "posttrain.rollout",
         "TrajectoryBuilder": "posttrain.rollout",
@@ -49,6 +51,7 @@ __all__ = [
     "EncodedTextChunk",
     "LocalBackend",
     "ModelInput",
+    "RayBackend",
     "SampleResponse",
     "SampledSequence",
     "SamplingParams",

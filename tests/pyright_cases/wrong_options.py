@@ -2,6 +2,7 @@
 
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.protocol import TrainableBackend
+from posttrain.backends.ray import RayBackend
 from posttrain.model import TrainableModel
 
 
@@ -15,7 +16,19 @@ async def wrong_calls(backend: LocalBackend, generic: TrainableBackend, model: T
     await generic.train(model, [], plot_tensors=True)  # expect: plot_tensors
 
 
+async def wrong_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
+    await backend.train(model, [], check_weights_in_sync="yes")  # expect: check_weights_in_sync
+    await backend.train_sft(model, [], check_weights_in_sync=True)  # expect: check_weights_in_sync
+
+
 async def right_calls(backend: LocalBackend, generic: TrainableBackend, model: TrainableModel) -> None:
     await backend.train(model, [], learning_rate=1e-5, loss="cispo", kl_penalty_coef=0.1)
     await backend.train_sft(model, [], batch_size=4, assistant_turns="last")
     await generic.train(model, [], learning_rate=1e-5, epsilon=0.2)
+
+
+async def right_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
+    generic: TrainableBackend = backend
+    await backend.train(model, [], kl_penalty_coef=0.1, check_weights_in_sync=True)
+    await backend.train_sft(model, [], batch_size=4)
+    await generic.train(model, [], learning_rate=1e-5)

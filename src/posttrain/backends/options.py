@@ -269,4 +269,5 @@ HELP: dict[str, str] = {
     "epochs": "passes over the trajectories",
     "assistant_turns": "train every assistant turn, or only the last",
     "shuffle_seed": "seed of the order the trajectories are visited in",
+    "check_weights_in_sync": "after the step, check that every replica holds the same weights",
 }

@@ -124,6 +124,10 @@ class Dispatch:
         args = [
             ([datums[i] for i in shard], loss_fn, config) if shard else None for shard in shards
         ]
+        if self.num_workers > 1:
+            # Check every shard before any rank computes, so a bad datum on one rank cannot
+            # leave gradients accumulated on the others.
+            self.executor.run("check_datums", [(a[0], loss_fn) if a else None for a in args])
         results = self.executor.run(method, args)
         kept = [(r, s) for r, s in zip(results, shards, strict=True) if s]
         return merge_results([r for r, _ in kept], [s for _, s in kept])  # type: ignore[misc]

@@ -1,0 +1,171 @@
+"""RayBackend: the shared trainer on data-parallel Ray actor workers (one machine or a cluster).
+
+Weights live on the workers, so it honours every LocalBackend option; its own option checks
+that the replicas stayed bit-identical. Checkpoints are written by rank 0 under `path`, which
+on a multi-node cluster must be storage every node sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Unpack
+
+from typing_extensions import TypedDict
+
+from posttrain.backends.capabilities import Capabilities
+from posttrain.backends.client_models import ModelClients
+from posttrain.backends.options import (
+    RLConfig,
+    SFTConfig,
+    SFTOptions,
+    WeightsInProcessFields,
+    check_options,
+    resolve_sft,
+)
+from posttrain.backends.sampling import SamplingClient
+from posttrain.clients.create import create_training_client
+from posttrain.clients.ray import RayTrainingClient
+from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
+from posttrain.model import TrainableModel
+from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+
+BACKEND = "RayBackend"
+
+
+class RayFields(TypedDict, total=False):
+    """Options only RayBackend has."""
+
+    check_weights_in_sync: bool
+
+
+class RayRLOptions(WeightsInProcessFields, RayFields, total=False, closed=True):
+    """RayBackend.train() options: LocalBackend's plus RayBackend's own."""
+
+
+@dataclass(frozen=True)
+class RayRLConfig(RLConfig):
+    """Resolved RayBackend.train() options: RLConfig's plus RayBackend's own."""
+
+    check_weights_in_sync: bool = False  # compare the replicas' weight digests after the step
+
+
+RAY = Capabilities(
+    reports_sync_loss=True,
+    preserves_token_advantages=True,
+    supports_checkpoint_resume=True,
+    resume_runtime_dependent=False,  # plain checkpoint files: any backend can resume them
+    supports_sft=True,
+    supports_kl_reference=True,
+    supports_sampling=True,
+    device_kinds=("cpu", "cuda"),
+)
+
+
+class RayBackend:
+    """`num_workers` Ray actors, one model replica each, gradients summed by torch.distributed.
+
+    `address=None` starts a local Ray on 127.0.0.1 (shut down by `close()`); otherwise joins
+    that cluster ("auto" for the one `ray start` made). `resources_per_worker` and
+    `ray_config` (timeouts, threads, collective backend) are passed to the executor.
+    """
+
+    capabilities = RAY
+    rl_options = RayRLOptions
+    rl_config = RayRLConfig
+    sft_options = SFTOptions
+    sft_config = SFTConfig
+
+    def __init__(
+        self,
+        path: str | Path = ".posttrain",
+        *,
+        num_workers: int = 2,
+        address: str | None = None,
+        resources_per_worker: Mapping[str, float] | None = None,
+        device: str = "cpu",
+        micro_batch_tokens: int = 8192,
+        keep_checkpoints: int = 3,
+        ray_config: RayConfig | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self._models: ModelClients[RayTrainingClient] = ModelClients(path, keep_checkpoints)
+        self.path = Path(path)
+        self.num_workers = num_workers
+        self.address = address
+        self.resources_per_worker = resources_per_worker
+        self.device = device
+        self.micro_batch_tokens = micro_batch_tokens
+        self.ray_config = ray_config
+
+    def model_dir(self, model: TrainableModel) -> Path:
+        return self._models.model_dir(model)
+
+    async def register(self, model: TrainableModel) -> None:
+        def make_client(directory: Path) -> RayTrainingClient:
+            client = create_training_client(
+                model.base_model,
+                lora_rank=model.lora_rank,
+                lora_alpha=model.lora_alpha,
+                dtype=model.dtype,
+                device=self.device,
+                num_workers=self.num_workers,
+                micro_batch_tokens=self.micro_batch_tokens,
+                storage_dir=directory,
+                seed=model.seed,
+                executor="ray",
+                address=self.address,
+                resources_per_worker=self.resources_per_worker,
+                ray_config=self.ray_config,
+            )
+            assert isinstance(client, RayTrainingClient)
+            return client
+
+        await self._models.register(self, model, make_client)
+
+    def client(self, model: TrainableModel) -> RayTrainingClient:
+        """The primitive-level client of a registered model (for power users)."""
+        return self._models.client(model)
+
+    async def train(
+        self,
+        model: TrainableModel,
+        trajectory_groups: Sequence[TrajectoryGroup],
+        **options: Unpack[RayRLOptions],
+    ) -> TrainResult:
+        """One RL step on `trajectory_groups`; returns the new step and its metrics."""
+        check_options(options, RayRLOptions, BACKEND)
+        config = RayRLConfig(**options)
+        result = await self._models.train(model, trajectory_groups, config)
+        if config.check_weights_in_sync:
+            await self.check_weights_in_sync(model)
+        return result
+
+    async def train_sft(
+        self,
+        model: TrainableModel,
+        trajectories: Sequence[Trajectory],
+        **options: Unpack[SFTOptions],
+    ) -> TrainResult:
+        """Supervised fine-tuning on `trajectories` (their trainable segments), then one step."""
+        config = resolve_sft(options, BACKEND)
+        return await self._models.train_sft(model, trajectories, config)
+
+    async def check_weights_in_sync(self, model: TrainableModel) -> None:
+        """Raise WorkerGroupError unless every replica holds bit-identical trainable weights."""
+        digests = await self.client(model).weight_digests()
+        if len(set(digests)) != 1:
+            raise WorkerGroupError(
+                f"the {len(digests)} replicas of {model.name!r} hold different weights "
+                f"(digests {[d[:12] for d in digests]}); resume from the last checkpoint"
+            )
+
+    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+        client = self.client(model)
+        return SamplingClient(client, client.get_tokenizer())
+
+    async def close(self) -> None:
+        """Free every model's actors, and the local Ray if this backend started it."""
+        self._models.close()

@@ -1,0 +1,143 @@
+"""RayBackend end to end on a tiny model: SFT and RL steps, checkpoint, resume, options.
+
+The Ray run (2 actors, gloo, interrupted after step 2 and resumed) must land where one
+uninterrupted LocalBackend run does: the same shared trainer, exact sum semantics and exact
+resume. Tolerance as in tests/clients/test_ray_client.py: only fp32 summation order differs
+(two shards), measured below 1e-7 relative on the weights; we allow 2e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import fields
+
+import pytest
+import torch
+
+from posttrain.backends.local import LocalBackend
+from posttrain.backends.options import LocalRLOptions, option_names
+from posttrain.backends.protocol import TrainableBackend
+from posttrain.backends.ray import RayBackend, RayRLConfig, RayRLOptions
+from posttrain.engine.ray_executor import RayConfig
+from posttrain.engine.ray_session import ray_session
+from posttrain.model import TrainableModel
+from posttrain.types import SamplingParams, TokenSegment, Trajectory, TrajectoryGroup
+
+REL_TOL = 2e-6
+TEST_RAY = RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0)
+
+
+def synthetic_groups(seed: int, groups: int = 3, size: int = 4) -> list[TrajectoryGroup]:
+    """Random prompts and completions with sampler logprobs and 0/1 rewards."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        prompt = TokenSegment(tuple(rng.randrange(3, 250) for _ in range(5)))
+        trajs = []
+        for _ in range(size):
+            n = rng.randrange(2, 7)
+            sampled = TokenSegment(
+                tuple(rng.randrange(3, 250) for _ in range(n)),
+                trainable=True,
+                logprobs=tuple(-5.5 + rng.random() for _ in range(n)),
+            )
+            trajs.append(Trajectory((prompt, sampled), reward=float(rng.random() > 0.5)))
+        out.append(TrajectoryGroup(tuple(trajs)))
+    return out
+
+
+def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a)
+    den = sum(float(a[k].double().norm() ** 2) for k in a)
+    return (num / den) ** 0.5
+
+
+def ray_weights(backend: RayBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
+    params = backend.client(model).executor.run("trainable_parameters", [(), None])[0]
+    return {n: p.detach() for n, p in params.items()}  # type: ignore[union-attr]
+
+
+def local_weights(backend: LocalBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
+    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}
+
+
+async def three_steps(
+    backend: TrainableBackend, model: TrainableModel, stop_after: int | None
+) -> None:
+    """SFT (step 1), then RL steps 2 and 3; returns early once `stop_after` is reached."""
+    while model.step < 3:
+        if model.step == 0:
+            trajectories = [t for g in synthetic_groups(0) for t in g.trajectories]
+            await backend.train_sft(model, trajectories, batch_size=5, learning_rate=1e-3)
+        else:
+            await backend.train(model, synthetic_groups(model.step), learning_rate=1e-3)
+        if model.step == stop_after:
+            return
+
+
+@pytest.mark.slow
+async def test_train_checkpoint_resume_matches_local(tiny_model_dir, tmp_path):
+    local = LocalBackend(tmp_path / "local")
+    expected = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+    await expected.register(local)
+    await three_steps(local, expected, stop_after=None)
+
+    with ray_session(num_cpus=2):
+        first = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY)
+        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+        await model.register(first)
+        await three_steps(first, model, stop_after=2)
+        result = await first.train(
+            model, synthetic_groups(9), save_checkpoint=False, check_weights_in_sync=True
+        )
+        assert result.step == 3 and result.checkpoint_path is None
+        await first.close()  # "dies" after step 3's update, which was never checkpointed
+
+        second = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY)
+        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+        await model.register(second)
+        assert model.step == 2  # resumed from checkpoint 2, not a fresh start
+        await three_steps(second, model, stop_after=None)
+        assert sorted(p.name for p in (model.directory / "checkpoints").iterdir()) == [
+            "1",
+            "2",
+            "3",
+        ]
+        state = json.loads(
+            (model.directory / "checkpoints" / "3" / "trainer_state.json").read_text()
+        )
+        assert state["step"] == 3
+        assert rel_error(local_weights(local, expected), ray_weights(second, model)) < REL_TOL
+        await second.check_weights_in_sync(model)
+        # Rollout code samples from the workers through the same SamplingClient.
+        sampler = second.sampling_client(model)
+        responses = await sampler.sample_many(
+            [[5, 6, 7], [8, 9]], 2, SamplingParams(max_tokens=3, seed=0)
+        )
+        assert [len(r.sequences) for r in responses] == [2, 2]
+        await second.close()
+    await local.close()
+
+
+def test_options_and_config_name_the_same_keys():
+    assert option_names(RayRLOptions) == {f.name for f in fields(RayRLConfig)}
+    assert option_names(RayRLOptions) == option_names(LocalRLOptions) | {"check_weights_in_sync"}
+
+
+async def test_runtime_rejects_options_ray_backend_lacks(tmp_path):
+    backend = RayBackend(tmp_path)  # starts nothing until a model registers
+    model = TrainableModel(name="m", project="p", base_model="does-not-exist")
+    with pytest.raises(
+        TypeError, match=r"RayBackend.train\(\).*'check_weight_in_sync'.*did you mean"
+    ):
+        await backend.train(model, [], check_weight_in_sync=True)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="check_weights_in_sync"):
+        await backend.train(model, [], check_weights_in_sync="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"RayBackend.train_sft\(\).*'kl_penalty_coef'"):
+        await backend.train_sft(model, [], kl_penalty_coef=0.1)  # type: ignore[call-arg]
+    with pytest.raises(RuntimeError, match="not registered"):
+        await backend.train(model, [], kl_penalty_coef=0.1, check_weights_in_sync=True)
+    with pytest.raises(ValueError, match="num_workers"):
+        RayBackend(tmp_path, num_workers=0)
