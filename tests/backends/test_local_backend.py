@@ -10,6 +10,7 @@ import torch
 from peft import PeftModel
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.preflight import PreflightError
 from posttrain.engine.models import load_hf_model
 from posttrain.model import TrainableModel
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
@@ -142,4 +143,13 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
     assert result.step == 1
     with pytest.raises(ValueError, match="reward"):
         Trajectory((TokenSegment((1, 2)),), reward=float("nan"))
+    # Preflight runs before any work: the step and the checkpoints stay as they were.
+    with pytest.raises(
+        PreflightError, match="truncated_importance_sampling: needs precalculate_logprobs"
+    ):
+        await backend.train(model, synthetic_groups(0), truncated_importance_sampling=2.0)
+    assert model.step == 1
+    result = await backend.train(model, synthetic_groups(0), logprob_calculation_chunk_size=7)
+    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    assert worker.config.logprob_chunk_size == 7 and result.step == 2
     await backend.close()

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.options import RLConfig, SFTConfig
+from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import list_checkpoints, prune_checkpoints
@@ -30,7 +32,16 @@ ClientT = TypeVar("ClientT", bound=LocalTrainingClient)
 class ModelClients(Generic[ClientT]):
     """Models under `path/<project>/models/<name>/`, each with its client and checkpoints."""
 
-    def __init__(self, path: str | Path, keep_checkpoints: int) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        keep_checkpoints: int,
+        *,
+        backend: str,
+        capabilities: Capabilities,
+    ) -> None:
+        self.backend = backend
+        self.capabilities = capabilities
         if keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
         self.path = Path(path)
@@ -73,8 +84,10 @@ class ModelClients(Generic[ClientT]):
     async def train(
         self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: RLConfig
     ) -> TrainResult:
-        """One RL step through the shared trainer, then the step count and a checkpoint."""
+        """Preflight, one RL step through the shared trainer, then the step and a checkpoint."""
+        preflight_rl(self.backend, self.capabilities, config, groups)
         client = self.client(model)
+        client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
         metrics = await train_rl_step(client, groups, config, recorder=recorder)
         step = model.step + 1
@@ -87,6 +100,7 @@ class ModelClients(Generic[ClientT]):
     async def train_sft(
         self, model: TrainableModel, trajectories: Sequence[Trajectory], config: SFTConfig
     ) -> TrainResult:
+        preflight_sft(self.backend, self.capabilities, config)
         metrics = await train_sft(self.client(model), trajectories, config)
         step = model.step + 1
         model.set_step(step)

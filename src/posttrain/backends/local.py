@@ -34,7 +34,9 @@ class LocalBackend:
         micro_batch_tokens: int = 8192,
         keep_checkpoints: int = 3,
     ) -> None:
-        self._models: ModelClients[LocalTrainingClient] = ModelClients(path, keep_checkpoints)
+        self._models: ModelClients[LocalTrainingClient] = ModelClients(
+            path, keep_checkpoints, backend=BACKEND, capabilities=self.capabilities
+        )
         self.path = Path(path)
         self.device = device
         self.num_workers = num_workers

@@ -91,7 +91,9 @@ class RayBackend:
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self._models: ModelClients[RayTrainingClient] = ModelClients(path, keep_checkpoints)
+        self._models: ModelClients[RayTrainingClient] = ModelClients(
+            path, keep_checkpoints, backend="RayBackend", capabilities=self.capabilities
+        )
         self.path = Path(path)
         self.num_workers = num_workers
         self.address = address

@@ -134,6 +134,14 @@ class LocalTrainingClient:
             lambda: SaveWeightsResponse(str(self.dispatch.save_weights(path)))
         )
 
+    def set_logprob_chunk_size(self, chunk_size: int) -> None:
+        """Tokens per chunk of the logprob computation on every worker (from the next call)."""
+        if chunk_size < 1:
+            raise ValueError(f"logprob chunk size must be >= 1, got {chunk_size}")
+        self._runner.submit(
+            lambda: self.dispatch.pass_through("set_logprob_chunk_size", chunk_size)
+        ).result()
+
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.dispatch.tokenizer
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -172,6 +172,9 @@ class Worker:
                 for i, row in enumerate(rows):
                     out[row] = logp_BT[i, : batch.lengths[i]].float().cpu()
         return out
+
+    def set_logprob_chunk_size(self, chunk_size: int) -> None:
+        self.config = replace(self.config, logprob_chunk_size=chunk_size)
 
     def get_tokenizer(self) -> object:
         return self.tokenizer
