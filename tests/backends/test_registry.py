@@ -45,7 +45,7 @@ def test_plugin_with_hooks_and_without():
 def test_bad_specs_give_clear_errors():
     with pytest.raises(ValueError, match=r"unknown backend 'locl'.*known backends: local, ray.*Did you mean 'local'"):
         registry.resolve("locl")
-    with pytest.raises(ImportError, match="cannot import module 'no_such_pkg.mod'"):
+    with pytest.raises(ImportError, match=r"cannot import module 'no_such_pkg\.mod'"):
         registry.load("no_such_pkg.mod:Backend")
     with pytest.raises(ImportError, match="has no attribute 'Missing'"):
         registry.load("plugin_example:Missing")
