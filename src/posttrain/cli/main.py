@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.cli import backends_cmd, doctor_cmd, tiny_cmd, train_cmd
+from posttrain.cli import backends_cmd, doctor_cmd, explain_cmd, tiny_cmd, train_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_cmd.add_parser(subparsers)
     backends_cmd.add_parser(subparsers)
     doctor_cmd.add_parser(subparsers)
+    explain_cmd.add_parser(subparsers)
     return parser
 
 
