@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from posttrain.backends.protocol import TrainableBackend
     from posttrain.backends.ray import RayBackend
     from posttrain.clients.create import create_training_client
+    from posttrain.jobs.sft_data import load_sft_dataset
     from posttrain.model import TrainableModel
     from posttrain.rollout import TrajectoryBuilder, gather_groups
 
@@ -37,6 +38,7 @@ def __getattr__(name: str) -> object:
         "create_training_client": "posttrain.clients.create",
         "gather_groups": "posttrain.rollout",
         "TrajectoryBuilder": "posttrain.rollout",
+        "load_sft_dataset": "posttrain.jobs.sft_data",
     }
     if name in lazy:
         import importlib
@@ -65,4 +67,5 @@ __all__ = [
     "__version__",
     "create_training_client",
     "gather_groups",
+    "load_sft_dataset",
 ]

@@ -35,3 +35,11 @@ def test_explain_reports_preflight_problems(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "truncated_importance_sampling: needs precalculate_logprobs" in out
     assert "rl_completions_per_step" in out
+
+
+def test_train_runs_preflight_before_any_work(tmp_path, capsys):
+    config = tmp_path / "bad.toml"
+    config.write_text(f'[run]\ntask = "reverse"\noutput_dir = "{tmp_path}/runs"\n[rl]\nkl_estimator = "k1"\n')
+    assert main(["train", str(config)]) == 2
+    assert "kl_estimator: has no effect with kl_penalty_coef=0" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -152,6 +152,8 @@ def test_same_seed_same_bits_other_seed_differs(tmp_path: Path) -> None:
     [
         ("qwen2", "tiny", 107_584),
         ("llama", "tiny", 107_328),
+        ("qwen2", "mini", 510_592),
+        ("llama", "mini", 509_824),
         ("qwen2", "small", 29_778_432),
         ("llama", "small", 29_768_192),
     ],

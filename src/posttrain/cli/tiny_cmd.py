@@ -20,9 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
     parser.add_argument(
         "--size",
-        choices=("tiny", "small"),
+        choices=("tiny", "mini", "small"),
         default="tiny",
-        help="tiny: ~108K parameters; small: ~30M parameters",
+        help="tiny: ~108K parameters; mini: ~511K; small: ~30M",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.set_defaults(handler=run_make_tiny_model)

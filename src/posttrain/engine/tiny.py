@@ -31,7 +31,7 @@ from transformers import (
 )
 
 Arch = Literal["qwen2", "llama"]
-Size = Literal["tiny", "small"]
+Size = Literal["tiny", "mini", "small"]
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -68,6 +68,9 @@ class _Shape:
 _SHAPES: dict[Size, _Shape] = {
     # 107,584 parameters for qwen2 (q/k/v biases), 107,328 for llama.
     "tiny": _Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=512),
+    # 510,592 parameters for qwen2, 509,824 for llama: big enough to learn string reversal by
+    # RL in a few CPU minutes (the flagship example), where tiny plateaus.
+    "mini": _Shape(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=256, max_positions=512),
     # 29,778,432 parameters for qwen2, 29,768,192 for llama.
     "small": _Shape(
         hidden=512, layers=10, heads=8, kv_heads=4, intermediate=1408, max_positions=1024
@@ -144,7 +147,8 @@ def make_tiny_model(
 ) -> Path:
     """Write a randomly initialised causal LM and its tokenizer to `path`; same seed, same bits.
 
-    Parameter counts: tiny 107,584 (qwen2) / 107,328 (llama); small 29,778,432 (qwen2) /
+    Parameter counts: tiny 107,584 (qwen2) / 107,328 (llama); mini 510,592 / 509,824;
+    small 29,778,432 (qwen2) /
     29,768,192 (llama). The directory loads with `AutoModelForCausalLM.from_pretrained` and
     `AutoTokenizer.from_pretrained`.
     """

@@ -1,0 +1,110 @@
+"""`posttrain train CONFIG.toml [--resume DIR]` and `posttrain demo [TASK]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from posttrain.jobs.config import JobConfig
+
+EXAMPLES = ("reverse", "addition")
+FLAGSHIP = "reverse"
+
+
+def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `train` and `demo` on the `posttrain` command."""
+    train = subparsers.add_parser(
+        "train",
+        help="run an SFT warm-up + RL job described by a TOML file",
+        description="Run an SFT warm-up + RL job described by a TOML file.",
+    )
+    train.add_argument("config", type=Path, help="the job's TOML file (see `posttrain demo`'s)")
+    train.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue the run in DIR (<output_dir>/<project>/models/<name>) from its last checkpoint",
+    )
+    train.set_defaults(handler=run_train)
+    demo = subparsers.add_parser(
+        "demo",
+        help=f"the flagship example: {FLAGSHIP} on a tiny model, SFT warm-up then RL, on CPU",
+        description="Run a shipped example config; its run goes under ./runs/.",
+    )
+    demo.add_argument("task", nargs="?", default=FLAGSHIP, choices=EXAMPLES)
+    demo.add_argument("--print-config", action="store_true", help="print the config and exit")
+    demo.set_defaults(handler=run_demo)
+
+
+def example_config(task: str) -> Path:
+    """Path of the example config shipped with the package for `task`."""
+    path = Path(str(resources.files("posttrain") / "examples" / f"{task}.toml"))
+    if not path.is_file():
+        raise FileNotFoundError(f"example config {path} is missing from the installed package")
+    return path
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from posttrain.jobs.config import load_config
+
+    try:
+        config = load_config(args.config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"posttrain train: error: {exc}", file=sys.stderr)
+        return 2
+    return _run(config, args.resume)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from posttrain.jobs.config import load_config
+
+    path = example_config(args.task)
+    if args.print_config:
+        print(path.read_text(), end="")
+        return 0
+    config = load_config(path)
+    # A fresh run each time: the next free name, never overwriting an earlier demo.
+    base, name, index = (
+        Path(config.run.output_dir) / config.run.project / "models",
+        config.run.name,
+        1,
+    )
+    while (base / name).exists():
+        index += 1
+        name = f"{config.run.name}-{index}"
+    print(f"posttrain demo: {path}")
+    return _run(replace(config, run=replace(config.run, name=name)), None)
+
+
+def _run(config: JobConfig, resume: Path | None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from posttrain.cli.explain_cmd import explain
+    from posttrain.jobs.train_job import run_job
+
+    # Preflight before any work: a refused configuration costs nothing.
+    problems = explain(config)["preflight"]["problems"]  # type: ignore[index]
+    if problems:
+        for p in problems:
+            print(f"posttrain train: preflight: {p['call']}() {p['option']}: {p['message']}", file=sys.stderr)
+        return 2
+    # A checkpoint per step would otherwise print a "Writing model shards" bar per step.
+    hf_logging.disable_progress_bar()
+    try:
+        asyncio.run(run_job(config, resume=resume))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"posttrain train: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted; continue with --resume and the run directory printed above",
+            file=sys.stderr,
+        )
+        return 130
+    return 0

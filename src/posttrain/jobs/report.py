@@ -1,0 +1,92 @@
+"""What the job writes besides checkpoints: metrics JSONL rows, progress lines, the curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+# Keys whose values depend on the machine, not on the run (left out when comparing runs).
+TIMING_KEYS = frozenset({"elapsed_s", "step_s", "tokens_per_s"})
+
+
+class MetricsLog:
+    """Append-only `metrics.jsonl`; rows are `{"phase": ..., "step": ..., metrics...}`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def rows(self) -> list[dict[str, object]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def rewind(self, rl_steps_done: int) -> None:
+        """Keep what a checkpoint after `rl_steps_done` RL steps covers; the job redoes the rest
+        (an evaluation at that step included, since it ran after the checkpoint)."""
+        kept = [
+            row
+            for row in self.rows()
+            if row["phase"] == "sft"
+            or (row["phase"] == "rl" and _step(row) <= rl_steps_done)
+            or (row["phase"] == "eval" and _step(row) < rl_steps_done)
+        ]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def write(self, phase: str, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"phase": phase, "step": step}
+        row.update({k: (v if math.isfinite(v) else None) for k, v in metrics.items()})  # type: ignore[misc]
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _step(row: Mapping[str, object]) -> int:
+    step = row["step"]
+    return step if isinstance(step, int) else 0
+
+
+def progress_line(step: int, steps: int, metrics: Mapping[str, float]) -> str:
+    """One line per RL step: step, reward, accuracy, loss, tokens/s, elapsed."""
+    # No loss when every group had zero reward variance (nothing to train on this step).
+    loss = f"{metrics['loss']:+.4f}" if math.isfinite(metrics["loss"]) else "    n/a"
+    return (
+        f"rl step {step:>4}/{steps}  reward {metrics['reward']:.3f}  "
+        f"acc {metrics['accuracy']:.3f}  loss {loss}  "
+        f"tok/s {metrics['tokens_per_s']:>7,.0f}  elapsed {metrics['elapsed_s']:6.1f}s"
+    )
+
+
+def _series(rows: list[dict[str, object]], key: str) -> list[float]:
+    return [
+        float(v) if isinstance(v, int | float) else math.nan for v in (r.get(key) for r in rows)
+    ]
+
+
+def plot_curves(rows: list[dict[str, object]], path: Path, title: str) -> Path:
+    """Train reward and accuracy per RL step, with held-out accuracy as markers."""
+    # A bare Agg Figure: no pyplot, so the caller's matplotlib backend is left alone.
+    from matplotlib.figure import Figure
+
+    train = [r for r in rows if r["phase"] == "rl"]
+    held = [r for r in rows if r["phase"] == "eval"]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    steps = _series(train, "step")
+    ax.plot(steps, _series(train, "reward"), label="train reward (mean)", lw=1.2)
+    ax.plot(steps, _series(train, "accuracy"), label="train accuracy (sampled)", lw=1.2, alpha=0.7)
+    ax.plot(
+        _series(held, "step"),
+        _series(held, "accuracy"),
+        "o-",
+        color="black",
+        label="held-out accuracy (greedy)",
+    )
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

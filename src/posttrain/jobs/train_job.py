@@ -1,0 +1,229 @@
+"""The `posttrain train` job: build or load a model, SFT warm-up, then RL on a built-in task.
+
+Phases: optional SFT warm-up (one `train_sft` call), greedy held-out evaluation, RL steps
+(`prompts_per_step` x `group_size` samples in one batched call, rewards, `backend.train`,
+`model.log`), evaluation again. Everything lives in the run directory
+`<output_dir>/<project>/models/<name>/`: checkpoints, `history.jsonl`, `metrics.jsonl`,
+`curve.png`, `job.json`.
+
+Resume is exact: the prompts and the sampling seed of RL step k derive from (seed, k) alone,
+so the only data cursor is the number of steps done, kept in `model.run_state` with every
+checkpoint together with weights, optimizer and RNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import cast
+
+from posttrain.backends.local import LocalBackend
+from posttrain.backends.options import LocalRLOptions, SFTOptions
+from posttrain.backends.sampling import SamplingClient
+from posttrain.jobs.config import JobConfig, load_config
+from posttrain.jobs.report import MetricsLog, plot_curves, progress_line
+from posttrain.jobs.rollouts import derive_seed, evaluate, sample_groups, sft_examples
+from posttrain.jobs.run_dir import locate_run, prepare_run_dir, resolve_base_model
+from posttrain.jobs.sft_data import load_sft_dataset
+from posttrain.model import TrainableModel
+from posttrain.tasks import Problem, Task, get_task
+from posttrain.types import SamplingParams, Trajectory
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """Where the run is and how it went."""
+
+    run_dir: Path
+    accuracy_before: float  # held-out greedy accuracy before RL (after any warm-up)
+    accuracy_after: float
+    metrics_path: Path
+    plot_path: Path
+    seconds: float  # wall time of this call
+
+
+@dataclass
+class _Run:
+    config: JobConfig
+    task: Task
+    model: TrainableModel
+    backend: LocalBackend
+    sampler: SamplingClient
+    metrics: MetricsLog
+    held_out: list[Problem]
+    echo: Callable[[str], None]
+    start: float
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def train(config_path: str | Path, *, resume: str | Path | None = None) -> JobResult:
+    """Run the job in a TOML file (blocking); `resume` is a run directory to continue."""
+    return asyncio.run(run_job(load_config(config_path), resume=resume))
+
+
+async def run_job(
+    config: JobConfig,
+    *,
+    resume: str | Path | None = None,
+    on_step: Callable[[int], None] | None = None,
+    echo: Callable[[str], None] = print,
+) -> JobResult:
+    """Run (or, with `resume`, continue) a job; `on_step(k)` is called after RL step k."""
+    start = time.perf_counter()
+    task = get_task(config.run.task)
+    backend_path, project, name = locate_run(config, resume)
+    run_dir = prepare_run_dir(
+        backend_path / project / "models" / name, config, resume=resume is not None
+    )
+    base = resolve_base_model(config.model.base_model, run_dir)
+    model = TrainableModel(
+        name=name,
+        project=project,
+        base_model=str(base),
+        lora_rank=config.model.lora_rank or None,
+        lora_alpha=config.model.lora_alpha,
+        dtype=config.model.dtype,
+        seed=config.run.seed,
+    )
+    backend = LocalBackend(backend_path, keep_checkpoints=config.run.keep_checkpoints)
+    await model.register(backend)
+    try:
+        run = _Run(
+            config=config,
+            task=task,
+            model=model,
+            backend=backend,
+            sampler=backend.sampling_client(model),
+            metrics=MetricsLog(run_dir / "metrics.jsonl"),
+            held_out=task.held_out(config.eval.seed, config.eval.held_out),
+            echo=echo,
+            start=start,
+        )
+        return await _run_phases(run, on_step)
+    finally:
+        await backend.close()
+
+
+async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobResult:
+    config, state = run.config, run.model.run_state
+    done = int(state.get("rl_steps_done") or 0)  # type: ignore[arg-type]
+    run.echo(f"run directory: {run.model.directory}")
+    if done:
+        run.echo(f"resuming after RL step {done}/{config.rl.steps} (model step {run.model.step})")
+    run.metrics.rewind(done)
+    if config.sft.enabled and not state.get("sft_done"):
+        await _warm_up(run)
+    if "accuracy_before" not in state:
+        state["accuracy_before"] = await _evaluate(run, 0, "before RL")
+    elif done and done < config.rl.steps and config.eval.every and done % config.eval.every == 0:
+        await _evaluate(run, done, f"after step {done}")
+    before = float(state["accuracy_before"])  # type: ignore[arg-type]
+    for k in range(done, config.rl.steps):
+        await _rl_step(run, k)
+        if on_step is not None:
+            on_step(k + 1)
+        if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
+            await _evaluate(run, k + 1, f"after step {k + 1}")
+    after = await _evaluate(run, config.rl.steps, "after RL")
+    title = f"{config.run.task}: {config.run.project}/{config.run.name}"
+    plot = plot_curves(run.metrics.rows(), run.model.directory / "curve.png", title)
+    n = len(run.held_out)
+    run.echo(
+        f"held-out accuracy ({n} problems, greedy): before RL {before:.1%} -> after RL "
+        f"{after:.1%} ({(after - before) * 100:+.1f} points)"
+    )
+    run.echo(f"plot: {plot}")
+    return JobResult(
+        run_dir=run.model.directory,
+        accuracy_before=before,
+        accuracy_after=after,
+        metrics_path=run.metrics.path,
+        plot_path=plot,
+        seconds=run.elapsed(),
+    )
+
+
+async def _warm_up(run: _Run) -> None:
+    """One `train_sft` call on task solutions and/or the configured dataset."""
+    config, tokenizer = run.config, run.sampler.tokenizer
+    examples: list[Trajectory] = []
+    if config.sft.examples:
+        rng = random.Random(derive_seed(config.run.seed, "sft"))
+        problems = run.task.make_prompts(rng, config.sft.examples)
+        examples += sft_examples(run.task, problems, tokenizer)  # type: ignore[arg-type]
+    dataset = config.dataset_path()
+    if dataset is not None:
+        examples += load_sft_dataset(dataset, tokenizer)  # type: ignore[arg-type]
+    run.echo(f"sft warm-up: {len(examples)} examples, {config.sft.trainer.epochs} epochs")
+    run.model.run_state["sft_done"] = True  # saved with the checkpoint train_sft writes
+    began = time.perf_counter()
+    options = cast(SFTOptions, vars(config.sft.trainer).copy())
+    result = await run.backend.train_sft(run.model, examples, **options)
+    seconds = time.perf_counter() - began
+    metrics = {**result.metrics, "examples": float(len(examples)), "step_s": seconds}
+    await run.model.log(split="train", metrics=metrics, step=result.step)
+    run.metrics.write(
+        "sft", result.step, {"loss": result.metrics.get("loss", float("nan")), "step_s": seconds}
+    )
+    updates = int(result.metrics.get("num_updates", 0))
+    run.echo(
+        f"sft warm-up done in {seconds:.1f}s: {updates} updates, mean loss {result.metrics.get('loss', float('nan')):.4f}"
+    )
+
+
+async def _rl_step(run: _Run, k: int) -> None:
+    """RL step k (0-based): sample, reward, train, log."""
+    config = run.config.rl
+    began = time.perf_counter()
+    problems = run.task.make_prompts(
+        random.Random(derive_seed(run.config.run.seed, "rl", k)), config.prompts_per_step
+    )
+    params = SamplingParams(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=derive_seed(run.config.run.seed, "sample", k),
+    )
+    groups = await sample_groups(run.sampler, run.task, problems, config.group_size, params)
+    sampled = sum(len(t.segments[-1].tokens) for g in groups for t in g.trajectories)
+    sample_s = time.perf_counter() - began
+    warmup = min(1.0, (k + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
+    learning_rate = config.trainer.learning_rate * warmup
+    options = cast(
+        LocalRLOptions, vars(replace(config.trainer, learning_rate=learning_rate)).copy()
+    )
+    run.model.run_state["rl_steps_done"] = k + 1  # saved with the checkpoint train writes
+    result = await run.backend.train(run.model, groups, **options)
+    logged = await run.model.log(groups, metrics=result.metrics, step=result.step)
+    row = {
+        "reward": logged["reward"],
+        "accuracy": logged["accuracy"],
+        "loss": result.metrics.get("loss", float("nan")),
+        "learning_rate": learning_rate,
+        "sampled_tokens": float(sampled),
+        "tokens_per_s": sampled / sample_s if sample_s > 0 else 0.0,
+        "step_s": time.perf_counter() - began,
+        "elapsed_s": run.elapsed(),
+    }
+    run.metrics.write("rl", k + 1, row)
+    run.echo(progress_line(k + 1, config.steps, row))
+
+
+async def _evaluate(run: _Run, rl_step: int, label: str) -> float:
+    """Greedy held-out accuracy, logged as a `val` row and an `eval` metrics row."""
+    max_tokens = run.config.eval.max_tokens or run.config.rl.max_tokens
+    result = await evaluate(run.sampler, run.task, run.held_out, max_tokens)
+    await run.model.log(
+        split="val", metrics={"accuracy": result.accuracy, "rl_step": float(rl_step)}
+    )
+    run.metrics.write("eval", rl_step, {"accuracy": result.accuracy, "elapsed_s": run.elapsed()})
+    run.echo(
+        f"held-out accuracy {label}: {result.accuracy:.1%} ({len(run.held_out)} problems, greedy)"
+    )
+    return result.accuracy

@@ -1,0 +1,135 @@
+"""The job's TOML config: defaults, pass-through trainer options, and errors that name the fix."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from posttrain.backends.options import RLConfig, SFTConfig
+from posttrain.jobs.config import JobConfig, load_config, parse_config, parse_tiny_spec
+
+EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
+
+
+def test_empty_config_is_all_defaults():
+    config = parse_config({})
+    assert config == JobConfig()
+    assert config.rl.trainer == RLConfig()
+    assert config.sft.trainer == SFTConfig()
+    assert not config.sft.enabled
+    assert config.model.lora_rank == 0  # full fine-tuning unless asked
+
+
+def test_tables_fill_their_dataclasses_and_trainer_options_pass_through():
+    config = parse_config(
+        {
+            "run": {"task": "addition", "seed": 7},
+            "model": {"base_model": "tiny:llama:tiny:3", "lora_rank": 4},
+            "sft": {"examples": 10, "batch_size": 4, "lr_schedule": "linear"},
+            "rl": {"steps": 3, "group_size": 4, "loss": "cispo", "learning_rate": 1e-4},
+            "eval": {"held_out": 20, "every": 2},
+        }
+    )
+    assert config.run.task == "addition" and config.run.seed == 7
+    assert config.model.lora_rank == 4
+    assert config.sft.examples == 10 and config.sft.enabled
+    assert config.sft.trainer == SFTConfig(batch_size=4, lr_schedule="linear")
+    assert config.rl.steps == 3 and config.rl.group_size == 4
+    assert config.rl.trainer == RLConfig(loss="cispo", learning_rate=1e-4)
+    assert config.eval.held_out == 20 and config.eval.every == 2
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"rl": {"learning_rat": 1e-4}},
+            r"\[rl\] unknown key 'learning_rat'; did you mean 'learning_rate'\?",
+        ),
+        (
+            {"rl": {"group_sise": 4}},
+            r"\[rl\] unknown key 'group_sise'; did you mean 'group_size'\?",
+        ),
+        ({"sft": {"epoch": 2}}, r"\[sft\] unknown key 'epoch'; did you mean 'epochs'\?"),
+        (
+            {"model": {"lora_rnk": 2}},
+            r"\[model\] unknown key 'lora_rnk'; did you mean 'lora_rank'\?",
+        ),
+        ({"eval": {"held_ot": 2}}, r"\[eval\] unknown key 'held_ot'; did you mean 'held_out'\?"),
+        ({"run": {"sed": 2}}, r"\[run\] unknown key 'sed'; did you mean 'seed'\?"),
+        ({"rll": {"steps": 2}}, r"unknown table \[rll\]; did you mean 'rl'\?"),
+        ({"run": {"zzzzzz": 2}}, r"\[run\] unknown key 'zzzzzz'$"),  # nothing close: no guess
+    ],
+)
+def test_unknown_keys_name_the_table_the_key_and_the_nearest(data, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"rl": {"group_size": 1}}, r"\[rl\] group_size must be >= 2"),
+        ({"rl": {"steps": -1}}, r"\[rl\] steps must be >= 0"),
+        ({"rl": {"temperature": 0.0}}, r"\[rl\] temperature must be > 0"),
+        ({"rl": {"steps": "10"}}, r"\[rl\] option steps='10' is invalid: expected int"),
+        ({"rl": {"loss": "ppo2"}}, r"\[rl\] option loss='ppo2' is invalid: expected one of 'ppo'"),
+        ({"rl": {"num_minibatches": 0}}, r"\[rl\] num_minibatches must be >= 1"),
+        ({"rl": {"save_checkpoint": False}}, r"\[rl\] save_checkpoint must be true"),
+        ({"sft": {"batch_size": 0}}, r"\[sft\] batch_size must be >= 1"),
+        ({"sft": {"examples": -3}}, r"\[sft\] examples must be >= 0"),
+        ({"model": {"lora_rank": -1}}, r"\[model\] lora_rank must be >= 0"),
+        ({"model": {"dtype": "fp32"}}, r"\[model\] option dtype='fp32' is invalid"),
+        ({"model": {"base_model": "tiny:gpt2:tiny"}}, r"'tiny:<arch>:<size>\[:<seed>\]'"),
+        (
+            {"model": {"base_model": "tiny:qwen2:tiny:x"}},
+            r"the seed after the size must be an integer",
+        ),
+        ({"run": {"task": "revers"}}, r"\[run\] unknown task 'revers'; did you mean 'reverse'"),
+        ({"run": {"backend": "ray"}}, r"\[run\] option backend='ray' is invalid"),
+        ({"eval": {"held_out": 0}}, r"\[eval\] held_out must be >= 1"),
+        ({"rl": 3}, r"\[rl\] must be a table"),
+        ({"rl": {"steps": {"a": 1}}}, r"\[rl\] steps must be a value, got a table"),
+    ],
+)
+def test_bad_values_name_the_table_and_the_key(data, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(data)
+
+
+def test_tiny_spec():
+    assert parse_tiny_spec("tiny:qwen2:mini") == ("qwen2", "mini", None)
+    assert parse_tiny_spec("tiny:llama:tiny:5") == ("llama", "tiny", 5)
+
+
+def test_load_config_reads_toml_and_resolves_the_dataset_next_to_it(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[run]\ntask = "reverse"\n[sft]\ndataset = "chats.jsonl"\n[rl]\nsteps = 3\n')
+    config = load_config(path)
+    assert config.rl.steps == 3
+    assert config.sft.enabled
+    assert config.dataset_path() == tmp_path / "chats.jsonl"
+
+
+def test_load_config_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rl\nsteps = 3\n")
+    with pytest.raises(ValueError, match="invalid TOML"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_shipped_examples_load(path):
+    config = load_config(path)
+    assert config.run.task == path.stem  # one example per task, named after it
+    assert config.sft.enabled and config.rl.steps > 0
+
+
+def test_there_is_an_example_per_task():
+    from posttrain.tasks import TASKS
+
+    assert {p.stem for p in EXAMPLES} == set(TASKS)

@@ -1,0 +1,125 @@
+"""`load_sft_dataset`: chat JSONL -> trajectories with exactly the assistant turns trainable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.engine.tiny import build_tokenizer
+from posttrain.jobs.sft_data import conversation_to_trajectory, load_sft_dataset
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_single_turn(tokenizer, tmp_path):
+    messages = [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
+    (trajectory,) = load_sft_dataset(
+        _write(tmp_path / "d.jsonl", [{"messages": messages}]), tokenizer
+    )
+    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert trajectory.tokens == list(full)  # exactly the template's rendering
+    context, answer = trajectory.segments
+    assert not context.trainable and answer.trainable
+    # The byte tokenizer: one token per character, then EOS (what the sampler stops on).
+    assert list(answer.tokens) == [*b"cba", tokenizer.eos_token_id]
+    prompt = tokenizer.apply_chat_template(
+        messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert list(context.tokens) == list(prompt)
+    assert trajectory.messages == tuple(messages)
+
+
+def test_multi_turn_marks_every_assistant_turn(tokenizer):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2="},
+        {"role": "assistant", "content": "4"},
+    ]
+    trajectory = conversation_to_trajectory(messages, tokenizer)
+    assert [s.trainable for s in trajectory.segments] == [False, True, False, True]
+    eos = tokenizer.eos_token_id
+    assert [list(s.tokens) for s in trajectory.segments if s.trainable] == [
+        [ord("2"), eos],
+        [ord("4"), eos],
+    ]
+    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert trajectory.tokens == list(full)
+    assert trajectory.num_trainable_tokens == 4
+
+
+def test_trailing_user_turn_is_not_kept(tokenizer):
+    # Nothing after the last assistant turn can be trained on; it is left out.
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    trajectory = conversation_to_trajectory(messages, tokenizer)
+    assert trajectory.segments[-1].trainable
+
+
+def test_blank_lines_are_skipped(tokenizer, tmp_path):
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        json.dumps({"messages": messages}) + "\n\n" + json.dumps({"messages": messages}) + "\n"
+    )
+    assert len(load_sft_dataset(path, tokenizer)) == 2
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", r"d\.jsonl:2: "),
+        (
+            json.dumps({"msgs": []}),
+            r'd\.jsonl:2: each line must be a JSON object with a "messages" list',
+        ),
+        (json.dumps({"messages": []}), r"d\.jsonl:2: messages must be a non-empty list"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}]}),
+            r"d\.jsonl:2: messages has no assistant turn",
+        ),
+        (
+            json.dumps({"messages": [{"role": "user", "text": "x"}]}),
+            r"d\.jsonl:2: messages\[0\] must be",
+        ),
+        (
+            json.dumps({"messages": [{"role": "bot", "content": "x"}]}),
+            r"d\.jsonl:2: messages\[0\] needs a role in",
+        ),
+    ],
+)
+def test_bad_lines_name_the_file_and_line(tokenizer, tmp_path, line, message):
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    )
+    path = tmp_path / "d.jsonl"
+    path.write_text(good + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_sft_dataset(path, tokenizer)
+
+
+def test_missing_or_empty_file(tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_sft_dataset(tmp_path / "nope.jsonl", tokenizer)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="has no conversations"):
+        load_sft_dataset(tmp_path / "empty.jsonl", tokenizer)
+
+
+def test_exported_at_top_level():
+    import posttrain
+
+    assert posttrain.load_sft_dataset is load_sft_dataset

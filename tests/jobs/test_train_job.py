@@ -1,0 +1,149 @@
+"""The train job end to end on a tiny model: phases, files, exact resume, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from posttrain.cli.main import main
+from posttrain.jobs.config import JobConfig, parse_config
+from posttrain.jobs.report import TIMING_KEYS
+from posttrain.jobs.train_job import run_job
+
+
+def _config(output: Path, **rl: object) -> JobConfig:
+    return parse_config(
+        {
+            "run": {
+                "task": "reverse",
+                "name": "job",
+                "project": "test",
+                "output_dir": str(output),
+                "seed": 3,
+            },
+            "model": {"base_model": "tiny:qwen2:tiny"},
+            "sft": {"examples": 8, "batch_size": 4, "epochs": 2, "learning_rate": 1e-3},
+            "rl": {
+                "steps": 2,
+                "prompts_per_step": 2,
+                "group_size": 4,
+                "max_tokens": 6,
+                "learning_rate": 1e-3,
+                **rl,
+            },
+            "eval": {"held_out": 4, "every": 1},
+        }
+    )
+
+
+class Killed(Exception):
+    """Stands in for the process dying between two RL steps."""
+
+
+def _kill_after(step: int):
+    def on_step(done: int) -> None:
+        if done == step:
+            raise Killed
+
+    return on_step
+
+
+def _weights(run_dir: Path) -> dict:
+    latest = max((run_dir / "checkpoints").iterdir(), key=lambda p: int(p.name))
+    return load_file(latest / "model.safetensors")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+async def test_job_runs_and_a_killed_run_resumes_exactly(tmp_path):
+    lines: list[str] = []
+    whole = await run_job(_config(tmp_path / "a"), echo=lines.append)
+    run_dir = whole.run_dir
+    assert run_dir == tmp_path / "a" / "test" / "models" / "job"
+    for name in ("curve.png", "metrics.jsonl", "history.jsonl", "job.json", "model.json"):
+        assert (run_dir / name).is_file(), name
+    assert whole.plot_path == run_dir / "curve.png" and whole.plot_path.stat().st_size > 0
+    text = "\n".join(lines)
+    assert "held-out accuracy before RL" in text and "held-out accuracy after RL" in text
+    assert f"plot: {whole.plot_path}" in text
+    assert sum(line.startswith("rl step") for line in lines) == 2
+    phases = [(r["phase"], r["step"]) for r in _rows(run_dir)]
+    assert phases == [("sft", 1), ("eval", 0), ("rl", 1), ("eval", 1), ("rl", 2), ("eval", 2)]
+    # SFT is model step 1; RL steps 1 and 2 are model steps 2 and 3.
+    assert json.loads((run_dir / "checkpoints" / "3" / "trainer_state.json").read_text())[
+        "run_state"
+    ] == {
+        "sft_done": True,
+        "accuracy_before": whole.accuracy_before,
+        "rl_steps_done": 2,
+    }
+
+    with pytest.raises(Killed):
+        await run_job(_config(tmp_path / "b"), on_step=_kill_after(1), echo=lambda _: None)
+    resumed_dir = tmp_path / "b" / "test" / "models" / "job"
+    lines.clear()
+    resumed = await run_job(_config(tmp_path / "b"), resume=resumed_dir, echo=lines.append)
+    assert lines[1] == "resuming after RL step 1/2 (model step 2)"
+    assert not any("sft warm-up" in line for line in lines)  # done before the kill
+    assert sum(line.startswith("rl step") for line in lines) == 1
+
+    # Same seed, same everything: weights bit for bit, and every non-timing metric.
+    a, b = _weights(run_dir), _weights(resumed_dir)
+    base = load_file(run_dir / "base_model" / "model.safetensors")
+    assert any(not a[key].equal(base[key]) for key in a)  # training did move the weights
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].equal(b[key]), key
+    assert _rows(resumed_dir) == _rows(run_dir)
+    assert (resumed.accuracy_before, resumed.accuracy_after) == (
+        whole.accuracy_before,
+        whole.accuracy_after,
+    )
+
+
+async def test_run_directory_errors(tmp_path):
+    config = _config(tmp_path, steps=1)
+    first = await run_job(config, echo=lambda _: None)
+    with pytest.raises(ValueError, match=r"already holds a run .* --resume"):
+        await run_job(config, echo=lambda _: None)
+    changed = _config(tmp_path, steps=1, learning_rate=5e-4)
+    with pytest.raises(ValueError, match=r"\[rl\] learning_rate: 0\.001 in the run, 0\.0005 now"):
+        await run_job(changed, resume=first.run_dir, echo=lambda _: None)
+    with pytest.raises(ValueError, match="is not a run directory"):
+        await run_job(config, resume=tmp_path, echo=lambda _: None)
+    # More steps is a change a resume allows: it continues where the run stopped.
+    lines: list[str] = []
+    await run_job(_config(tmp_path, steps=2), resume=first.run_dir, echo=lines.append)
+    assert [line.split()[2] for line in lines if line.startswith("rl step")] == ["2/2"]
+
+
+def test_cli_train_and_its_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[run]\ntask = "addition"\n[model]\nbase_model = "tiny:llama:tiny"\n'
+        "[rl]\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_tokens = 4\n[eval]\nheld_out = 2\n"
+    )
+    assert main(["train", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "held-out accuracy before RL" in out and "plot: runs/posttrain/models/run/curve.png" in out
+    )
+    assert main(["train", str(config)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", str(config), "--resume", "runs/posttrain/models/run"]) == 0
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[rl]\nstep = 3\n")
+    assert main(["train", str(typo)]) == 2
+    assert "[rl] unknown key 'step'; did you mean 'steps'?" in capsys.readouterr().err
+
+
+def test_cli_demo_prints_its_config(capsys):
+    assert main(["demo", "--print-config"]) == 0
+    assert 'task = "reverse"' in capsys.readouterr().out
