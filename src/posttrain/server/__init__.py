@@ -1,0 +1,1 @@
+"""posttrain serve: a Tinker-compatible HTTP API and OpenAI-compatible sampling (extra `server`)."""

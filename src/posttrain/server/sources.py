@@ -1,0 +1,30 @@
+"""What the OpenAI-compatible endpoints need from whoever hosts the models.
+
+The Tinker server (its registry of base model and sampler checkpoints) and LocalBackend (the
+latest weights of its registered models) both implement `SamplerSource`, so one router serves
+both.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from posttrain.backends.sampling import SamplingClient
+
+
+class UnknownModelError(LookupError):
+    """The requested model name is not served (to this caller)."""
+
+
+class SamplerSource(Protocol):
+    def model_names(self, owner: str | None) -> list[str]:
+        """Names the caller may sample from: the base model first, then checkpoints."""
+        ...
+
+    def sampler(self, name: str, owner: str | None) -> SamplingClient:
+        """A sampling client (with `.tokenizer`) for `name`; UnknownModelError if not served.
+
+        `owner` is the caller's API key identity (None when the server runs without keys);
+        a name owned by another key must raise UnknownModelError, exactly as an absent one.
+        """
+        ...
