@@ -3,6 +3,7 @@
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.ray import RayBackend
+from posttrain.backends.tinker import TinkerBackend
 from posttrain.model import TrainableModel
 
 
@@ -14,6 +15,8 @@ async def wrong_calls(backend: LocalBackend, generic: TrainableBackend, model: T
     await backend.train_sft(model, [], assistant_turns="first")  # expect: assistant_turns
     await generic.train(model, [], kl_penalty_coef=0.1)  # expect: kl_penalty_coef
     await generic.train(model, [], plot_tensors=True)  # expect: plot_tensors
+    await generic.train(model, [], mask_prob_ratio=True)  # expect: mask_prob_ratio
+    await generic.train(model, [], loss="dro")  # expect: loss
 
 
 async def wrong_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
@@ -32,3 +35,20 @@ async def right_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
     await backend.train(model, [], kl_penalty_coef=0.1, check_weights_in_sync=True)
     await backend.train_sft(model, [], batch_size=4)
     await generic.train(model, [], learning_rate=1e-5)
+
+
+async def wrong_tinker_calls(backend: TinkerBackend, model: TrainableModel) -> None:
+    await backend.train(model, [], kl_penalty_coef=0.1)  # expect: kl_penalty_coef
+    await backend.train(model, [], loss="gspo")  # expect: loss
+    await backend.train(model, [], truncated_importance_sampling=2.0)  # expect: truncated_importance_sampling
+    await backend.train(model, [], precalculate_logprobs=True)  # expect: precalculate_logprobs
+    await backend.train_sft(model, [], epsilon=0.2)  # expect: epsilon
+
+
+async def right_tinker_calls(backend: TinkerBackend, local: LocalBackend, model: TrainableModel) -> None:
+    generic: TrainableBackend = backend
+    await backend.train(model, [], loss="cispo", epsilon=0.2, epsilon_high=0.28, num_minibatches=2)
+    await backend.train_sft(model, [], batch_size=4, lr_schedule="linear")
+    await generic.train(model, [], learning_rate=1e-5, loss="importance_sampling")
+    generic = local
+    await generic.train(model, [], loss="ppo")

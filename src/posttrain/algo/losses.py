@@ -125,7 +125,7 @@ class LossConfig:
         reject_unknown_keys(
             values, [f.name for f in fields(cls)] + list(_EPSILON_KEYS), "loss config"
         )
-        lo, hi = _clip_thresholds(values)
+        lo, hi = clip_thresholds(values)
         return cls(
             clip_low_threshold=lo,
             clip_high_threshold=hi,
@@ -150,7 +150,7 @@ class LossConfig:
         )
 
 
-def _clip_thresholds(values: Mapping[str, ConfigValue]) -> tuple[float | None, float | None]:
+def clip_thresholds(values: Mapping[str, ConfigValue]) -> tuple[float | None, float | None]:
     """(clip_low_threshold, clip_high_threshold) from either form of a config mapping."""
     given = [key for key in (*_EPSILON_KEYS, *THRESHOLD_KEYS) if values.get(key) is not None]
     if not any(key in _EPSILON_KEYS for key in given):

@@ -59,7 +59,7 @@ class ModelClients(Generic[ClientT]):
     ) -> None:
         """Create the model's client (`make_client(directory)`), resume its latest checkpoint."""
         directory = self.model_dir(model)
-        _write_model_json(directory, model)
+        write_model_json(directory, model)
         client = await asyncio.to_thread(make_client, directory)
         self._clients[id(model)] = client
         step = 0
@@ -121,7 +121,7 @@ class ModelClients(Generic[ClientT]):
         self._clients.clear()
 
 
-def _write_model_json(directory: Path, model: TrainableModel) -> None:
+def write_model_json(directory: Path, model: TrainableModel) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "model.json"
     config = model.config_dict()

@@ -20,37 +20,57 @@ from posttrain.algo.advantages import AdvantageEstimator, ReductionPreset
 from posttrain.algo.ratios import ImportanceSamplingLevel, KLEstimator
 
 PolicyLoss = Literal["ppo", "cispo", "importance_sampling", "dro", "gspo"]
+# The policy losses whose semantics Tinker's wire protocol fixes (clip thresholds only); dro's
+# masking and gspo's sequence mask are not specified there, so remote backends do not offer them.
+ProtocolPolicyLoss = Literal["ppo", "cispo", "importance_sampling"]
 KLMode = Literal["loss", "advantage"]
 LRDecay = Literal["cosine", "linear", "constant"]
 AssistantTurns = Literal["all", "last"]
 
 
-class SharedRLFields(TypedDict, total=False):
-    """RL options every backend honours (the loss runs where the weights are)."""
+class CoreRLFields(TypedDict, total=False):
+    """RL options computed by the trainer or carried by Tinker's wire protocol.
+
+    Advantages, loss reduction and mini-batching happen in the shared trainer on the caller's
+    side; the clip range travels as the loss's thresholds; the rest go with `optim_step`.
+    """
 
     learning_rate: float
-    loss: PolicyLoss
     epsilon: float | None
     epsilon_high: float | None
-    dro_beta: float
-    importance_sampling_level: ImportanceSamplingLevel
     advantage_estimator: AdvantageEstimator
     scale_rewards: bool
     advantage_balance: float
     zero_variance_groups: Literal["drop", "keep"]
     loss_reduction: ReductionPreset
     loss_reduction_constant: float | None
-    truncated_importance_sampling: float | None
-    mask_prob_ratio: bool
-    kimi_k2_tau: float | None
-    allow_training_without_logprobs: bool
     num_minibatches: int
     grad_clip: float
     weight_decay: float
     save_checkpoint: bool
 
 
-class WeightsInProcessFields(SharedRLFields, total=False):
+# Closed TypedDicts (PEP 728): no keys beyond those declared. That is what lets pyright accept
+# a backend with more options where backend-agnostic code expects `TrainableBackend`.
+class RLOptions(CoreRLFields, total=False, closed=True):
+    """What backend-agnostic code may pass to any backend's `train()` (TinkerBackend's set)."""
+
+    loss: ProtocolPolicyLoss
+
+
+class PosttrainLossFields(CoreRLFields, total=False):
+    """Options of posttrain's own loss code, honoured wherever it runs the loss."""
+
+    loss: PolicyLoss
+    dro_beta: float
+    importance_sampling_level: ImportanceSamplingLevel
+    truncated_importance_sampling: float | None
+    mask_prob_ratio: bool
+    kimi_k2_tau: float | None
+    allow_training_without_logprobs: bool
+
+
+class WeightsInProcessFields(PosttrainLossFields, total=False):
     """Options that need the trainer's weights at hand (reference model, trainer logprobs)."""
 
     kl_penalty_coef: float
@@ -59,12 +79,6 @@ class WeightsInProcessFields(SharedRLFields, total=False):
     precalculate_logprobs: bool
     logprob_calculation_chunk_size: int
     plot_tensors: bool
-
-
-# Closed TypedDicts (PEP 728): no keys beyond those declared. That is what lets pyright accept
-# a backend with more options where backend-agnostic code expects `TrainableBackend`.
-class RLOptions(SharedRLFields, total=False, closed=True):
-    """What backend-agnostic code may pass to any backend's `train()`."""
 
 
 class LocalRLOptions(WeightsInProcessFields, total=False, closed=True):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,11 +30,13 @@ Source = Literal["builtin", "entry_point", "plugin"]
 class Builtin:
     target: str
     extra: str | None  # the pip extra that installs its dependencies
+    requires: str | None = None  # the module that extra provides (imported lazily by the backend)
 
 
 BUILTINS: dict[str, Builtin] = {
     "local": Builtin("posttrain.backends.local:LocalBackend", None),
-    "ray": Builtin("posttrain.backends.ray:RayBackend", "ray"),
+    "ray": Builtin("posttrain.backends.ray:RayBackend", "ray", "ray"),
+    "tinker": Builtin("posttrain.backends.tinker:TinkerBackend", "tinker", "tinker"),
 }
 
 
@@ -191,7 +194,18 @@ def describe(spec: str) -> BackendInfo:
         return BackendInfo(name, target, source, extra, importable=False, import_error=str(exc))
     caps, caps_source = capabilities_of(backend, target)
     train, train_sft = options_of(backend, target)
-    return BackendInfo(name, target, source, extra, True, None, caps, caps_source, train, train_sft)
+    missing = _missing_dependency(name if source == "builtin" else None)
+    return BackendInfo(
+        name, target, source, extra, missing is None, missing, caps, caps_source, train, train_sft
+    )
+
+
+def _missing_dependency(builtin: str | None) -> str | None:
+    """Why a built-in backend whose dependency is imported lazily cannot run now, or None."""
+    requires = BUILTINS[builtin].requires if builtin in BUILTINS else None
+    if requires is None or importlib.util.find_spec(requires) is not None:
+        return None
+    return f"No module named {requires!r}"
 
 
 def all_backends() -> list[BackendInfo]:

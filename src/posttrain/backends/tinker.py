@@ -1,0 +1,207 @@
+"""TinkerBackend: the backend-first API over the official `tinker` SDK.
+
+It runs the shared trainer against a TinkerTrainingClient, so it works against the Tinker
+service and against `posttrain serve` alike. Its options are what Tinker's wire protocol can
+carry (`RLOptions`, `SFTOptions`); anything else is a pyright error and a TypeError.
+
+Checkpoints live on the service (`tinker://...` paths). The model directory under `path`
+keeps `model.json`, `history.jsonl` and `checkpoints.jsonl`, an index of those paths with the
+trainer state of each, from which `register` resumes (weights and optimizer on the service,
+step and `run_state` here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Unpack
+
+from posttrain.backends.capabilities import Capabilities
+from posttrain.backends.client_models import write_model_json
+from posttrain.backends.options import RLOptions, SFTOptions, resolve_rl, resolve_sft
+from posttrain.backends.preflight import preflight_rl, preflight_sft
+from posttrain.backends.sampling import SamplingClient
+from posttrain.clients.tinker import TinkerTrainingClient, import_tinker
+from posttrain.model import TrainableModel
+from posttrain.trainer.rl import train_rl_step
+from posttrain.trainer.sft import train_sft
+from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+
+BACKEND = "TinkerBackend"
+INDEX = "checkpoints.jsonl"
+
+TINKER = Capabilities(
+    reports_sync_loss=True,  # the loss comes back from the forward_backward that made the gradient
+    preserves_token_advantages=True,  # per-token advantages travel as arrays
+    supports_checkpoint_resume=True,
+    resume_runtime_dependent=True,  # checkpoints live on the service that wrote them
+    supports_sft=True,
+    supports_kl_reference=False,
+    supports_sampling=True,
+    device_kinds=("remote",),
+)
+
+
+class TinkerRLOptions(RLOptions, total=False, closed=True):
+    """TinkerBackend.train() options: exactly what the Tinker protocol carries."""
+
+
+class TinkerBackend:
+    """Train LoRA adapters on a Tinker-protocol server (the Tinker service or `posttrain serve`).
+
+    `base_url=None` uses `$TINKER_BASE_URL` or the SDK's default service; `api_key=None` uses
+    `$TINKER_API_KEY` (keys start with `tml-`).
+    """
+
+    capabilities: ClassVar[Capabilities] = TINKER
+    rl_options: ClassVar[type] = TinkerRLOptions
+    sft_options: ClassVar[type] = SFTOptions
+
+    def __init__(
+        self,
+        path: str | Path = ".posttrain",
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.base_url = base_url
+        self.api_key = api_key
+        self._service: Any = None
+        self._clients: dict[int, TinkerTrainingClient] = {}
+
+    def service_client(self) -> Any:
+        """The SDK's ServiceClient (created on first use; it connects lazily)."""
+        if self._service is None:
+            tinker = import_tinker()
+            self._service = tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
+        return self._service
+
+    def model_dir(self, model: TrainableModel) -> Path:
+        return self.path / model.project / "models" / model.name
+
+    async def register(self, model: TrainableModel) -> None:
+        """Create the model's LoRA on the service, or resume it from its latest checkpoint."""
+        if model.lora_rank is None:
+            raise ValueError(
+                f"{BACKEND} trains LoRA adapters only: give TrainableModel a lora_rank "
+                "(e.g. lora_rank=8), or use LocalBackend/RayBackend for full fine-tuning"
+            )
+        directory = self.model_dir(model)
+        write_model_json(directory, model)
+        service = self.service_client()
+        latest = latest_checkpoint(directory)
+        if latest is None:
+            training = await service.create_lora_training_client_async(
+                model.base_model, rank=model.lora_rank, seed=model.seed
+            )
+            step = 0
+        else:
+            training = await service.create_training_client_from_state_with_optimizer_async(
+                latest["path"]
+            )
+            step = int(latest["step"])
+            model.run_state = dict(latest.get("run_state", {}))
+        tokenizer = await asyncio.to_thread(load_tokenizer, model.base_model)
+        self._clients[id(model)] = TinkerTrainingClient(training, tokenizer)
+        model.attach(self, directory, step)
+
+    def client(self, model: TrainableModel) -> TinkerTrainingClient:
+        try:
+            return self._clients[id(model)]
+        except KeyError:
+            raise RuntimeError(
+                f"model {model.name!r} is not registered with this backend; "
+                "call `await model.register(backend)` first"
+            ) from None
+
+    async def train(
+        self,
+        model: TrainableModel,
+        trajectory_groups: Sequence[TrajectoryGroup],
+        **options: Unpack[TinkerRLOptions],
+    ) -> TrainResult:
+        """One RL step through the shared trainer; the loss runs on the server."""
+        config = resolve_rl(options, TinkerRLOptions, BACKEND)
+        preflight_rl(BACKEND, self.capabilities, config, trajectory_groups)
+        metrics = await train_rl_step(self.client(model), trajectory_groups, config)
+        return await self._finish_step(model, metrics.as_dict(), config.save_checkpoint)
+
+    async def train_sft(
+        self,
+        model: TrainableModel,
+        trajectories: Sequence[Trajectory],
+        **options: Unpack[SFTOptions],
+    ) -> TrainResult:
+        config = resolve_sft(options, BACKEND)
+        preflight_sft(BACKEND, self.capabilities, config)
+        metrics = await train_sft(self.client(model), trajectories, config)
+        return await self._finish_step(model, metrics.as_dict(), config.save_checkpoint)
+
+    async def _finish_step(
+        self, model: TrainableModel, metrics: dict[str, float], save: bool
+    ) -> TrainResult:
+        step = model.step + 1
+        model.set_step(step)
+        path = await self.checkpoint(model) if save else None
+        return TrainResult(step=step, metrics=metrics, checkpoint_path=path)
+
+    async def checkpoint(self, model: TrainableModel) -> str:
+        """Save weights and optimizer on the service; index the path with the trainer state."""
+        saved = await self.client(model).save_state(f"step-{model.step:06d}")
+        record = {
+            "step": model.step,
+            "path": saved.path,
+            "run_state": model.run_state,
+            "model": model.config_dict(),
+        }
+        append_index(model.directory, record)
+        return saved.path
+
+    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+        client = self.client(model)
+        return SamplingClient(client, client.get_tokenizer())
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        if self._service is not None:
+            service, self._service = self._service, None
+            await asyncio.to_thread(_close_service, service)
+
+
+def _close_service(service: Any) -> None:
+    close = getattr(service, "close", None)
+    if close is not None:
+        close("success").result()
+
+
+def load_tokenizer(base_model: str) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_model)
+
+
+def latest_checkpoint(directory: Path) -> dict[str, Any] | None:
+    index = directory / INDEX
+    if not index.exists():
+        return None
+    records = []
+    for line in index.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash: the checkpoints before it still count
+    return max(records, key=lambda r: int(r["step"])) if records else None
+
+
+def append_index(directory: Path, record: dict[str, Any]) -> None:
+    """Append one line and fsync: a crash leaves the earlier lines intact."""
+    with open(directory / INDEX, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

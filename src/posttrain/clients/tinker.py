@@ -1,0 +1,316 @@
+"""TinkerTrainingClient: posttrain's TrainingClient over the official `tinker` SDK.
+
+It speaks to the Tinker service or to `posttrain serve` (extra `posttrain[tinker]`). The
+shared trainer builds datums and loss configs in posttrain's vocabulary; this module turns
+them into what Tinker's wire protocol carries, and refuses what it cannot carry:
+
+- the clip range (`epsilon`/`epsilon_high`) becomes `clip_low_threshold`/`clip_high_threshold`;
+- per-token loss-reduction `weights` of the RL losses are folded into `advantages` (exact for
+  `importance_sampling`, `ppo` and `cispo`: each token's term is linear in its advantage and the
+  weights are >= 0), and posttrain's bookkeeping input `mask` stays behind;
+- options only posttrain's loss code knows (KL penalty, truncated IS, ...) are a ValueError
+  when set to anything but their off value. The typed TinkerBackend options keep them out
+  before this point; the check here guards direct use of the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+
+from posttrain.algo.losses import clip_thresholds
+from posttrain.clients.futures import APIFuture
+from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
+from posttrain.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    OptimStepResponse,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    import tinker
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+RL_LOSSES = ("importance_sampling", "ppo", "cispo")
+SUPPORTED_LOSSES = ("cross_entropy", *RL_LOSSES)
+# posttrain loss-config keys and the values that mean "off": anything else cannot travel.
+OFF_VALUES: dict[str, tuple[object, ...]] = {
+    "beta": (None,),
+    "importance_sampling_level": (None, "token"),
+    "truncated_importance_sampling": (None,),
+    "mask_prob_ratio": (None, False),
+    "kimi_k2_tau": (None,),
+    "kl_penalty_coef": (None, 0, 0.0),
+    "kl_estimator": (None, "k1", "k3"),
+    "kl_mode": (None, "loss", "advantage"),
+    "allow_missing_logprobs": (None, False),
+}
+BOOKKEEPING_INPUTS = ("mask",)
+
+
+def import_tinker() -> Any:
+    try:
+        import tinker
+    except ImportError as exc:
+        raise ImportError(
+            "TinkerBackend needs the tinker SDK: pip install 'posttrain[tinker]'"
+        ) from exc
+    return tinker
+
+
+def protocol_loss_config(
+    loss_fn: str, config: Mapping[str, LossConfigValue] | None
+) -> dict[str, float]:
+    """posttrain's loss config for `loss_fn` as Tinker's `loss_fn_config` (numbers only)."""
+    if loss_fn not in SUPPORTED_LOSSES:
+        raise ValueError(
+            f"loss_fn={loss_fn!r} cannot be sent over the Tinker protocol by posttrain; "
+            f"use one of {list(SUPPORTED_LOSSES)}"
+        )
+    values = {k: v for k, v in (config or {}).items() if v is not None}
+    for key, value in values.items():
+        if key in OFF_VALUES and value not in OFF_VALUES[key]:
+            raise ValueError(
+                f"loss option {key}={value!r} is not carried by the Tinker protocol; "
+                "train with LocalBackend or RayBackend to use it"
+            )
+        if key not in OFF_VALUES and key not in (
+            "epsilon",
+            "epsilon_high",
+            "clip_low_threshold",
+            "clip_high_threshold",
+        ):
+            raise ValueError(f"unknown loss option {key!r} for the Tinker protocol")
+    if loss_fn == "cross_entropy":
+        return {}
+    low, high = clip_thresholds(values)
+    out: dict[str, float] = {}
+    if low is not None:
+        out["clip_low_threshold"] = low
+    if high is not None:
+        out["clip_high_threshold"] = high
+    return out
+
+
+def protocol_inputs(loss_fn: str, datum: Datum) -> dict[str, torch.Tensor]:
+    """The datum's inputs as Tinker takes them: RL weights folded into the advantages."""
+    inputs = {
+        k: v.detach().cpu() for k, v in datum.loss_fn_inputs.items() if k not in BOOKKEEPING_INPUTS
+    }
+    if loss_fn in RL_LOSSES and "weights" in inputs:
+        weights = inputs.pop("weights").to(torch.float32)
+        if bool((weights < 0).any()):
+            raise ValueError(
+                f"{loss_fn}: negative per-token weights cannot be folded into advantages"
+            )
+        inputs["advantages"] = inputs["advantages"].to(torch.float32) * weights
+    for key, value in inputs.items():
+        if value.is_floating_point():
+            inputs[key] = value.to(torch.float32)
+        else:
+            inputs[key] = value.to(torch.int64)
+    return inputs
+
+
+def to_tinker_datum(loss_fn: str, datum: Datum) -> Any:
+    tinker = import_tinker()
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(datum.model_input.to_ints()),
+        loss_fn_inputs={
+            k: tinker.TensorData.from_torch(v) for k, v in protocol_inputs(loss_fn, datum).items()
+        },
+    )
+
+
+def from_tinker_output(out: Any) -> ForwardBackwardOutput:
+    return ForwardBackwardOutput(
+        loss_fn_output_type=str(out.loss_fn_output_type),
+        loss_fn_outputs=[
+            {name: tensor.to_torch() for name, tensor in record.items()}
+            for record in out.loss_fn_outputs
+        ],
+        metrics={k: float(v) for k, v in out.metrics.items()},
+    )
+
+
+def to_tinker_sampling_params(params: SamplingParams) -> Any:
+    tinker = import_tinker()
+    stop: Any = (
+        params.stop if params.stop is None or isinstance(params.stop, str) else list(params.stop)
+    )
+    return tinker.SamplingParams(
+        max_tokens=params.max_tokens,
+        seed=params.seed,
+        stop=stop,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+    )
+
+
+def from_tinker_sample(response: Any) -> SampleResponse:
+    return SampleResponse(
+        sequences=[
+            SampledSequence(
+                stop_reason=seq.stop_reason,
+                tokens=list(seq.tokens),
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            )
+            for seq in response.sequences
+        ],
+        prompt_logprobs=None
+        if response.prompt_logprobs is None
+        else list(response.prompt_logprobs),
+    )
+
+
+def _mapped(future: Any, fn: Callable[[Any], U]) -> APIFuture[U]:
+    """An SDK future (or anything with `.future()`) as a posttrain APIFuture of fn(result)."""
+    raw: concurrent.futures.Future[Any] = future.future()
+    return APIFuture(raw).map(fn)
+
+
+class TinkerTrainingClient:
+    """Tinker's primitives through the SDK; calls keep submission order on the server."""
+
+    def __init__(self, training_client: tinker.TrainingClient, tokenizer: object) -> None:
+        self._client = training_client
+        self._tokenizer = tokenizer
+        self._sampler: Any = None
+        self._sampler_lock = asyncio.Lock()
+
+    @property
+    def sdk_client(self) -> tinker.TrainingClient:
+        return self._client
+
+    def get_tokenizer(self) -> object:
+        return self._tokenizer
+
+    def set_logprob_chunk_size(self, chunk_size: int) -> None:
+        """Chunking is the server's business; accepted for the shared backend code."""
+
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        config = protocol_loss_config(loss_fn, loss_fn_config)
+        batch = [to_tinker_datum(loss_fn, d) for d in data]
+        return _mapped(
+            self._client.forward(batch, cast(Any, loss_fn), config or None), from_tinker_output
+        )
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        config = protocol_loss_config(loss_fn, loss_fn_config)
+        batch = [to_tinker_datum(loss_fn, d) for d in data]
+        self._sampler = None
+        future = self._client.forward_backward(batch, cast(Any, loss_fn), config or None)
+        return _mapped(future, from_tinker_output)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        tinker = import_tinker()
+        params = tinker.AdamParams(
+            learning_rate=adam_params.learning_rate,
+            beta1=adam_params.beta1,
+            beta2=adam_params.beta2,
+            eps=adam_params.eps,
+            weight_decay=adam_params.weight_decay,
+            grad_clip_norm=adam_params.grad_clip_norm,
+        )
+        self._sampler = None  # the weights change: the next sample needs a fresh snapshot
+        return _mapped(
+            self._client.optim_step(params),
+            lambda r: OptimStepResponse(metrics=dict(r.metrics) if r.metrics else None),
+        )
+
+    async def _sampling_client(self) -> Any:
+        async with self._sampler_lock:
+            if self._sampler is None:
+                self._sampler = await self._client.save_weights_and_get_sampling_client_async()
+            return self._sampler
+
+    def sample(
+        self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams
+    ) -> APIFuture[SampleResponse]:
+        return _run(self._sample(prompt, num_samples, sampling_params))
+
+    async def _sample(
+        self, prompt: ModelInput, num_samples: int, params: SamplingParams
+    ) -> SampleResponse:
+        tinker = import_tinker()
+        sampler = await self._sampling_client()
+        response = await sampler.sample_async(
+            tinker.ModelInput.from_ints(prompt.to_ints()),
+            num_samples,
+            to_tinker_sampling_params(params),
+        )
+        return from_tinker_sample(response)
+
+    async def sample_many(
+        self, prompts: Sequence[ModelInput], num_samples: int, sampling_params: SamplingParams
+    ) -> list[SampleResponse]:
+        """Every prompt in flight at once (the server batches what it can)."""
+        return list(
+            await asyncio.gather(*(self._sample(p, num_samples, sampling_params) for p in prompts))
+        )
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        return _run(self._compute_logprobs(prompt))
+
+    async def _compute_logprobs(self, prompt: ModelInput) -> list[float | None]:
+        tinker = import_tinker()
+        sampler = await self._sampling_client()
+        out = await sampler.compute_logprobs_async(tinker.ModelInput.from_ints(prompt.to_ints()))
+        return list(out)
+
+    def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        return _mapped(self._client.save_state(name), lambda r: SaveWeightsResponse(str(r.path)))
+
+    def load_state(self, path: str, with_optimizer: bool = False) -> APIFuture[LoadWeightsResponse]:
+        """Deprecated in the SDK for live clients; TinkerBackend resumes by creating a client."""
+        self._sampler = None
+        load = self._client.load_state_with_optimizer if with_optimizer else self._client.load_state
+        return _mapped(load(path), lambda r: LoadWeightsResponse(str(r.path or path)))
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        return _mapped(
+            self._client.save_weights_for_sampler(name),
+            lambda r: SaveWeightsResponse(str(r.path)),
+        )
+
+    def close(self) -> None:
+        self._sampler = None
+
+
+def _run(coroutine: Any) -> APIFuture[Any]:
+    """Schedule `coroutine` on the running loop and return its result as an APIFuture."""
+    task = asyncio.get_running_loop().create_task(coroutine)
+    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def done(t: asyncio.Task[Any]) -> None:
+        if t.cancelled():
+            out.cancel()
+        elif t.exception() is not None:
+            out.set_exception(t.exception())  # type: ignore[arg-type]
+        else:
+            out.set_result(t.result())
+
+    task.add_done_callback(done)
+    return APIFuture(out)
