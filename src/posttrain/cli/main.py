@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.cli import backends_cmd, doctor_cmd, explain_cmd, tiny_cmd, train_cmd
+from posttrain.cli import backends_cmd, doctor_cmd, explain_cmd, serve_cmd, tiny_cmd, train_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     backends_cmd.add_parser(subparsers)
     doctor_cmd.add_parser(subparsers)
     explain_cmd.add_parser(subparsers)
+    serve_cmd.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,99 @@
+"""`posttrain serve`: the Tinker-compatible and OpenAI-compatible server (extra `server`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `serve` on the `posttrain` command."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a base model over the Tinker protocol and OpenAI-compatible sampling",
+        description=(
+            "Serve BASE_MODEL for LoRA training over the Tinker HTTP protocol (the official "
+            "tinker SDK works against it) and for sampling over /v1 (OpenAI-compatible). "
+            "State lives in SQLite (--db) and checkpoints under --storage, so a restart keeps "
+            "finished results and checkpoints."
+        ),
+    )
+    parser.add_argument(
+        "--base-model",
+        required=True,
+        help="a local directory, a hub id, or tiny:<arch>:<size>[:<seed>] (built locally)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--storage", type=Path, default=Path("posttrain-server"))
+    parser.add_argument("--db", type=Path, default=None, help="default: STORAGE/state.db")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted key (repeatable; must start with tml-). Without one only loopback hosts "
+        "are allowed, and any tml- key is accepted (each key still sees only its own state)",
+    )
+    parser.add_argument("--max-body-mb", type=float, default=64.0)
+    parser.add_argument("--lora-rank-max", type=int, default=256)
+    parser.add_argument(
+        "--seq-gap-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a model waits for a missing seq_id before failing the requests behind it",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn  # noqa: F401 - checked here, used in _serve
+
+        from posttrain.server.app import create_app
+        from posttrain.server.config import ServerConfig
+    except ImportError as err:
+        print(f"posttrain serve needs the server extra: pip install 'posttrain[server]' ({err})")
+        return 2
+    from posttrain.jobs.run_dir import resolve_base_model
+
+    storage = args.storage.resolve()
+    try:
+        config = ServerConfig(
+            base_model=args.base_model,
+            model_path="",  # resolved below, once the host and keys are known to be acceptable
+            db_path=(args.db or storage / "state.db").resolve(),
+            storage_dir=storage,
+            api_keys=tuple(args.api_key),
+            host=args.host,
+            port=args.port,
+            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+            lora_rank_max=args.lora_rank_max,
+            seq_gap_timeout=args.seq_gap_timeout,
+            device=args.device,
+        )
+        storage.mkdir(parents=True, exist_ok=True)
+        model_path = str(resolve_base_model(args.base_model, storage))
+    except ValueError as err:
+        print(f"posttrain serve: {err}", file=sys.stderr)
+        return 2
+    from dataclasses import replace
+
+    config = replace(config, model_path=model_path, aliases=(model_path,))
+    _serve(create_app(config), args.host, args.port)
+    return 0
+
+
+def _serve(app: object, host: str, port: int) -> None:
+    """Run uvicorn, printing the URL once the socket accepts connections."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+            await super().startup(sockets)
+            if not self.should_exit:
+                shown = f"[{host}]" if ":" in host else host
+                print(f"posttrain serve: ready on http://{shown}:{port}", flush=True)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()  # type: ignore[arg-type]

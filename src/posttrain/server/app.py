@@ -1,0 +1,156 @@
+"""`create_app`: the FastAPI application of `posttrain serve`.
+
+Two ASGI layers wrap every route. The body limit answers 413 for a request larger than
+`max_body_bytes` (by its Content-Length, or while it streams). Auth reads `X-API-Key` (or
+`Authorization: Bearer`, which OpenAI clients send) and sets `request.state.owner` to a hash of
+the key; every row the server stores carries that owner. With no keys configured (loopback
+only) any `tml-` key is accepted and still isolated from the others. Every 4xx has a JSON body:
+the SDK treats an empty 400 as a dropped connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from posttrain.server.config import KEY_PREFIX, ServerConfig, owner_of
+from posttrain.server.runtime import Runtime
+from posttrain.server.store import Store
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+async def send_json(send: Any, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """413 with a JSON body for requests over `limit` bytes."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"request body exceeds the server's limit of {self.limit} bytes (--max-body-mb)"
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await send_json(send, 413, message)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return msg
+
+        async def tracking_send(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await send_json(send, 413, message)
+
+
+class ApiKeyAuth:
+    """Checks the key on every request and sets `scope["state"]["owner"]`."""
+
+    def __init__(self, app: Any, keys: tuple[str, ...]) -> None:
+        self.app, self.keys = app, keys
+
+    def accepts(self, key: str) -> bool:
+        if not key.startswith(KEY_PREFIX):
+            return False
+        if not self.keys:
+            return True
+        # Compare against every key so the time taken does not reveal which one matched.
+        matches = [hmac.compare_digest(key.encode(), k.encode()) for k in self.keys]
+        return any(matches)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+        bearer = headers.get(b"authorization", b"").decode("latin-1")
+        if not key and bearer.lower().startswith("bearer "):
+            key = bearer[7:].strip()
+        if not key:
+            await send_json(send, 401, "missing API key: send X-API-Key (or Authorization: Bearer)")
+            return
+        if not self.accepts(key):
+            await send_json(send, 401, "invalid API key")
+            return
+        scope.setdefault("state", {})["owner"] = owner_of(key)
+        await self.app(scope, receive, send)
+
+
+def _mount_openai(app: FastAPI, runtime: Runtime) -> None:
+    try:
+        from posttrain.server.openai_api import create_openai_router
+    except ImportError:  # the OpenAI-compatible endpoints are optional while they are written
+        return
+    app.include_router(create_openai_router(runtime))
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """The server's app: Tinker protocol under /api/v1, OpenAI-compatible under /v1."""
+    from posttrain.server.tinker_api import create_tinker_router
+    from posttrain.server.tinker_info import create_info_router
+
+    config.storage_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(config.db_path)
+    runtime = Runtime(config, store)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        runtime.start(asyncio.get_running_loop())
+        yield
+        runtime.close()
+        store.close()
+
+    app = FastAPI(title="posttrain serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+    app.include_router(create_tinker_router(runtime))
+    app.include_router(create_info_router(runtime))
+    _mount_openai(app, runtime)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+
+    # The last added runs first: keys are checked before anything else is looked at.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, keys=config.api_keys)
+    return app

@@ -1,0 +1,67 @@
+"""ServerConfig: everything `posttrain serve` is started with."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KEY_PREFIX = "tml-"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def owner_of(api_key: str) -> str:
+    """The identity rows are stored under: a hash, so the database never holds a key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`base_model` is the served name (as given to --base-model); `model_path` what loads it."""
+
+    base_model: str
+    model_path: str
+    db_path: Path
+    storage_dir: Path
+    api_keys: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 64 * 1024 * 1024
+    lora_rank_max: int = 256
+    seq_gap_timeout: float = 30.0  # a model waits this long for a missing seq_id
+    poll_timeout: float = 25.0  # retrieve_future holds this long before try_again
+    sampler_cache_size: int = 4
+    device: str = "cpu"
+    aliases: tuple[str, ...] = field(default=())  # other names accepted for the base model
+
+    def __post_init__(self) -> None:
+        for key in self.api_keys:
+            if not key.startswith(KEY_PREFIX):
+                raise ValueError(
+                    f"API keys must start with {KEY_PREFIX!r} (the tinker SDK refuses others)"
+                )
+        if not self.api_keys and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve on non-loopback host {self.host!r} without an API key: "
+                "pass --api-key tml-... (or bind 127.0.0.1)"
+            )
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.lora_rank_max < 1:
+            raise ValueError(f"lora_rank_max must be >= 1, got {self.lora_rank_max}")
+        if not self.seq_gap_timeout > 0 or not self.poll_timeout > 0:
+            raise ValueError("seq_gap_timeout and poll_timeout must be > 0")
+        if self.sampler_cache_size < 1:
+            raise ValueError(f"sampler_cache_size must be >= 1, got {self.sampler_cache_size}")
+
+    def serves(self, name: str) -> bool:
+        return name == self.base_model or name in self.aliases

@@ -1,0 +1,289 @@
+"""What runs behind the endpoints: live models, their ordered request lanes, samplers, futures.
+
+Each live model has a lane: requests wait there until every smaller `seq_id` has been handed
+on, then run one at a time on the lane's thread (torch work never runs on the event loop). A
+gap in `seq_id` waits `seq_gap_timeout` seconds, then the waiting requests fail with a user
+error naming the missing id. A request's outcome is written to the store before its waiters
+are woken, so `retrieve_future` always reads it from one place, after a restart too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import threading
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from posttrain.backends.sampling import SamplingClient
+from posttrain.clients.create import create_training_client
+from posttrain.clients.local import LocalTrainingClient
+from posttrain.server.config import ServerConfig
+from posttrain.server.sources import UnknownModelError
+from posttrain.server.store import FutureRow, SamplerRow, Store
+
+RESTARTED = "the server restarted before this request finished; submit it again"
+
+
+class UserError(ValueError):
+    """A request the caller got wrong: its future fails with category "user"."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished request: its JSON form, and its protobuf form where the protocol has one."""
+
+    json: dict[str, object]
+    proto: bytes | None = None
+
+
+Job = Callable[[], Outcome]
+
+
+def category_of(exc: BaseException) -> str:
+    # The engine reports bad input (token ids, shapes, loss names, configs) as ValueError.
+    return "user" if isinstance(exc, ValueError | LookupError | TypeError) else "server"
+
+
+@dataclass
+class _Waiting:
+    request_id: str
+    job: Job
+
+
+class Lane:
+    """One model's requests, run in `seq_id` order (from 1) on one thread."""
+
+    def __init__(self, runtime: Runtime, model_id: str) -> None:
+        self.runtime = runtime
+        self.model_id = model_id
+        self.next_seq = 1
+        self.waiting: dict[int, _Waiting] = {}
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lane")
+        self.timer: asyncio.TimerHandle | None = None
+
+    def submit(self, seq_id: int, request_id: str, job: Job) -> None:
+        """Called on the event loop."""
+        if seq_id < self.next_seq:
+            self.runtime.fail(
+                request_id,
+                f"seq_id {seq_id} arrived after model {self.model_id} moved past it "
+                f"(next expected seq_id is {self.next_seq})",
+            )
+            return
+        self.waiting[seq_id] = _Waiting(request_id, job)
+        self._drain()
+
+    def _drain(self) -> None:
+        while self.next_seq in self.waiting:
+            item = self.waiting.pop(self.next_seq)
+            self.thread.submit(self.runtime.run, item.request_id, item.job)
+            self.next_seq += 1
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.waiting:
+            loop = self.runtime.loop
+            self.timer = loop.call_later(self.runtime.config.seq_gap_timeout, self._gap_expired)
+
+    def _gap_expired(self) -> None:
+        self.timer = None
+        missing = self.next_seq
+        for seq_id in sorted(self.waiting):
+            self.runtime.fail(
+                self.waiting[seq_id].request_id,
+                f"model {self.model_id}: seq_id {missing} never arrived within "
+                f"{self.runtime.config.seq_gap_timeout:g} s, so seq_id {seq_id} cannot run "
+                "(requests of a model run in seq_id order)",
+            )
+        self.next_seq = max(self.waiting) + 1
+        self.waiting.clear()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.thread.shutdown(wait=False)
+
+
+class Runtime:
+    """Live models and samplers of one server process; implements SamplerSource."""
+
+    def __init__(self, config: ServerConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.clients: dict[str, LocalTrainingClient] = {}
+        self.lanes: dict[str, Lane] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        self._samplers: OrderedDict[str, LocalTrainingClient] = OrderedDict()
+        self._sampler_lock = threading.Lock()
+        self.admin = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="admin")
+        self.sampling = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sample")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.max_context_length = _context_length(config.model_path)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "Runtime.start was not called"
+        return self._loop
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.store.fail_pending(RESTARTED)
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+        self.admin.shutdown(wait=False, cancel_futures=True)
+        self.sampling.shutdown(wait=False, cancel_futures=True)
+
+    # futures
+    def run(self, request_id: str, job: Job) -> None:
+        """Run `job` on the calling (worker) thread and record its outcome."""
+        try:
+            outcome = job()
+        except Exception as exc:
+            if category_of(exc) == "server":
+                traceback.print_exc()
+            self.fail(request_id, str(exc) or type(exc).__name__, category_of(exc))
+            return
+        payload = json.dumps(outcome.json).encode()
+        self.store.complete_future(request_id, payload, outcome.proto)
+        self._notify(request_id)
+
+    def fail(self, request_id: str, error: str, category: str = "user") -> None:
+        self.store.fail_future(request_id, error, category)
+        self._notify(request_id)
+
+    def submit(self, pool: concurrent.futures.Executor, request_id: str, job: Job) -> None:
+        pool.submit(self.run, request_id, job)
+
+    def submit_ordered(self, model_id: str, seq_id: int, request_id: str, job: Job) -> None:
+        lane = self.lanes.get(model_id)
+        if lane is None:
+            self.fail(
+                request_id,
+                f"model {model_id} is not loaded in this server process (it restarted); "
+                "create a training client from one of its checkpoints",
+            )
+            return
+        lane.submit(seq_id, request_id, job)
+
+    def _notify(self, request_id: str) -> None:
+        def wake() -> None:
+            event = self._events.pop(request_id, None)
+            if event is not None:
+                event.set()
+
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(wake)
+
+    async def wait(self, request_id: str, owner: str, timeout: float) -> FutureRow | None:
+        """The future's row once it is finished, or still pending after `timeout` seconds."""
+        event = self._events.setdefault(request_id, asyncio.Event())
+        row = self.store.future(request_id, owner)
+        if row is None or row.status != "pending":
+            self._events.pop(request_id, None)
+            return row
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        return self.store.future(request_id, owner)
+
+    # models
+    def build_client(
+        self, model_id: str, lora: dict[str, int | bool], seed: int
+    ) -> LocalTrainingClient:
+        """Load the base model with a fresh LoRA adapter (on a worker thread)."""
+        return create_training_client(
+            self.config.model_path,
+            lora_rank=int(lora["rank"]),
+            train_attn=bool(lora["train_attn"]),
+            train_mlp=bool(lora["train_mlp"]),
+            train_unembed=bool(lora["train_unembed"]),
+            device=self.config.device,
+            seed=seed,
+            storage_dir=self.model_dir(model_id),
+        )
+
+    def model_dir(self, model_id: str) -> Path:
+        return self.config.storage_dir / "runs" / model_id.replace(":", "_")
+
+    def add_live(self, model_id: str, client: LocalTrainingClient) -> None:
+        """Called on the event loop once the model is built."""
+        self.clients[model_id] = client
+        self.lanes[model_id] = Lane(self, model_id)
+
+    # samplers
+    def sampler_client(self, weights_dir: str | None, lora: dict[str, int | bool] | None):
+        """A cached sampling model: the base model (weights_dir None) or saved weights."""
+        key = weights_dir or ""
+        with self._sampler_lock:
+            client = self._samplers.get(key)
+            if client is not None:
+                self._samplers.move_to_end(key)
+                return client
+            client = self._load_sampler(weights_dir, lora)
+            self._samplers[key] = client
+            while len(self._samplers) > self.config.sampler_cache_size:
+                _, old = self._samplers.popitem(last=False)
+                old.close()
+            return client
+
+    def _load_sampler(
+        self, weights_dir: str | None, lora: dict[str, int | bool] | None
+    ) -> LocalTrainingClient:
+        storage = self.config.storage_dir / "sampler-scratch"
+        if weights_dir is None or lora is None:
+            return create_training_client(
+                self.config.model_path, device=self.config.device, storage_dir=storage
+            )
+        client = create_training_client(
+            self.config.model_path,
+            lora_rank=int(lora["rank"]),
+            train_attn=bool(lora["train_attn"]),
+            train_mlp=bool(lora["train_mlp"]),
+            train_unembed=bool(lora["train_unembed"]),
+            device=self.config.device,
+            storage_dir=storage,
+        )
+        if not Path(weights_dir).is_dir():
+            raise UserError(f"the weights of this sampler are gone (no directory {weights_dir})")
+        client.load_state(weights_dir, with_optimizer=False).result()
+        return client
+
+    def sampler_for_row(self, row: SamplerRow) -> LocalTrainingClient:
+        return self.sampler_client(row.weights_dir, row.lora)
+
+    # SamplerSource, for the OpenAI-compatible endpoints
+    def model_names(self, owner: str | None) -> list[str]:
+        names = [self.config.base_model]
+        if owner is not None:
+            names += [c.tinker_path for c in self.store.checkpoints(owner) if c.kind == "sampler"]
+        return names
+
+    def sampler(self, name: str, owner: str | None) -> SamplingClient:
+        if self.config.serves(name):
+            client = self.sampler_client(None, None)
+            return SamplingClient(client, client.get_tokenizer())
+        row = self.store.checkpoint(name, owner) if owner is not None else None
+        if row is None or row.kind != "sampler":
+            raise UnknownModelError(f"model {name!r} is not served")
+        model = self.store.model(row.model_id, row.owner)
+        if model is None:
+            raise UnknownModelError(f"model {name!r} is not served")
+        client = self.sampler_client(row.dir, model.lora)
+        return SamplingClient(client, client.get_tokenizer())
+
+
+def _context_length(model_path: str) -> int | None:
+    from transformers import AutoConfig
+
+    try:
+        value = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) else None

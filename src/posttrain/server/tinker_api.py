@@ -1,0 +1,492 @@
+"""The Tinker HTTP protocol (spec sections 3-8): handshake, sessions, models, training, sampling
+and futures, under /api/v1.
+
+Submissions are validated, written as a pending future (deduplicated on the model and
+`seq_id`), and handed to the runtime; results are fetched with `retrieve_future`. Another
+owner's ids are answered exactly like unknown ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from typing import Any
+
+import torch
+from fastapi import APIRouter, HTTPException, Request, Response
+
+from posttrain.server import tinker_schema as s
+from posttrain.server.proto import (
+    ProtocolError,
+    decode_forward_backward_request,
+    encode_forward_backward_output,
+    encode_sample_response,
+    sample_response_to_json,
+)
+from posttrain.server.runtime import Job, Outcome, Runtime, UserError
+from posttrain.server.store import (
+    CheckpointKind,
+    CheckpointRow,
+    DuplicateRequest,
+    ModelRow,
+    SamplerRow,
+)
+from posttrain.types import AdamParams, ForwardBackwardOutput, ModelInput, SampleResponse
+from posttrain.types import SamplingParams as PtSamplingParams
+
+PROTOBUF = "application/x-protobuf"
+
+
+def owner(request: Request) -> str:
+    """The caller's identity, set by the auth middleware on every request."""
+    return request.state.owner
+
+
+def not_found(what: str) -> HTTPException:
+    return HTTPException(404, f"{what} not found")
+
+
+def fwdbwd_json(out: ForwardBackwardOutput) -> dict[str, object]:
+    def tensor(t: torch.Tensor) -> dict[str, object]:
+        dtype = "float32" if t.is_floating_point() else "int64"
+        return {"data": t.flatten().tolist(), "dtype": dtype, "shape": list(t.shape)}
+
+    return {
+        "loss_fn_output_type": out.loss_fn_output_type,
+        "loss_fn_outputs": [{k: tensor(v) for k, v in d.items()} for d in out.loss_fn_outputs],
+        "metrics": out.metrics,
+    }
+
+
+class Api:
+    """Handlers share the runtime; each method is one endpoint."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.store = runtime.store
+        self.config = runtime.config
+
+    # helpers
+    def session(self, session_id: str, who: str) -> None:
+        if not self.store.session_exists(session_id, who):
+            raise not_found(f"session {session_id!r}")
+
+    def model(self, model_id: str, who: str) -> ModelRow:
+        row = self.store.model(model_id, who)
+        if row is None:
+            raise not_found(f"model {model_id!r}")
+        return row
+
+    def checkpoint(self, path: str, who: str) -> CheckpointRow:
+        row = self.store.checkpoint(path, who)
+        if row is None:
+            raise not_found(f"checkpoint {path!r}")
+        return row
+
+    def check_base_model(self, name: str) -> None:
+        if not self.config.serves(name):
+            raise HTTPException(
+                400,
+                f"base model {name!r} is not served here; this server serves "
+                f"{self.config.base_model!r}",
+            )
+
+    async def new_future(
+        self,
+        request: Request,
+        kind: str,
+        dedup_key: str | None,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+    ) -> tuple[str, bool]:
+        """(request_id, is_new): a retried submission with the same payload gets its first id."""
+        digest = hashlib.sha256(await request.body()).hexdigest()
+        request_id = uuid.uuid4().hex
+        try:
+            self.store.add_future(
+                request_id,
+                owner(request),
+                kind,
+                digest,
+                dedup_key=dedup_key,
+                model_id=model_id,
+                seq_id=seq_id,
+            )
+        except DuplicateRequest as dup:
+            old = dup.existing
+            if old.owner != owner(request):
+                raise not_found(f"model {model_id!r}") from None
+            if old.payload_hash != digest or old.request_type != kind:
+                raise HTTPException(
+                    409,
+                    f"{dedup_key} was already submitted with a different payload "
+                    f"(request {old.request_id}); a retry must resend the same request",
+                ) from None
+            return old.request_id, False
+        return request_id, True
+
+    async def ordered(
+        self, request: Request, kind: str, model: ModelRow, seq_id: int, job: Job
+    ) -> dict[str, object]:
+        rid, new = await self.new_future(
+            request, kind, f"{model.model_id}#{seq_id}", model.model_id, seq_id
+        )
+        if new:
+            self.store.touch_model(model.model_id)
+            self.rt.submit_ordered(model.model_id, seq_id, rid, job)
+        return {"request_id": rid, "model_id": model.model_id}
+
+    # handshake and sessions
+    async def create_session(self, body: s.CreateSession, request: Request) -> dict[str, object]:
+        session_id = f"session-{uuid.uuid4().hex[:16]}"
+        metadata = dict(body.user_metadata or {})
+        self.store.add_session(session_id, owner(request), body.tags, metadata, body.sdk_version)
+        return {"session_id": session_id, "type": "create_session"}
+
+    async def heartbeat(self, body: s.SessionRef, request: Request) -> dict[str, object]:
+        if not self.store.touch_session(body.session_id, owner(request)):
+            raise not_found(f"session {body.session_id!r}")
+        return {"type": "session_heartbeat"}
+
+    async def finish_session(self, session_id: str, request: Request) -> dict[str, object]:
+        try:
+            reason = str((await request.json()).get("reason", {}).get("type", "finished"))
+        except (ValueError, AttributeError):
+            reason = "finished"
+        if not self.store.touch_session(session_id, owner(request), finished=reason):
+            raise not_found(f"session {session_id!r}")
+        return {}
+
+    # models
+    async def create_model(self, body: s.CreateModel, request: Request) -> dict[str, object]:
+        who = owner(request)
+        self.session(body.session_id, who)
+        self.check_base_model(body.base_model)
+        lora = body.lora_config or s.LoraConfig()
+        if not 1 <= lora.rank <= self.config.lora_rank_max:
+            raise HTTPException(
+                400, f"lora rank must be in [1, {self.config.lora_rank_max}], got {lora.rank}"
+            )
+        if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+            raise HTTPException(400, "LoRA needs one of train_attn, train_mlp, train_unembed")
+        if body.optimizer_config.type != "adamw":
+            raise HTTPException(400, f"optimizer {body.optimizer_config.type!r}: only adamw")
+        model_id = f"{body.session_id}:train:{body.model_seq_id}"
+        rid, new = await self.new_future(request, "create_model", f"create:{model_id}", model_id)
+        if new:
+            settings = lora.model_dump(exclude={"seed"})
+            seed = lora.seed if lora.seed is not None else secrets.randbits(31)
+            row = ModelRow(
+                model_id,
+                who,
+                body.session_id,
+                self.config.base_model,
+                settings,
+                _str_dict(body.user_metadata),
+                time.time(),
+                time.time(),
+            )
+
+            def job() -> Outcome:
+                client = self.rt.build_client(model_id, settings, seed)
+                self.store.add_model(row)
+                self.rt.add_live(model_id, client)
+                return Outcome({"model_id": model_id, "type": "create_model"})
+
+            self.rt.submit(self.rt.admin, rid, job)
+        return {"request_id": rid, "model_id": model_id}
+
+    async def get_info(self, body: s.ModelRef, request: Request) -> dict[str, object]:
+        row = self.model(body.model_id, owner(request))
+        return {
+            "model_id": row.model_id,
+            "model_data": {"model_name": row.base_model, "tokenizer_id": self.config.model_path},
+            "is_lora": True,
+            "lora_rank": row.lora["rank"],
+            "model_name": row.base_model,
+            "optimizer_config": {"type": "adamw"},
+            "type": "get_info",
+        }
+
+    # training
+    async def forward_backward(self, request: Request) -> dict[str, object]:
+        try:
+            req = decode_forward_backward_request(
+                await request.body(), request.headers.get("content-encoding")
+            )
+        except ProtocolError as err:
+            raise HTTPException(400, f"malformed ForwardBackwardRequest protobuf: {err}") from None
+        model = self.model(req.model_id, owner(request))
+
+        def job() -> Outcome:
+            client = self.rt.clients[req.model_id]
+            call = client.forward if req.forward_only else client.forward_backward
+            out = call(req.data, req.loss_fn, req.loss_fn_config).result()
+            return Outcome(fwdbwd_json(out), encode_forward_backward_output(out))
+
+        kind = "forward" if req.forward_only else "forward_backward"
+        return await self.ordered(request, kind, model, req.seq_id, job)
+
+    async def optim_step(self, body: s.OptimStep, request: Request) -> dict[str, object]:
+        model = self.model(body.model_id, owner(request))
+        params = dict(body.adam_params or body.optim_params or body.optimizer_params or {})
+
+        def job() -> Outcome:
+            kind = params.pop("type", "adamw")
+            if kind not in ("adamw", "adam"):
+                raise UserError(f"optimizer {kind!r} is not supported; the model uses adamw")
+            result = self.rt.clients[model.model_id].optim_step(AdamParams(**params)).result()
+            return Outcome({"metrics": result.metrics or {}, "type": "optim_step"})
+
+        return await self.ordered(request, "optim_step", model, body.seq_id, job)
+
+    async def save_weights(self, body: s.SaveWeights, request: Request) -> dict[str, object]:
+        model = self.model(body.model_id, owner(request))
+        name = body.path or f"checkpoint-{body.seq_id}"
+        job = self.save_job(model, "weights", name, body.overwrite, body.user_metadata)
+        return await self.ordered(request, "save_weights", model, body.seq_id, job)
+
+    def save_job(
+        self,
+        model: ModelRow,
+        kind: CheckpointKind,
+        name: str,
+        overwrite: bool,
+        metadata: dict[str, str] | None,
+    ) -> Job:
+        segment = "weights" if kind == "weights" else "sampler_weights"
+        tinker_path = f"tinker://{model.model_id}/{segment}/{name}"
+
+        def job() -> Outcome:
+            if not overwrite and self.store.checkpoint(tinker_path, model.owner) is not None:
+                raise UserError(f"checkpoint {tinker_path} exists; save with overwrite=True")
+            client = self.rt.clients[model.model_id]
+            save = client.save_state if kind == "weights" else client.save_weights_for_sampler
+            directory = save(name).result().path
+            self.store.add_checkpoint(
+                CheckpointRow(
+                    tinker_path,
+                    model.owner,
+                    model.model_id,
+                    kind,
+                    name,
+                    directory,
+                    dict(metadata or {}),
+                    _dir_size(directory),
+                    time.time(),
+                )
+            )
+            return Outcome({"path": tinker_path, "type": f"save_{segment}"})
+
+        return job
+
+    async def save_for_sampler(
+        self, body: s.SaveWeightsForSampler, request: Request
+    ) -> dict[str, object]:
+        model = self.model(body.model_id, owner(request))
+        if body.path:
+            job = self.save_job(model, "sampler", body.path, True, body.user_metadata)
+            return await self.ordered(request, "save_weights_for_sampler", model, body.seq_id, job)
+        sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
+
+        def ephemeral() -> Outcome:
+            client = self.rt.clients[model.model_id]
+            directory = client.save_weights_for_sampler(f".ephemeral-{sampler_id}").result().path
+            self.store.add_sampler(
+                SamplerRow(
+                    sampler_id,
+                    model.owner,
+                    model.session_id,
+                    model.base_model,
+                    None,
+                    directory,
+                    model.lora,
+                )
+            )
+            return Outcome({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+
+        return await self.ordered(
+            request, "save_weights_for_sampler", model, body.seq_id, ephemeral
+        )
+
+    async def load_weights(self, body: s.LoadWeights, request: Request) -> dict[str, object]:
+        who = owner(request)
+        ckpt = self.checkpoint(body.path, who)
+        if body.optimizer and ckpt.kind != "weights":
+            raise HTTPException(400, f"{body.path} holds sampler weights: no optimizer state")
+        source = self.store.model(ckpt.model_id, who)
+        if source is None:
+            raise not_found(f"checkpoint {body.path!r}")
+        if body.model_id is not None:
+            model = self.model(body.model_id, who)
+            if body.seq_id is None:
+                raise HTTPException(400, "load_weights on an existing model needs seq_id")
+
+            def load() -> Outcome:
+                client = self.rt.clients[model.model_id]
+                client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
+                return Outcome({"path": body.path, "type": "load_weights"})
+
+            return await self.ordered(request, "load_weights", model, body.seq_id, load)
+        return await self.create_from_checkpoint(body, request, ckpt, source)
+
+    async def create_from_checkpoint(
+        self, body: s.LoadWeights, request: Request, ckpt: CheckpointRow, source: ModelRow
+    ) -> dict[str, object]:
+        """load_weights as a model's first request: the model comes from the checkpoint."""
+        who = owner(request)
+        if body.session_id is None or body.model_seq_id is None:
+            raise HTTPException(400, "load_weights needs model_id, or session_id and model_seq_id")
+        self.session(body.session_id, who)
+        self.check_base_model(source.base_model)
+        if body.base_model is not None:
+            self.check_base_model(body.base_model)
+        model_id = f"{body.session_id}:train:{body.model_seq_id}"
+        rid, new = await self.new_future(request, "load_weights", f"create:{model_id}", model_id)
+        if new:
+            metadata = _str_dict(body.user_metadata) or source.user_metadata
+            row = ModelRow(
+                model_id,
+                who,
+                body.session_id,
+                source.base_model,
+                source.lora,
+                metadata,
+                time.time(),
+                time.time(),
+            )
+
+            def job() -> Outcome:
+                client = self.rt.build_client(model_id, source.lora, 0)
+                client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
+                self.store.add_model(row)
+                self.rt.add_live(model_id, client)
+                return Outcome({"model_id": model_id, "path": body.path, "type": "load_weights"})
+
+            self.rt.submit(self.rt.admin, rid, job)
+        return {"request_id": rid, "model_id": model_id}
+
+    # sampling
+    async def create_sampling_session(
+        self, body: s.CreateSamplingSession, request: Request
+    ) -> dict[str, object]:
+        who = owner(request)
+        self.session(body.session_id, who)
+        row = self.sampler_row(body.model_path, body.base_model, who, body.session_id)
+        self.store.add_sampler(row)
+        return {"sampling_session_id": row.sampling_session_id, "type": "create_sampling_session"}
+
+    def sampler_row(
+        self, model_path: str | None, base_model: str | None, who: str, session_id: str | None
+    ) -> SamplerRow:
+        sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        if model_path:
+            ckpt = self.checkpoint(model_path, who)
+            model = self.store.model(ckpt.model_id, who)
+            if model is None:
+                raise not_found(f"checkpoint {model_path!r}")
+            return SamplerRow(
+                sampler_id, who, session_id, model.base_model, model_path, ckpt.dir, model.lora
+            )
+        if not base_model:
+            raise HTTPException(400, "give model_path (a tinker:// checkpoint) or base_model")
+        self.check_base_model(base_model)
+        return SamplerRow(sampler_id, who, session_id, base_model, None, None, None)
+
+    async def get_sampler(self, sampler_id: str, request: Request) -> dict[str, object]:
+        row = self.store.sampler(sampler_id, owner(request))
+        if row is None:
+            raise not_found(f"sampler {sampler_id!r}")
+        return {
+            "sampler_id": sampler_id,
+            "base_model": row.base_model,
+            "model_path": row.model_path,
+        }
+
+    async def asample(self, body: s.Sample, request: Request) -> dict[str, object]:
+        who = owner(request)
+        if body.sampling_session_id:
+            row = self.store.sampler(body.sampling_session_id, who)
+            if row is None:
+                raise not_found(f"sampling session {body.sampling_session_id!r}")
+        else:
+            row = self.sampler_row(body.model_path, body.base_model, who, None)
+        unsupported = {
+            "topk_prompt_logprobs": body.topk_prompt_logprobs > 0,
+            "topk_sample_logprobs": body.topk_sample_logprobs > 0,
+            "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
+            "prompt_logprobs_last_n": body.prompt_logprobs_last_n is not None,
+            "target_prompt_logprobs": body.target_prompt_logprobs is not None,
+        }
+        if any(unsupported.values()):
+            names = [k for k, v in unsupported.items() if v]
+            raise HTTPException(400, f"not supported by posttrain serve: {', '.join(names)}")
+        if any(c.type != "encoded_text" or c.tokens is None for c in body.prompt.chunks):
+            raise HTTPException(400, "prompt chunks must be encoded_text (token ids)")
+        if not 1 <= body.num_samples <= 1024:
+            raise HTTPException(400, f"num_samples must be in [1, 1024], got {body.num_samples}")
+        prompt = ModelInput.from_ints([t for c in body.prompt.chunks for t in c.tokens or []])
+        key = None if body.seq_id is None else f"{row.sampling_session_id}#sample{body.seq_id}"
+        rid, new = await self.new_future(request, "sample", key, row.sampling_session_id)
+        if new:
+            params = body.sampling_params.model_dump()
+
+            def job() -> Outcome:
+                client = self.rt.sampler_for_row(row)
+                resp = client.sample(prompt, body.num_samples, PtSamplingParams(**params)).result()
+                if body.prompt_logprobs:
+                    lps = client.compute_logprobs(prompt).result()
+                    resp = SampleResponse(resp.sequences, lps)
+                return Outcome(sample_response_to_json(resp), encode_sample_response(resp))
+
+            self.rt.submit(self.rt.sampling, rid, job)
+        ids = [f"{rid}:{i}" for i in range(body.num_samples)]
+        return {"request_id": rid, "sample_sequence_ids": ids}
+
+    # futures
+    async def retrieve_future(self, body: s.RetrieveFuture, request: Request) -> Any:
+        row = await self.rt.wait(body.request_id, owner(request), self.config.poll_timeout)
+        if row is None:
+            raise not_found(f"request {body.request_id!r}")
+        if row.status == "pending":
+            return {"type": "try_again", "request_id": row.request_id, "queue_state": "active"}
+        if row.status == "failed":
+            return {"error": row.error or "failed", "category": row.category or "unknown"}
+        if row.result_proto is not None and PROTOBUF in request.headers.get("accept", ""):
+            return Response(row.result_proto, media_type=PROTOBUF)
+        return Response(row.result_json or b"{}", media_type="application/json")
+
+
+def _str_dict(values: dict[str, Any] | None) -> dict[str, str]:
+    """user_metadata as the SDK reads it back: string values only."""
+    return {str(k): v if isinstance(v, str) else str(v) for k, v in (values or {}).items()}
+
+
+def _dir_size(directory: str) -> int:
+    from pathlib import Path
+
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
+def create_tinker_router(runtime: Runtime) -> APIRouter:
+    """The protocol's endpoints under /api/v1."""
+    api = Api(runtime)
+    router = APIRouter(prefix="/api/v1")
+    post, get = router.post, router.get
+    post("/create_session")(api.create_session)
+    post("/session_heartbeat")(api.heartbeat)
+    post("/sessions/{session_id}/finish")(api.finish_session)
+    post("/create_model")(api.create_model)
+    post("/get_info")(api.get_info)
+    post("/forward_backward")(api.forward_backward)
+    post("/optim_step")(api.optim_step)
+    post("/save_weights")(api.save_weights)
+    post("/save_weights_for_sampler")(api.save_for_sampler)
+    post("/load_weights")(api.load_weights)
+    post("/create_sampling_session")(api.create_sampling_session)
+    get("/samplers/{sampler_id}")(api.get_sampler)
+    post("/asample")(api.asample)
+    post("/retrieve_future")(api.retrieve_future)
+    return router
