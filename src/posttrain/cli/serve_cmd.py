@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -48,21 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn  # noqa: F401 - checked here, used in _serve
-
-        from posttrain.server.app import create_app
-        from posttrain.server.config import ServerConfig
-    except ImportError as err:
-        print(f"posttrain serve needs the server extra: pip install 'posttrain[server]' ({err})")
-        return 2
-    from posttrain.jobs.run_dir import resolve_base_model
+    from posttrain.server.config import ServerConfig
 
     storage = args.storage.resolve()
     try:
+        # Checked before the heavy imports, so a refused host or key fails at once.
         config = ServerConfig(
             base_model=args.base_model,
-            model_path="",  # resolved below, once the host and keys are known to be acceptable
+            model_path="",  # resolved below
             db_path=(args.db or storage / "state.db").resolve(),
             storage_dir=storage,
             api_keys=tuple(args.api_key),
@@ -73,13 +67,24 @@ def run_serve(args: argparse.Namespace) -> int:
             seq_gap_timeout=args.seq_gap_timeout,
             device=args.device,
         )
+    except ValueError as err:
+        print(f"posttrain serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn  # noqa: F401 - checked here, used in _serve
+
+        from posttrain.server.app import create_app
+    except ImportError as err:
+        print(f"posttrain serve needs the server extra: pip install 'posttrain[server]' ({err})")
+        return 2
+    from posttrain.jobs.run_dir import resolve_base_model
+
+    try:
         storage.mkdir(parents=True, exist_ok=True)
         model_path = str(resolve_base_model(args.base_model, storage))
     except ValueError as err:
         print(f"posttrain serve: {err}", file=sys.stderr)
         return 2
-    from dataclasses import replace
-
     config = replace(config, model_path=model_path, aliases=(model_path,))
     _serve(create_app(config), args.host, args.port)
     return 0

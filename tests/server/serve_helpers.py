@@ -1,0 +1,72 @@
+"""Start and stop `posttrain serve` as a real subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+KEY = "tml-test-key-one"
+OTHER_KEY = "tml-test-key-two"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen[str]
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs, as in a crash."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_server(
+    base_model: Path | str, storage: Path, *extra: str, keys: tuple[str, ...] = (KEY, OTHER_KEY)
+) -> ServerProcess:
+    """Run `posttrain serve` and wait until /healthz answers (the first import of torch and
+    transformers takes a few seconds)."""
+    port = free_port()
+    args = [sys.executable, "-m", "posttrain.cli.main", "serve", "--base-model", str(base_model)]
+    args += ["--port", str(port), "--storage", str(storage), *extra]
+    for key in keys:
+        args += ["--api-key", key]
+    log = storage.parent / f"{storage.name}-server-{port}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    handle = open(log, "w")  # noqa: SIM115 - the child writes to it for its whole life
+    process = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"posttrain serve exited with {process.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code == 200:
+                return ServerProcess(url, process, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"posttrain serve did not answer /healthz in 90 s: {log.read_text()}")
