@@ -61,9 +61,14 @@ def start_server(
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"posttrain serve exited with {process.returncode}: {log.read_text()}")
+            raise RuntimeError(
+                f"posttrain serve exited with {process.returncode}: {log.read_text()}"
+            )
         try:
-            if httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code == 200:
+            if (
+                httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code
+                == 200
+            ):
                 return ServerProcess(url, process, log)
         except httpx.TransportError:
             pass

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 from serve_helpers import KEY, ServerProcess, start_server
+from transformers import AutoTokenizer
 
 from posttrain.clients.create import create_training_client
 from posttrain.types import AdamParams
@@ -23,7 +24,9 @@ RANK = 4
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-sdk") / "storage")
     yield process
     process.stop()
@@ -69,8 +72,9 @@ def test_training_flow(service, server: ServerProcess, tiny_model_dir: Path) -> 
         out = tc.forward_backward(data, "cross_entropy").result()
         losses.append(out.metrics["loss:sum"])
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    # Adam at lr 1e-2 on two fixed sequences: each step lowers the loss (measured 45 -> 30).
-    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    # Adam at lr 1e-2 on two fixed sequences: each step lowers the loss
+    # (measured 67.7, 61.6, 46.8, 46.7).
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
     assert losses[-1] < 0.85 * losses[0]
 
     # The RL losses, fed the model's own logprobs so every ratio r = exp(lp - q) is exactly 1.
@@ -78,7 +82,9 @@ def test_training_flow(service, server: ServerProcess, tiny_model_dir: Path) -> 
     adv = [[0.5 * (i % 3) - 0.5 for i in range(len(lp))] for lp in old]
     rl = [rl_datum(t, lp, a) for t, lp, a in zip(TOKENS, old, adv, strict=True)]
     adv_sum = sum(sum(a) for a in adv)
-    lp_adv = sum(x * a for lp, aa in zip(old, adv, strict=True) for x, a in zip(lp, aa, strict=True))
+    lp_adv = sum(
+        x * a for lp, aa in zip(old, adv, strict=True) for x, a in zip(lp, aa, strict=True)
+    )
     expected = {
         "importance_sampling": -adv_sum,  # -Σ r·A with r = 1
         "ppo": -adv_sum,  # -Σ min(r·A, clip(r)·A) with r = 1 inside the clip range
