@@ -8,15 +8,33 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from posttrain.logging_sinks import Sink, default_sinks
 from posttrain.types import JSONScalar, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
     from posttrain.backends.protocol import TrainableBackend
 
 Split = Literal["train", "val", "test"]
+
+
+@dataclass(frozen=True)
+class OpenAIEndpoint:
+    """Where an OpenAI client samples a model: `base_url` (ending in /v1), key, model name."""
+
+    base_url: str
+    api_key: str
+    model_name: str
+
+
+@runtime_checkable
+class ServesOpenAI(Protocol):
+    """A backend that can serve its registered models through an OpenAI-compatible endpoint."""
+
+    def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint: ...
 
 
 @dataclass
@@ -69,6 +87,35 @@ class TrainableModel:
                 f"model {self.name!r} is not registered; call `await model.register(backend)` first"
             )
         return self._backend
+
+    def openai_endpoint(self) -> OpenAIEndpoint:
+        """Where this model's latest weights are served; the backend starts serving if needed."""
+        backend = self.backend
+        if not isinstance(backend, ServesOpenAI):
+            raise NotImplementedError(
+                f"{type(backend).__name__} cannot serve an OpenAI-compatible endpoint for model "
+                f"{self.name!r}"
+            )
+        return backend.openai_endpoint(self)
+
+    def openai_client(self) -> AsyncOpenAI:
+        """An `openai.AsyncOpenAI` for this model; pass `model=model.inference_model_name`.
+
+        A new client each call (its connections belong to the event loop that uses it).
+        """
+        try:
+            from openai import AsyncOpenAI
+        except ImportError as exc:
+            raise ImportError(
+                "model.openai_client() needs the openai SDK: pip install 'posttrain[server]' openai"
+            ) from exc
+        endpoint = self.openai_endpoint()
+        return AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
+
+    @property
+    def inference_model_name(self) -> str:
+        """The `model=` to send through `openai_client()` (for this model's latest weights)."""
+        return self.openai_endpoint().model_name
 
     @property
     def directory(self) -> Path:
