@@ -1,0 +1,241 @@
+"""OpenAI-compatible sampling over a `SamplerSource`: /v1/models, /v1/completions, /v1/chat/completions.
+
+Responses have OpenAI's shapes plus vLLM's token-id extension fields, always present:
+`prompt_token_ids` on the response (and, as vLLM's completions do, on each completion choice)
+and `token_ids` on each choice. `token_ids` are the exact tokens sampled, EOS or the tokens that
+completed a stop string included, so rollout code builds trajectories on them, never on
+re-tokenized text. Logprobs are the sampler's, aligned with `token_ids`:
+log_softmax(logits / temperature) of each sampled token over the full vocabulary (see
+`posttrain.engine.sampler`). Stop strings end generation as OpenAI's do (besides EOS) and are
+cut from `text` / `message.content`, never from `token_ids`.
+
+Sampling never blocks the event loop: `SamplingClient` calls return futures completed by the
+training client's own worker thread, and the handlers await them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
+
+from posttrain.backends.sampling import SamplingClient
+from posttrain.server.openai_schema import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    chat_logprobs,
+    completion_text,
+    eos_texts,
+    legacy_logprobs,
+    parse_request,
+    sampling_params,
+    usage,
+    user_stops,
+)
+from posttrain.server.sources import SamplerSource, UnknownModelError
+from posttrain.types import SampleResponse, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# OpenAI's default for /v1/completions; chat completions default to "until EOS or context end".
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+Json = dict[str, object]
+
+
+def create_openai_router(source: SamplerSource) -> APIRouter:
+    """The three endpoints; the caller's identity is `request.state.owner` (None without keys)."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        names = source.model_names(_owner(request))
+        return JSONResponse({"object": "list", "data": [_model_card(n) for n in names]})
+
+    @router.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str, request: Request) -> JSONResponse:
+        return await _respond(_retrieve(source, name, _owner(request)))
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        return await _respond(_completion(source, request))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        return await _respond(_chat(source, request))
+
+    return router
+
+
+async def _respond(answer: Awaitable[Json]) -> JSONResponse:
+    try:
+        return JSONResponse(await answer)
+    except OpenAIError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except Exception:
+        log.exception("OpenAI-compatible request failed")
+        error = OpenAIError(500, "internal error while sampling", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def _owner(request: Request) -> str | None:
+    return getattr(request.state, "owner", None)
+
+
+def _model_card(name: str) -> Json:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "posttrain"}
+
+
+async def _retrieve(source: SamplerSource, name: str, owner: str | None) -> Json:
+    _sampler(source, name, owner)
+    return _model_card(name)
+
+
+async def _body(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OpenAIError(400, "the request body is not valid JSON") from None
+
+
+def _sampler(source: SamplerSource, name: str, owner: str | None) -> SamplingClient:
+    try:
+        return source.sampler(name, owner)
+    except UnknownModelError:
+        served = ", ".join(source.model_names(owner)) or "(none)"
+        raise OpenAIError(
+            404,
+            f"model {name!r} does not exist; served models: {served}",
+            param="model",
+            code="model_not_found",
+        ) from None
+
+
+async def _sample(
+    sampler: SamplingClient, prompt: list[int], n: int, params: SamplingParams, param: str
+) -> SampleResponse:
+    if not prompt:
+        raise OpenAIError(400, f"{param} is empty: it renders to no tokens", param=param)
+    try:
+        return await sampler.sample(prompt, n, params)
+    except ValueError as exc:  # the sampler's checks: token ids out of range, prompt too long
+        raise OpenAIError(400, str(exc), param=param) from None
+
+
+async def _completion(source: SamplerSource, request: Request) -> Json:
+    req = parse_request(await _body(request), CompletionRequest)
+    if req.logprobs:
+        raise OpenAIError(
+            400,
+            f"logprobs={req.logprobs} asks for the top {req.logprobs} alternative tokens, which "
+            "this server does not compute; send logprobs=0 for the sampled tokens' logprobs",
+            param="logprobs",
+        )
+    sampler = _sampler(source, req.model, _owner(request))
+    tokenizer = sampler.tokenizer
+    prompt = _completion_prompt(tokenizer, req.prompt)
+    max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = sampling_params(req, max_tokens, eos_texts(tokenizer))
+    response = await _sample(sampler, prompt, req.n, params, "prompt")
+    choices: list[Json] = []
+    for index, sequence in enumerate(response.sequences):
+        text, finish = completion_text(tokenizer, sequence, user_stops(req))
+        logprobs = None if req.logprobs is None else legacy_logprobs(tokenizer, sequence)
+        choices.append(
+            {
+                "index": index,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": logprobs,
+                "prompt_token_ids": prompt,
+                "token_ids": list(sequence.tokens),
+            }
+        )
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(len(prompt), response.sequences),
+        "prompt_token_ids": prompt,
+    }
+
+
+def _completion_prompt(
+    tokenizer: object, prompt: str | list[int] | list[str] | list[list[int]]
+) -> list[int]:
+    """A string (tokenized with the tokenizer's special tokens, as vLLM does) or token ids."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise OpenAIError(
+                400,
+                "batched prompts are not supported: send one prompt per request",
+                param="prompt",
+            )
+        prompt = prompt[0]  # type: ignore[assignment]
+    if isinstance(prompt, str):
+        return [int(t) for t in tokenizer.encode(prompt)]  # type: ignore[attr-defined]
+    return [int(t) for t in prompt]  # type: ignore[arg-type]
+
+
+async def _chat(source: SamplerSource, request: Request) -> Json:
+    req = parse_request(await _body(request), ChatRequest)
+    if req.top_logprobs:
+        raise OpenAIError(
+            400,
+            f"top_logprobs={req.top_logprobs} is not supported: this server returns only the "
+            "sampled tokens' logprobs; send top_logprobs=0 or leave it out",
+            param="top_logprobs",
+        )
+    sampler = _sampler(source, req.model, _owner(request))
+    tokenizer = sampler.tokenizer
+    prompt = _chat_prompt(tokenizer, req.messages)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    params = sampling_params(req, max_tokens, eos_texts(tokenizer))
+    response = await _sample(sampler, prompt, req.n, params, "messages")
+    choices: list[Json] = []
+    for index, sequence in enumerate(response.sequences):
+        text, finish = completion_text(tokenizer, sequence, user_stops(req))
+        choices.append(
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "finish_reason": finish,
+                "logprobs": chat_logprobs(tokenizer, sequence) if req.logprobs else None,
+                "token_ids": list(sequence.tokens),
+            }
+        )
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(len(prompt), response.sequences),
+        "prompt_token_ids": prompt,
+    }
+
+
+def _chat_prompt(tokenizer: object, messages: Sequence[ChatMessage]) -> list[int]:
+    """The conversation rendered by the model's chat template, with the generation prompt."""
+    try:
+        out = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            [m.for_template() for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    except (ValueError, TemplateError) as exc:
+        raise OpenAIError(
+            400, f"the model's chat template cannot render messages: {exc}", param="messages"
+        ) from None
+    return [int(t) for t in out]

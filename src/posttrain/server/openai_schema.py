@@ -1,0 +1,237 @@
+"""Requests and responses of the OpenAI-compatible endpoints, as plain validation and builders.
+
+Requests are validated here (pydantic, field named in every error) and turned into posttrain
+`SamplingParams`; `SampledSequence`s are turned into OpenAI's choice shapes. Nothing here does
+I/O, so `openai_api` stays a thin router.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from posttrain.types import SampledSequence, SamplingParams
+
+MAX_N = 128
+
+ErrorType = Literal["invalid_request_error", "not_found_error", "server_error"]
+
+
+class OpenAIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: ErrorType = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share. `top_k` is vLLM's extension; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, object]:
+        """The message as a chat template reads it: text parts joined, extra keys kept."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+# OpenAI fields this server does not implement. Each is accepted only at a value that asks for
+# nothing, so no request is silently served differently from what it asked.
+_INERT: dict[str, Callable[[object], bool]] = {
+    "stream": lambda v: v is None or v is False,
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: v is None or v == "",
+    "best_of": lambda v: v is None or v == 1,
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+}
+
+RequestT = TypeVar("RequestT", bound=_SamplingFields)
+
+
+def parse_request(body: object, kind: type[RequestT]) -> RequestT:
+    """Validate a JSON body; OpenAIError(400) naming the field on any problem."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    for name, inert in _INERT.items():
+        if name in body and not inert(body[name]):
+            hint = " (streaming is not supported; send stream=false)" if name == "stream" else ""
+            raise OpenAIError(
+                400,
+                f"{name}={json.dumps(body[name])} is not supported by this server{hint}",
+                param=name,
+            )
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        raise OpenAIError(
+            400, f"invalid {'.'.join(loc) or 'body'}: {first['msg']}", param=loc[0] if loc else None
+        ) from None
+
+
+def sampling_params(
+    request: _SamplingFields, max_tokens: int | None, eos_texts: Sequence[str]
+) -> SamplingParams:
+    """posttrain SamplingParams for `request`.
+
+    OpenAI's stop strings end generation in addition to EOS, while posttrain's explicit `stop`
+    replaces EOS; so with stop strings, the EOS tokens' texts join them (the sampler matches
+    stop strings on text decoded with special tokens).
+    """
+    stop: tuple[str, ...] | None = None
+    if request.stop:
+        user = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+        if any(not s for s in user):
+            raise OpenAIError(400, "invalid stop: stop strings must not be empty", param="stop")
+        stop = (*user, *eos_texts)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            seed=request.seed,
+            stop=stop,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_k=-1 if request.top_k is None else request.top_k,
+            top_p=1.0 if request.top_p is None else request.top_p,
+        )
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc)) from None
+
+
+def eos_texts(tokenizer: object) -> tuple[str, ...]:
+    eos = getattr(tokenizer, "eos_token", None)
+    return (eos,) if isinstance(eos, str) and eos else ()
+
+
+def user_stops(request: _SamplingFields) -> tuple[str, ...]:
+    if not request.stop:
+        return ()
+    return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+
+
+def completion_text(
+    tokenizer: object, sequence: SampledSequence, stops: Sequence[str]
+) -> tuple[str, Literal["stop", "length"]]:
+    """The choice's text (ending before the first stop string, as OpenAI's) and finish_reason."""
+    text: str = tokenizer.decode(sequence.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+    if sequence.stop_reason == "stop":
+        cut = min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))
+        text = text[:cut]
+    return text, sequence.stop_reason
+
+
+def _logprobs_of(sequence: SampledSequence) -> list[float]:
+    if sequence.logprobs is None:
+        raise OpenAIError(500, "the sampler returned no logprobs", kind="server_error")
+    return list(sequence.logprobs)
+
+
+def token_texts(tokenizer: object, tokens: Sequence[int]) -> list[str]:
+    decode = tokenizer.decode  # type: ignore[attr-defined]
+    return [decode([t], skip_special_tokens=False) for t in tokens]
+
+
+def legacy_logprobs(tokenizer: object, sequence: SampledSequence) -> dict[str, object]:
+    """The /v1/completions `logprobs` object for the sampled tokens (no top alternatives)."""
+    texts = token_texts(tokenizer, sequence.tokens)
+    offsets, offset = [], 0
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": _logprobs_of(sequence),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: object, sequence: SampledSequence) -> dict[str, object]:
+    """The /v1/chat/completions `logprobs` object: one entry per sampled token."""
+    texts = token_texts(tokenizer, sequence.tokens)
+    return {
+        "content": [
+            # `bytes` is optional in OpenAI's shape; a per-token decode cannot give a split
+            # character's bytes faithfully, so it is left out rather than made up.
+            {"token": text, "logprob": logprob, "bytes": None, "top_logprobs": []}
+            for text, logprob in zip(texts, _logprobs_of(sequence), strict=True)
+        ],
+        "refusal": None,
+    }
+
+
+def usage(prompt_tokens: int, sequences: Sequence[SampledSequence]) -> Mapping[str, int]:
+    completion = sum(len(s.tokens) for s in sequences)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
