@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar, Unpack
+from typing import TYPE_CHECKING, ClassVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
 from posttrain.backends.client_models import ModelClients
@@ -12,8 +13,11 @@ from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, r
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.model import TrainableModel
+from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from posttrain.server.local_openai import LocalOpenAIServer
 
 BACKEND = "LocalBackend"
 
@@ -42,6 +46,8 @@ class LocalBackend:
         self.num_workers = num_workers
         self.micro_batch_tokens = micro_batch_tokens
         self.keep_checkpoints = keep_checkpoints
+        self._registered: dict[tuple[str, str], TrainableModel] = {}
+        self._openai: LocalOpenAIServer | None = None
 
     def model_dir(self, model: TrainableModel) -> Path:
         return self._models.model_dir(model)
@@ -61,6 +67,10 @@ class LocalBackend:
             )
 
         await self._models.register(self, model, make_client)
+        self._registered[(model.project, model.name)] = model
+
+    def registered_models(self) -> list[TrainableModel]:
+        return list(self._registered.values())
 
     def client(self, model: TrainableModel) -> LocalTrainingClient:
         """The primitive-level client of a registered model (for power users)."""
@@ -90,5 +100,22 @@ class LocalBackend:
         client = self.client(model)
         return SamplingClient(client, client.get_tokenizer())
 
+    def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
+        """Serve registered models' latest weights OpenAI-style on loopback (started on first call).
+
+        See `posttrain.server.local_openai` (extra `server`); `close()` stops the server.
+        """
+        self.client(model)  # the clear "not registered" error
+        if self._openai is None:
+            # A lazy upward import: the server layer is optional and only loaded when asked for.
+            from posttrain.server.local_openai import LocalOpenAIServer
+
+            self._openai = LocalOpenAIServer(self)
+        return self._openai.endpoint(model)
+
     async def close(self) -> None:
+        if self._openai is not None:
+            await asyncio.to_thread(self._openai.stop)
+            self._openai = None
+        self._registered.clear()
         self._models.close()
