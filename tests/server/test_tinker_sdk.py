@@ -102,7 +102,10 @@ def test_training_flow(service, server: ServerProcess, tiny_model_dir: Path) -> 
     # Same weights, same code, same process: the loss is bit-identical.
     assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == before
 
-    sampler = resumed.save_weights_and_get_sampling_client().result()
+    named = resumed.save_weights_for_sampler("for-sampling").result().path
+    assert named == f"tinker://{resumed.model_id}/sampler_weights/for-sampling"
+    from_path = service.create_sampling_client(model_path=named)
+    sampler = resumed.save_weights_and_get_sampling_client().result()  # ephemeral snapshot
     prompt = types.ModelInput.from_ints(TOKENS[0])
     resp = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=3)).result()
     assert len(resp.sequences) == 3
@@ -115,6 +118,7 @@ def test_training_flow(service, server: ServerProcess, tiny_model_dir: Path) -> 
     # The sampler holds the trained weights: its prompt logprobs are the trainer's.
     trainer_lps = logprobs_of(resumed.forward([sft_datum(TOKENS[0])], "cross_entropy").result())[0]
     assert prompt_lps[1:] == pytest.approx(trainer_lps, rel=1e-4, abs=1e-5)
+    assert from_path.compute_logprobs(prompt).result() == prompt_lps
 
     rest = tinker.RestClient(base_url=server.url, api_key=KEY)
     run = rest.get_training_run_by_tinker_path(path).result()
@@ -155,7 +159,14 @@ def test_forward_backward_matches_in_process_client(service, tiny_model_dir: Pat
 def test_fractional_weights_string_stops_and_bad_loss(service, tiny_model_dir: Path) -> None:
     tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=RANK).result()
     weights = [0.25, -0.5, 1.5, 0.0, 0.125]
-    datum = sft_datum(TOKENS[0], weights)
+    plain = sft_datum(TOKENS[0], weights)
+    # Provenance spans travel in the request and are accepted (posttrain does not use them).
+    datum = types.Datum(
+        model_input=plain.model_input,
+        loss_fn_inputs=plain.loss_fn_inputs,
+        model_input_spans=[types.PromptProvenanceSpan(sequence_id="p0", length=len(weights))],
+        loss_fn_input_spans=[types.SampledProvenanceSpan(sequence_id="s0", length=len(weights))],
+    )
     out = tc.forward([datum], "cross_entropy").result()
     lps = logprobs_of(out)[0]
     # cross_entropy is -Σ w_t·lp_t, weights taken as given (fractional, negative, zero).

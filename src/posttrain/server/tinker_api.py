@@ -278,7 +278,8 @@ class Api:
                     time.time(),
                 )
             )
-            return Outcome({"path": tinker_path, "type": f"save_{segment}"})
+            kind_name = "save_weights" if kind == "weights" else "save_weights_for_sampler"
+            return Outcome({"path": tinker_path, "type": kind_name})
 
         return job
 
