@@ -9,12 +9,14 @@ log_softmax(logits / temperature) of each sampled token over the full vocabulary
 `posttrain.engine.sampler`). Stop strings end generation as OpenAI's do (besides EOS) and are
 cut from `text` / `message.content`, never from `token_ids`.
 
-Sampling never blocks the event loop: `SamplingClient` calls return futures completed by the
-training client's own worker thread, and the handlers await them.
+Nothing blocks the event loop: `SamplerSource.sampler` may load a checkpoint, so it runs in a
+worker thread (sources are thread-safe), and `SamplingClient` calls return futures completed by
+the training client's own worker thread, which the handlers await.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -95,7 +97,7 @@ def _model_card(name: str) -> Json:
 
 
 async def _retrieve(source: SamplerSource, name: str, owner: str | None) -> Json:
-    _sampler(source, name, owner)
+    await _sampler(source, name, owner)
     return _model_card(name)
 
 
@@ -106,9 +108,9 @@ async def _body(request: Request) -> object:
         raise OpenAIError(400, "the request body is not valid JSON") from None
 
 
-def _sampler(source: SamplerSource, name: str, owner: str | None) -> SamplingClient:
+async def _sampler(source: SamplerSource, name: str, owner: str | None) -> SamplingClient:
     try:
-        return source.sampler(name, owner)
+        return await asyncio.to_thread(source.sampler, name, owner)
     except UnknownModelError:
         served = ", ".join(source.model_names(owner)) or "(none)"
         raise OpenAIError(
@@ -139,7 +141,7 @@ async def _completion(source: SamplerSource, request: Request) -> Json:
             "this server does not compute; send logprobs=0 for the sampled tokens' logprobs",
             param="logprobs",
         )
-    sampler = _sampler(source, req.model, _owner(request))
+    sampler = await _sampler(source, req.model, _owner(request))
     tokenizer = sampler.tokenizer
     prompt = _completion_prompt(tokenizer, req.prompt)
     max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -196,7 +198,7 @@ async def _chat(source: SamplerSource, request: Request) -> Json:
             "sampled tokens' logprobs; send top_logprobs=0 or leave it out",
             param="top_logprobs",
         )
-    sampler = _sampler(source, req.model, _owner(request))
+    sampler = await _sampler(source, req.model, _owner(request))
     tokenizer = sampler.tokenizer
     prompt = _chat_prompt(tokenizer, req.messages)
     max_tokens = req.max_completion_tokens or req.max_tokens
