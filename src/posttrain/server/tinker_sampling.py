@@ -1,0 +1,99 @@
+"""The Tinker protocol's sampling endpoints: sampling sessions (base model, a sampler or
+training checkpoint, or an ephemeral snapshot) and `asample`, which also serves
+`compute_logprobs` (prompt logprobs)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import HTTPException, Request
+
+from posttrain.server import tinker_schema as s
+from posttrain.server.proto import encode_sample_response, sample_response_to_json
+from posttrain.server.runtime import Outcome
+from posttrain.server.store import SamplerRow
+from posttrain.server.tinker_api import Api, not_found, owner
+from posttrain.types import ModelInput, SampleResponse, SamplingParams
+
+
+class SamplingApi:
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.rt = api.rt
+        self.store = api.store
+
+    async def create_sampling_session(
+        self, body: s.CreateSamplingSession, request: Request
+    ) -> dict[str, object]:
+        who = owner(request)
+        self.api.session(body.session_id, who)
+        row = self.sampler_row(body.model_path, body.base_model, who, body.session_id)
+        self.store.add_sampler(row)
+        return {"sampling_session_id": row.sampling_session_id, "type": "create_sampling_session"}
+
+    def sampler_row(
+        self, model_path: str | None, base_model: str | None, who: str, session_id: str | None
+    ) -> SamplerRow:
+        sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        if model_path:
+            ckpt = self.api.checkpoint(model_path, who)
+            model = self.store.model(ckpt.model_id, who)
+            if model is None:
+                raise not_found(f"checkpoint {model_path!r}")
+            return SamplerRow(
+                sampler_id, who, session_id, model.base_model, model_path, ckpt.dir, model.lora
+            )
+        if not base_model:
+            raise HTTPException(400, "give model_path (a tinker:// checkpoint) or base_model")
+        self.api.check_base_model(base_model)
+        return SamplerRow(sampler_id, who, session_id, base_model, None, None, None)
+
+    async def get_sampler(self, sampler_id: str, request: Request) -> dict[str, object]:
+        row = self.store.sampler(sampler_id, owner(request))
+        if row is None:
+            raise not_found(f"sampler {sampler_id!r}")
+        return {
+            "sampler_id": sampler_id,
+            "base_model": row.base_model,
+            "model_path": row.model_path,
+        }
+
+    async def asample(self, body: s.Sample, request: Request) -> dict[str, object]:
+        who = owner(request)
+        if body.sampling_session_id:
+            row = self.store.sampler(body.sampling_session_id, who)
+            if row is None:
+                raise not_found(f"sampling session {body.sampling_session_id!r}")
+        else:
+            row = self.sampler_row(body.model_path, body.base_model, who, None)
+        unsupported = {
+            "topk_prompt_logprobs": body.topk_prompt_logprobs > 0,
+            "topk_sample_logprobs": body.topk_sample_logprobs > 0,
+            "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
+            "prompt_logprobs_last_n": body.prompt_logprobs_last_n is not None,
+            "target_prompt_logprobs": body.target_prompt_logprobs is not None,
+        }
+        if any(unsupported.values()):
+            names = [k for k, v in unsupported.items() if v]
+            raise HTTPException(400, f"not supported by posttrain serve: {', '.join(names)}")
+        if any(c.type != "encoded_text" or c.tokens is None for c in body.prompt.chunks):
+            raise HTTPException(400, "prompt chunks must be encoded_text (token ids)")
+        if not 1 <= body.num_samples <= 1024:
+            raise HTTPException(400, f"num_samples must be in [1, 1024], got {body.num_samples}")
+        prompt = ModelInput.from_ints([t for c in body.prompt.chunks for t in c.tokens or []])
+        key = None if body.seq_id is None else f"{row.sampling_session_id}#sample{body.seq_id}"
+        rid, new = await self.api.new_future(request, "sample", key, row.sampling_session_id)
+        if new:
+            params = body.sampling_params.model_dump()
+
+            def job() -> Outcome:
+                client = self.rt.sampler_for_row(row)
+                resp = client.sample(prompt, body.num_samples, SamplingParams(**params)).result()
+                if body.prompt_logprobs:
+                    lps = client.compute_logprobs(prompt).result()
+                    resp = SampleResponse(resp.sequences, lps)
+                return Outcome(sample_response_to_json(resp), encode_sample_response(resp))
+
+            self.rt.submit(self.rt.sampling, rid, job)
+        ids = [f"{rid}:{i}" for i in range(body.num_samples)]
+        return {"request_id": rid, "sample_sequence_ids": ids}
