@@ -1,0 +1,498 @@
+"""posttrain's LocalBackend against TRL's GRPOTrainer: GRPO steps on the same model and batch.
+
+Both sides fully fine-tune the locally built Qwen2 model (`small`: ~30M parameters, fp32, no
+gradient checkpointing, nothing downloaded) on reverse-task prompts: 8 prompts x 8 samples,
+exactly 16 sampled tokens each (posttrain samples with `stop=[]`, TRL with `min_new_tokens`, so
+neither stops early), temperature 1.0, then one AdamW step on the 64 completions with the same
+learning rate, Adam betas/eps, grad clip 1.0, a PPO-clipped token-level loss (epsilon 0.2)
+averaged over every completion token of the batch, group-std-scaled advantages, no KL, no
+checkpoints, no logging. The reward is the same function on both sides (the share of the
+completion's characters that are letters of the answer: it varies within a group, so every
+group trains). TRL runs its own `trainer.train()` loop in a thread that a callback pauses
+between steps, so the two sides alternate in rounds in one process (the order flips every round:
+A B, B A, ...); each side's first step is a warm-up and is not measured.
+
+    cd /work/main && OMP_NUM_THREADS=2 .venv/bin/python benchmarks/vs_trl.py \\
+        [--steps 5] [--rounds 2] [--model-size small] [--threads 2] [--json]
+
+TRL is not a posttrain dependency: `pip install -r benchmarks/requirements-trl.txt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import platform
+import queue
+import random
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+from transformers.utils import logging as hf_logging
+
+from posttrain.backends.local import LocalBackend
+from posttrain.engine.tiny import tiny_model_path
+from posttrain.model import TrainableModel
+from posttrain.rollout import TrajectoryBuilder
+from posttrain.tasks.protocol import Problem
+from posttrain.tasks.reverse import ReverseTask
+from posttrain.types import SampleResponse, SamplingParams, TrajectoryGroup
+
+REQUIREMENTS = "benchmarks/requirements-trl.txt"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What both sides share."""
+
+    model_size: str = "small"
+    prompts: int = 8
+    group_size: int = 8
+    new_tokens: int = 16
+    learning_rate: float = 1e-5
+    temperature: float = 1.0
+    epsilon: float = 0.2
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # posttrain's (Tinker's) AdamW defaults
+    adam_eps: float = 1e-12
+    grad_clip: float = 1.0
+    threads: int = 2
+    warmup_steps: int = 1
+    steps: int = 5  # measured steps per side per round
+    rounds: int = 2
+    seed: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps * self.rounds
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One optimizer step as the caller sees it; generation is the sampling call alone."""
+
+    seconds: float
+    generation_seconds: float
+    completion_tokens: int
+    prompt_tokens: int
+
+
+def letter_share(answer: str, completion: str) -> float:
+    """The share of the completion's characters that are letters of the answer (0 if empty)."""
+    if not completion:
+        return 0.0
+    return sum(char in answer for char in completion) / len(completion)
+
+
+def make_problems(config: BenchConfig) -> list[Problem]:
+    """The prompts of every step in order (both sides see the same ones)."""
+    rng = random.Random(config.seed)
+    return ReverseTask().make_prompts(rng, config.prompts * config.total_steps)
+
+
+def import_trl() -> ModuleType:
+    try:
+        import trl
+    except ImportError as error:
+        raise SystemExit(
+            f"TRL is not installed ({error}); it is a benchmark-only dependency: "
+            f"pip install -r {REQUIREMENTS}"
+        ) from error
+    return trl
+
+
+class PosttrainSide:
+    """The step a user writes: sample_many, TrajectoryBuilder, backend.train."""
+
+    name = "posttrain"
+
+    def __init__(self, model_path: Path, config: BenchConfig, workdir: Path) -> None:
+        self.config = config
+        self.runner = asyncio.Runner()
+        self.backend = LocalBackend(workdir / "posttrain")
+        self.model = TrainableModel(
+            name="vs-trl",
+            project="bench",
+            base_model=str(model_path),
+            lora_rank=None,  # full fine-tuning
+            dtype="float32",
+            seed=config.seed,
+        )
+        self.runner.run(self.model.register(self.backend))
+
+    def step(self, problems: Sequence[Problem]) -> StepTiming:
+        return self.runner.run(self._step(problems))
+
+    async def _step(self, problems: Sequence[Problem]) -> StepTiming:
+        config = self.config
+        start = time.perf_counter()
+        sampler = self.backend.sampling_client(self.model)
+        builders = [TrajectoryBuilder(sampler.tokenizer) for _ in problems]
+        prompts = [
+            b.prompt({"role": "user", "content": p.prompt})
+            for b, p in zip(builders, problems, strict=True)
+        ]
+        params = SamplingParams(
+            max_tokens=config.new_tokens, temperature=config.temperature, stop=[]
+        )
+        sample_start = time.perf_counter()
+        responses = await sampler.sample_many(prompts, config.group_size, params)
+        generation = time.perf_counter() - sample_start
+        groups = [build_group(*args) for args in zip(builders, problems, responses, strict=True)]
+        await self.backend.train(
+            self.model,
+            groups,
+            learning_rate=config.learning_rate,
+            loss="ppo",
+            epsilon=config.epsilon,
+            loss_reduction="token_mean",
+            advantage_estimator="grpo",
+            scale_rewards=True,
+            zero_variance_groups="keep",  # TRL trains on every group
+            grad_clip=config.grad_clip,
+            save_checkpoint=False,  # TRL does not checkpoint either
+        )
+        return StepTiming(
+            seconds=time.perf_counter() - start,
+            generation_seconds=generation,
+            completion_tokens=sum(len(s.tokens) for r in responses for s in r.sequences),
+            prompt_tokens=sum(len(p) for p in prompts) * config.group_size,
+        )
+
+    def close(self) -> None:
+        self.runner.run(self.backend.close())
+        self.runner.close()
+
+
+def build_group(
+    builder: TrajectoryBuilder, problem: Problem, response: SampleResponse
+) -> TrajectoryGroup:
+    trajectories = []
+    for sequence in response.sequences:
+        turn = builder.fork()
+        text = turn.completion(sequence)
+        trajectories.append(turn.build(reward=letter_share(problem.answer, text)))
+    return TrajectoryGroup(tuple(trajectories))
+
+
+class StepGate(TrainerCallback):
+    """Holds TRL's training loop at the start of each step until the benchmark lets it go.
+
+    `arrivals` gets the time the loop reached the gate (or finished, or the exception it died
+    of), so a step is measured from its release to the next arrival: generation, loss, backward,
+    optimizer, and TRL's per-step bookkeeping between steps.
+    """
+
+    def __init__(self) -> None:
+        self.release = threading.Semaphore(0)
+        self.arrivals: queue.Queue[float | BaseException] = queue.Queue()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.arrivals.put(time.perf_counter())
+        self.release.acquire()
+        return control
+
+
+class TrlSide:
+    """TRL's GRPOTrainer.train() on the same batches, one step per call of `step`."""
+
+    name = "trl"
+
+    def __init__(
+        self, model_path: Path, config: BenchConfig, problems: list[Problem], workdir: Path
+    ):
+        self.trl = import_trl()
+        self.config = config
+        self.gate = StepGate()
+        self.generations: list[StepTiming] = []
+        self.trainer = self._make_trainer(model_path, problems, workdir)
+        self._time_generation()
+        self.thread = threading.Thread(target=self._train, name="trl-train", daemon=True)
+        self.thread.start()
+        self._wait_for_gate()
+
+    def _make_trainer(self, model_path: Path, problems: list[Problem], workdir: Path):
+        from datasets import Dataset
+
+        dataset = Dataset.from_dict(
+            {
+                "prompt": [[{"role": "user", "content": p.prompt}] for p in problems],
+                "answer": [p.answer for p in problems],
+            }
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        trainer = self.trl.GRPOTrainer(
+            model=model,
+            reward_funcs=trl_reward,
+            args=self._grpo_config(workdir),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[self.gate],
+        )
+        trainer.remove_callback(PrinterCallback)  # it prints the run's summary metrics at the end
+        return trainer
+
+    def _grpo_config(self, workdir: Path):
+        config = self.config
+        completions = config.prompts * config.group_size
+        return self.trl.GRPOConfig(
+            output_dir=str(workdir / "trl"),
+            # One generation batch of 64 completions = one micro-batch = one optimizer step.
+            per_device_train_batch_size=completions,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_iterations=1,
+            num_generations=config.group_size,
+            max_steps=config.total_steps,
+            max_completion_length=config.new_tokens,
+            generation_kwargs={"min_new_tokens": config.new_tokens},
+            temperature=config.temperature,
+            beta=0.0,
+            loss_type="dapo",  # token mean over the whole batch = posttrain's token_mean
+            epsilon=config.epsilon,
+            scale_rewards="group",
+            learning_rate=config.learning_rate,
+            lr_scheduler_type="constant",
+            adam_beta1=config.adam_betas[0],
+            adam_beta2=config.adam_betas[1],
+            adam_epsilon=config.adam_eps,
+            weight_decay=0.0,
+            max_grad_norm=config.grad_clip,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            use_cpu=True,
+            use_vllm=False,
+            shuffle_dataset=False,
+            seed=config.seed,
+            report_to="none",
+            logging_strategy="no",
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+
+    def _time_generation(self) -> None:
+        """Wrap the trainer's sampling call to time it and count its tokens (measurement only)."""
+        original: Callable = self.trainer._generate_single_turn
+
+        def timed(prompt_ids, *args, **kwargs):
+            start = time.perf_counter()
+            completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
+            self.generations.append(
+                StepTiming(
+                    seconds=0.0,
+                    generation_seconds=time.perf_counter() - start,
+                    completion_tokens=sum(len(ids) for ids in completion_ids),
+                    prompt_tokens=sum(len(ids) for ids in prompt_ids),
+                )
+            )
+            return completion_ids, logprobs
+
+        self.trainer._generate_single_turn = timed
+
+    def _train(self) -> None:
+        torch.set_num_threads(self.config.threads)
+        try:
+            self.trainer.train()
+        except BaseException as error:  # handed to the waiting benchmark thread
+            self.gate.arrivals.put(error)
+            return
+        self.gate.arrivals.put(time.perf_counter())
+
+    def _wait_for_gate(self) -> float:
+        arrival = self.gate.arrivals.get()
+        if isinstance(arrival, BaseException):
+            raise RuntimeError("TRL's training loop failed") from arrival
+        return arrival
+
+    def step(self, problems: Sequence[Problem]) -> StepTiming:
+        """Run TRL's next step (its dataset yields the same `problems` in the same order)."""
+        self.generations.clear()
+        start = time.perf_counter()
+        self.gate.release.release()
+        end = self._wait_for_gate()
+        (generation,) = self.generations
+        return StepTiming(
+            seconds=end - start,
+            generation_seconds=generation.generation_seconds,
+            completion_tokens=generation.completion_tokens,
+            prompt_tokens=generation.prompt_tokens,
+        )
+
+    def trainable_parameters(self) -> tuple[int, int]:
+        params = list(self.trainer.model.parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+    def close(self) -> None:
+        self.thread.join()
+
+
+def trl_reward(completions: list, answer: list[str], **kwargs: object) -> list[float]:
+    """`letter_share` in TRL's reward-function signature (conversational completions)."""
+    return [letter_share(a, c[0]["content"]) for c, a in zip(completions, answer, strict=True)]
+
+
+def run_rounds(
+    sides: Sequence[PosttrainSide | TrlSide], problems: list[Problem], config: BenchConfig
+) -> dict[str, list[StepTiming]]:
+    """Warm-up steps, then rounds of measured steps, the order flipping every round."""
+    batches = [problems[i : i + config.prompts] for i in range(0, len(problems), config.prompts)]
+    cursor = {side.name: 0 for side in sides}
+    timings: dict[str, list[StepTiming]] = {side.name: [] for side in sides}
+
+    def run(side: PosttrainSide | TrlSide, count: int) -> list[StepTiming]:
+        out = []
+        for _ in range(count):
+            out.append(side.step(batches[cursor[side.name]]))
+            cursor[side.name] += 1
+        return out
+
+    for side in sides:
+        run(side, config.warmup_steps)
+    for round_index in range(config.rounds):
+        order = sides if round_index % 2 == 0 else list(reversed(sides))
+        for side in order:
+            timings[side.name].extend(run(side, config.steps))
+    return timings
+
+
+def summarize(steps: list[StepTiming]) -> dict[str, float]:
+    seconds = [s.seconds for s in steps]
+    return {
+        "median_step_s": statistics.median(seconds),
+        "min_step_s": min(seconds),
+        "max_step_s": max(seconds),
+        "steps_per_s": 1 / statistics.median(seconds),
+        "completion_tokens_per_s": statistics.median(
+            s.completion_tokens / s.seconds for s in steps
+        ),
+        "completion_tokens_per_step": statistics.mean(s.completion_tokens for s in steps),
+        "prompt_tokens_per_step": statistics.mean(s.prompt_tokens for s in steps),
+        "generation_fraction": statistics.median(s.generation_seconds / s.seconds for s in steps),
+        "median_generation_s": statistics.median(s.generation_seconds for s in steps),
+    }
+
+
+def versions() -> dict[str, str]:
+    names = ["posttrain", "torch", "transformers", "trl", "accelerate", "datasets"]
+    found = {name: importlib.metadata.version(name) for name in names}
+    return {"python": platform.python_version(), **found}
+
+
+def describe(config: BenchConfig, params: tuple[int, int]) -> dict[str, object]:
+    return {
+        **asdict(config),
+        "model": f"qwen2 {config.model_size} (posttrain.engine.tiny), built locally",
+        "parameters": params[0],
+        "trainable_parameters_trl": params[1],
+        "completions_per_step": config.prompts * config.group_size,
+        "dtype": "float32",
+        "gradient_checkpointing": False,
+        "fine_tuning": "full (posttrain lora_rank=None)",
+        "loss": "ppo clip, token mean over the batch (posttrain loss='ppo', "
+        "loss_reduction='token_mean'; TRL loss_type='dapo')",
+        "advantages": "(r - mean) / std per group (posttrain grpo, scale_rewards=True; "
+        "TRL scale_rewards='group'); posttrain zero_variance_groups='keep'",
+        "kl": "none (posttrain kl_penalty_coef=0; TRL beta=0)",
+        "checkpoints": "off (posttrain save_checkpoint=False; TRL save_strategy='no')",
+        "logging": "off (posttrain: no model.log; TRL report_to='none', logging_strategy='no')",
+        "early_stop": "none (posttrain stop=[]; TRL min_new_tokens=new_tokens)",
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def print_report(report: dict[str, dict]) -> None:
+    print("configuration")
+    for key, value in {**report["config"], **report["versions"]}.items():
+        print(f"  {key:28s} {value}")
+    rows = [
+        ("median step (s)", "median_step_s", ".3f"),
+        ("min / max step (s)", None, ""),
+        ("steps/s", "steps_per_s", ".3f"),
+        ("completion tokens/s", "completion_tokens_per_s", ".0f"),
+        ("completion tokens/step", "completion_tokens_per_step", ".1f"),
+        ("prompt tokens/step", "prompt_tokens_per_step", ".1f"),
+        ("generation share of step", "generation_fraction", ".2f"),
+    ]
+    print(f"\n{'':28s} {'posttrain':>12s} {'trl':>12s}")
+    for label, key, fmt in rows:
+        if key is None:
+            cells = [
+                f"{s['min_step_s']:.3f}/{s['max_step_s']:.3f}" for s in report["sides"].values()
+            ]
+        else:
+            cells = [format(s[key], fmt) for s in report["sides"].values()]
+        print(f"  {label:26s} {cells[0]:>12s} {cells[1]:>12s}")
+    print("\nratios (posttrain / trl)")
+    for key, value in report["ratios"].items():
+        print(f"  {key:28s} {value:.2f}x")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per side per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model-size", default="small", choices=["tiny", "mini", "small"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    args = parse_args(argv)
+    config = BenchConfig(
+        model_size=args.model_size, steps=args.steps, rounds=args.rounds, threads=args.threads
+    )
+    import_trl()  # fail before building anything
+    hf_logging.set_verbosity_error()
+    # transformers' deprecation notices for arguments TRL passes on (gradient_checkpointing).
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    model_path = tiny_model_path(size=config.model_size)  # type: ignore[arg-type]
+    problems = make_problems(config)
+    with tempfile.TemporaryDirectory(prefix="posttrain-vs-trl-") as tmp:
+        workdir = Path(tmp)
+        ours = PosttrainSide(model_path, config, workdir)
+        theirs = TrlSide(model_path, config, problems, workdir)
+        try:
+            timings = run_rounds([ours, theirs], problems, config)
+        finally:
+            ours.close()
+        theirs.close()
+        params = theirs.trainable_parameters()
+    sides = {name: summarize(steps) for name, steps in timings.items()}
+    report = {
+        "config": describe(config, params),
+        "versions": versions(),
+        "sides": sides,
+        "ratios": {
+            "steps_per_s": sides["posttrain"]["steps_per_s"] / sides["trl"]["steps_per_s"],
+            "completion_tokens_per_s": sides["posttrain"]["completion_tokens_per_s"]
+            / sides["trl"]["completion_tokens_per_s"],
+        },
+        "steps": {name: [asdict(s) for s in steps] for name, steps in timings.items()},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
