@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
-from posttrain.backends.options import RLConfig, SFTConfig
 from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
+from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.backends.options import RLConfig, SFTConfig
 from posttrain.jobs.config import JobConfig, load_config, parse_config, parse_tiny_spec
+from posttrain.trainer.config import RLConfig, SFTConfig
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
 

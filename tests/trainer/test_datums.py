@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from posttrain.backends.options import RLConfig
+from posttrain.trainer.config import RLConfig
 from posttrain.trainer.datums import rl_datum, sft_datum
 from posttrain.trainer.rl import prepare_batch, split_minibatches, weighted
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup

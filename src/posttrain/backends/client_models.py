@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from posttrain.backends.capabilities import Capabilities
-from posttrain.backends.options import RLConfig, SFTConfig
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import list_checkpoints, prune_checkpoints
 from posttrain.model import TrainableModel
+from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.trainer.rl import train_rl_step
 from posttrain.trainer.sft import train_sft
 from posttrain.trainer.tensor_plots import TensorRecorder

@@ -14,7 +14,7 @@ import torch
 
 from posttrain.algo.losses import LossConfig, check_config
 from posttrain.backends.capabilities import Capabilities
-from posttrain.backends.options import RLConfig, SFTConfig
+from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.trainer.rl import loss_fn_config, prepare_batch
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 

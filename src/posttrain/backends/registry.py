@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from posttrain.backends.capabilities import CONSERVATIVE, Capabilities
-from posttrain.backends.options import RLConfig, SFTConfig
 from posttrain.backends.schema import OptionSchema, option_schema
+from posttrain.trainer.config import RLConfig, SFTConfig
 
 ENTRY_POINT_GROUP = "posttrain.backends"
 Source = Literal["builtin", "entry_point", "plugin"]

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, get_args
 
-from posttrain.backends.options import RLConfig, SFTConfig, check_field_types
 from posttrain.engine.tiny import Arch, Size
 from posttrain.tasks import get_task
+from posttrain.trainer.config import RLConfig, SFTConfig, check_field_types
 
 ARCHES: tuple[str, ...] = get_args(Arch)
 SIZES: tuple[str, ...] = get_args(Size)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algo.advantages import AdvantageConfig, compute_group_advantages, reduction_weights
-from posttrain.backends.options import RLConfig
 from posttrain.clients.protocol import TrainingClient
+from posttrain.trainer.config import RLConfig
 from posttrain.trainer.datums import pad_masks, rl_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.tensor_plots import TensorRecorder

@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from posttrain.algo.advantages import reduction_weights
-from posttrain.backends.options import SFTConfig
 from posttrain.clients.protocol import TrainingClient
 from posttrain.engine.optim import lr_multiplier
+from posttrain.trainer.config import SFTConfig
 from posttrain.trainer.datums import pad_masks, sft_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.types import AdamParams, TokenSegment, Trajectory
