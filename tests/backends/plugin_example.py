@@ -1,6 +1,103 @@
-"""Example plugin backends for the registry tests: one with hooks, one without, one broken."""
+"""Example plugin backends for the registry, preflight and job tests.
+
+`LocalPlugin` trains for real (it wraps LocalBackend) and declares itself through class hooks:
+it does not preserve token-level advantages and offers fewer losses than LocalBackend.
+`HookedBackend` only declares; `PlainBackend` has no hooks (conservative defaults);
+`BrokenBackend` and `RaisingBackend` have malformed hooks.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posttrain.backends.local import LocalBackend
+from posttrain.backends.sampling import SamplingClient
+from posttrain.model import TrainableModel
+from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+
+
+def _option(
+    name: str, type_: str, default: object, choices: list[str] | None = None
+) -> dict[str, object]:
+    return {
+        "name": name,
+        "type": type_,
+        "default": default,
+        "choices": choices,
+        "description": f"{name} (LocalPlugin)",
+    }
+
+
+class LocalPlugin:
+    """LocalBackend behind a plugin's face; records each call so tests see it was used."""
+
+    calls: list[str] = []  # noqa: RUF012 - shared on purpose: tests read what the job called
+
+    def __init__(
+        self, path: str | Path, *, keep_checkpoints: int = 2, micro_batch_tokens: int = 8192
+    ) -> None:
+        self.inner = LocalBackend(
+            path, keep_checkpoints=keep_checkpoints, micro_batch_tokens=micro_batch_tokens
+        )
+        self.micro_batch_tokens = micro_batch_tokens
+
+    @staticmethod
+    def posttrain_capabilities() -> dict[str, object]:
+        return {
+            "reports_sync_loss": True,
+            "preserves_token_advantages": False,
+            "supports_checkpoint_resume": True,
+            "resume_runtime_dependent": False,
+            "supports_sft": True,
+            "supports_kl_reference": False,
+            "supports_sampling": True,
+            "device_kinds": ["cpu"],
+        }
+
+    @staticmethod
+    def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
+        return {
+            "train": [
+                _option("learning_rate", "float", 1e-5),
+                _option("loss", "str", "ppo", ["ppo", "cispo"]),
+                _option("kimi_k2_tau", "float | null", None),
+                _option("save_checkpoint", "bool", True),
+            ],
+            "train_sft": [
+                _option(name, type_, default)
+                for name, type_, default in (
+                    ("learning_rate", "float", 1e-4),
+                    ("lr_schedule", "str", "cosine"),
+                    ("batch_size", "int", 8),
+                    ("epochs", "int", 1),
+                    ("save_checkpoint", "bool", True),
+                )
+            ],
+        }
+
+    async def register(self, model: TrainableModel) -> None:
+        self.calls.append("register")
+        await self.inner.register(model)
+
+    async def train(
+        self, model: TrainableModel, trajectory_groups: Sequence[TrajectoryGroup], **options: Any
+    ) -> TrainResult:
+        self.calls.append(f"train {sorted(options)}")
+        return await self.inner.train(model, trajectory_groups, **options)
+
+    async def train_sft(
+        self, model: TrainableModel, trajectories: Sequence[Trajectory], **options: Any
+    ) -> TrainResult:
+        self.calls.append(f"train_sft {sorted(options)}")
+        return await self.inner.train_sft(model, trajectories, **options)
+
+    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+        return self.inner.sampling_client(model)
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 class HookedBackend:
@@ -21,11 +118,7 @@ class HookedBackend:
 
     @staticmethod
     def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
-        return {
-            "train": [
-                {"name": "learning_rate", "type": "float", "default": 1e-5, "choices": None, "description": "lr"}
-            ]
-        }
+        return {"train": [_option("learning_rate", "float", 1e-5)]}
 
 
 class PlainBackend:
@@ -33,6 +126,34 @@ class PlainBackend:
 
 
 class BrokenBackend:
+    """Its capabilities hook leaves out keys and gives a string for a flag."""
+
     @staticmethod
     def posttrain_capabilities() -> dict[str, object]:
         return {"reports_sync_loss": "yes"}
+
+
+class RaisingBackend:
+    """Its option-schema hook raises."""
+
+    @staticmethod
+    def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
+        raise RuntimeError("schema server unreachable")
+
+
+class BadSchemaBackend:
+    """An option without a description."""
+
+    @staticmethod
+    def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
+        return {
+            "train": [
+                {
+                    "name": "learning_rate",
+                    "type": "float",
+                    "default": 1e-5,
+                    "choices": None,
+                    "description": "",
+                }
+            ]
+        }

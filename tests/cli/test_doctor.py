@@ -1,22 +1,129 @@
+"""`posttrain doctor` on this machine, on a storage path it cannot write, and against a real
+loopback HTTP server that accepts one key and answers 401 otherwise."""
+
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 
 from posttrain.cli.main import main
 
+GOOD_KEY = "tml-good"
+
+
+class _KeyedHealth(BaseHTTPRequestHandler):
+    """/healthz: 200 with the good X-API-Key, 401 otherwise (as posttrain serve answers)."""
+
+    def do_GET(self) -> None:
+        ok = self.path == "/healthz" and self.headers.get("X-API-Key") == GOOD_KEY
+        self.send_response(200 if ok else 401)
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}' if ok else b'{"detail": "invalid API key"}')
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _KeyedHealth)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(autouse=True)
+def no_server_env(monkeypatch):
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+
+
+def _doctor(capsys, *args: str) -> tuple[int, str]:
+    code = main(["doctor", *args])
+    return code, capsys.readouterr().out
+
 
 def test_doctor_passes_on_this_machine(tmp_path, capsys):
-    assert main(["doctor", "--storage", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    code, out = _doctor(capsys, "--storage", str(tmp_path))
+    assert code == 0
     assert "PASS  python" in out and "PASS  torch" in out and "PASS  storage writable" in out
+    # Every optional dependency is reported with what needs it (the dev venv has them all).
+    for dist in ("ray", "tinker", "fastapi", "uvicorn", "protobuf", "zstandard", "openai"):
+        assert f"optional: {dist}" in out
+    assert "(for posttrain serve (zstd bodies))" in out
+    assert "server" not in out.split("free disk")[1]  # no server configured: none checked
 
 
 def test_doctor_fails_on_storage_under_a_file(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert main(["doctor", "--storage", str(blocker / "store")]) == 1
-    assert "FAIL  storage writable" in capsys.readouterr().out
+    code, out = _doctor(capsys, "--storage", str(blocker / "store"))
+    assert code == 1 and "FAIL  storage writable" in out and "choose another --storage" in out
 
 
 def test_doctor_fails_cleanly_on_unreachable_server(tmp_path, capsys):
     # Port 9 on loopback (discard) is closed here: the connection is refused at once.
-    assert main(["doctor", "--storage", str(tmp_path), "--server", "http://127.0.0.1:9", "--timeout", "1"]) == 1
-    assert "unreachable" in capsys.readouterr().out
+    code, out = _doctor(
+        capsys, "--storage", str(tmp_path), "--server", "http://127.0.0.1:9", "--timeout", "1"
+    )
+    assert code == 1 and "http://127.0.0.1:9 (--server) unreachable within 1.0s" in out
+
+
+def test_a_401_is_a_failure_naming_the_fix(tmp_path, capsys, monkeypatch, server):
+    code, out = _doctor(capsys, "--storage", str(tmp_path), "--server", server)
+    assert code == 1
+    assert "FAIL  server" in out and "answered 401: it needs an API key; set TINKER_API_KEY" in out
+    monkeypatch.setenv("TINKER_API_KEY", "tml-wrong")
+    code, out = _doctor(capsys, "--storage", str(tmp_path), "--server", server)
+    assert code == 1 and "answered 401: the key from $TINKER_API_KEY was rejected" in out
+    monkeypatch.setenv("TINKER_API_KEY", GOOD_KEY)
+    code, out = _doctor(capsys, "--storage", str(tmp_path), "--server", server)
+    assert (
+        code == 0
+        and "PASS  server" in out
+        and "answered 200, key from $TINKER_API_KEY accepted" in out
+    )
+
+
+def test_the_server_comes_from_the_environment(tmp_path, capsys, monkeypatch, server):
+    monkeypatch.setenv("TINKER_BASE_URL", server)
+    monkeypatch.setenv("TINKER_API_KEY", GOOD_KEY)
+    code, out = _doctor(capsys, "--storage", str(tmp_path))
+    assert code == 0 and f"{server} ($TINKER_BASE_URL) answered 200" in out
+
+
+def test_the_server_and_key_come_from_a_config(tmp_path, capsys, monkeypatch, server):
+    monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")  # the config's wins
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'[run]\nbackend = "tinker"\noutput_dir = "{tmp_path / "runs"}"\n'
+        f'[model]\nlora_rank = 4\n[backend]\nbase_url = "{server}"\napi_key = "tml-stale"\n'
+    )
+    code, out = _doctor(capsys, "--config", str(config))
+    assert code == 1
+    assert "PASS  backend" in out and "tinker (capabilities: declared)" in out
+    assert (
+        f"{server} ([backend] base_url in {config}) answered 401: the key from [backend] api_key"
+        in out
+    )
+    # The storage checked is the config's output_dir.
+    (storage,) = [line for line in out.splitlines() if line.startswith("PASS  storage writable")]
+    assert storage.endswith(str(tmp_path / "runs"))
+    config.write_text(config.read_text().replace("tml-stale", GOOD_KEY))
+    code, out = _doctor(capsys, "--config", str(config))
+    assert code == 0 and "answered 200, key from [backend] api_key" in out
+
+
+def test_a_config_with_a_bad_backend_fails(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text('[run]\nbackend = "nopkg.mod:Backend"\n')
+    code, out = _doctor(capsys, "--config", str(config), "--storage", str(tmp_path))
+    assert code == 1 and "FAIL  backend" in out and "cannot import module 'nopkg.mod'" in out
+    config.write_text("[rl]\nstep = 1\n")
+    code, out = _doctor(capsys, "--config", str(config), "--storage", str(tmp_path))
+    assert code == 1 and "FAIL  config" in out and "unknown key 'step'" in out

@@ -1,31 +1,138 @@
-"""`posttrain explain` on every shipped example config, and on one preflight must refuse."""
+"""`posttrain explain`: every shipped example, a dataset config, a plugin backend, configs
+preflight refuses, and configs that cannot be read (a message, never a traceback)."""
 
 from __future__ import annotations
 
 import json
+import random
 from importlib import resources
 from pathlib import Path
 
 import pytest
 
+from posttrain.cli.explain_cmd import PLAN_NOTES
 from posttrain.cli.main import main
+from posttrain.engine.tiny import build_tokenizer
+from posttrain.jobs.config import load_config
+from posttrain.jobs.rollouts import derive_seed
+from posttrain.tasks import get_task
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
+PLUGINS = Path(__file__).parents[1] / "backends"
+# The step counts each shipped example states in its comments.
+SFT_STEPS = {"reverse": 300, "addition": 320}
+
+
+@pytest.fixture(autouse=True)
+def plugin_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+
+
+def _explain(capsys, path: Path, code: int = 0) -> dict:
+    assert main(["explain", str(path), "--json"]) == code
+    return json.loads(capsys.readouterr().out)
+
+
+def _prompt_tokens(path: Path) -> int:
+    """Reference count: step 1's prompts rendered straight by the chat template."""
+    config = load_config(path)
+    tokenizer = build_tokenizer()
+    rng = random.Random(derive_seed(config.run.seed, "rl", 0))
+    problems = get_task(config.run.task).make_prompts(rng, config.rl.prompts_per_step)
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for p in problems
+    ]
+    return sum(len(r) for r in rendered)
 
 
 def test_there_are_examples():
-    assert len(EXAMPLES) >= 2
+    assert {p.stem for p in EXAMPLES} == set(SFT_STEPS)
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: p.stem)
 def test_explain_every_example(config, capsys):
-    assert main(["explain", str(config), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = _explain(capsys, config)
     assert report["preflight"] == {"ok": True, "problems": []}
-    assert report["backend"]["capabilities"]["supports_sft"] is True
+    assert (
+        report["backend"]["name"] == "local" and report["backend"]["capabilities"]["supports_sft"]
+    )
     plan = report["plan"]
+    assert set(plan) == set(PLAN_NOTES) == set(report["plan_notes"])
+    assert plan["sft_optimizer_steps"] == SFT_STEPS[config.stem]
+    assert plan["sft_dataset_rows"] == 0
     assert plan["rl_completions_per_step"] == plan["rl_prompts_per_step"] * plan["rl_group_size"]
+    loaded = load_config(config)
+    assert (
+        plan["rl_sampled_tokens_per_step_max"]
+        == plan["rl_completions_per_step"] * loaded.rl.max_tokens
+    )
+    prompts = _prompt_tokens(config) * loaded.rl.group_size
+    assert plan["rl_prompt_tokens_per_step_estimate"] == prompts
+    assert (
+        plan["rl_trained_tokens_per_step_max_estimate"]
+        == prompts + plan["rl_sampled_tokens_per_step_max"]
+    )
     assert report["config"]["rl"]["trainer"]["learning_rate"] > 0
+
+
+def test_sft_steps_count_the_dataset_rows(tmp_path, capsys):
+    conversation = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    }
+    (tmp_path / "chats.jsonl").write_text("\n".join([json.dumps(conversation)] * 3) + "\n\n")
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[sft]\nexamples = 2\ndataset = "chats.jsonl"\nbatch_size = 2\nepochs = 3\n[rl]\nsteps = 1\n'
+    )
+    plan = _explain(capsys, config)["plan"]
+    # 2 task examples + 3 conversations (the blank line is no row) = 5: ceil(5 / 2) x 3 = 9.
+    assert (plan["sft_examples"], plan["sft_dataset_rows"], plan["sft_optimizer_steps"]) == (
+        2,
+        3,
+        9,
+    )
+    assert main(["explain", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "sft_dataset_rows = 3  # conversations in the [sft] dataset file" in out
+    assert (
+        "rl_sampled_tokens_per_step_max = 2048  # completions x max_tokens: sampled tokens at most"
+        in out
+    )
+
+
+def test_a_bad_dataset_is_a_preflight_problem(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text('[sft]\ndataset = "missing.jsonl"\n')
+    report = _explain(capsys, config, code=1)
+    assert report["preflight"]["problems"] == [
+        {
+            "call": "train_sft",
+            "option": "[sft] dataset",
+            "message": f"SFT dataset {str(tmp_path / 'missing.jsonl')!r} does not exist",
+        }
+    ]
+
+
+def test_explain_shows_a_plugin_backend_and_its_capabilities(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[run]\nbackend = "plugin_example:LocalPlugin"\n[backend]\nmicro_batch_tokens = 4096\n'
+        "[rl]\nlearning_rate = 1e-4\n"
+    )
+    report = _explain(capsys, config)
+    backend = report["backend"]
+    assert (backend["source"], backend["capabilities_source"]) == ("plugin", "hook")
+    assert backend["capabilities"]["preserves_token_advantages"] is False
+    assert backend["constructor_options"] == {"micro_batch_tokens": 4096}
+    assert report["config"]["backend"] == {"micro_batch_tokens": 4096}
+    assert main(["explain", str(config)]) == 0
+    assert "preserves_token_advantages = False" in capsys.readouterr().out
 
 
 def test_explain_reports_preflight_problems(tmp_path, capsys):
@@ -33,13 +140,49 @@ def test_explain_reports_preflight_problems(tmp_path, capsys):
     config.write_text('[run]\ntask = "reverse"\n[rl]\ntruncated_importance_sampling = 2.0\n')
     assert main(["explain", str(config)]) == 1
     out = capsys.readouterr().out
-    assert "truncated_importance_sampling: needs precalculate_logprobs" in out
+    assert "train() truncated_importance_sampling: needs precalculate_logprobs" in out
     assert "rl_completions_per_step" in out
+    plugin = tmp_path / "plugin.toml"
+    plugin.write_text(
+        '[run]\nbackend = "plugin_example:LocalPlugin"\n[backend]\nmicro_batch = 1\n'
+        "[rl]\nkimi_k2_tau = 0.1\nnum_minibatches = 2\n"
+    )
+    problems = _explain(capsys, plugin, code=1)["preflight"]["problems"]
+    assert [(p["call"], p["option"]) for p in problems] == [
+        ("backend", "[backend]"),
+        ("train", "num_minibatches"),
+        ("train", "kimi_k2_tau"),
+    ]
+    assert "advantage-flow probe" in problems[2]["message"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "config file"),
+        ("[rl]\nstep = 3\n", "[rl] unknown key 'step'; did you mean 'steps'?"),
+        (
+            '[run]\nbackend = "locl"\n',
+            "[run] unknown backend 'locl'; known backends: local, ray, tinker",
+        ),
+        ("[rl\n", "invalid TOML"),
+    ],
+)
+def test_unreadable_configs_exit_2_without_a_traceback(tmp_path, capsys, text, message):
+    config = tmp_path / "job.toml"
+    if text is not None:
+        config.write_text(text)
+    assert main(["explain", str(config)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("posttrain explain: error: ") and message in captured.err
+    assert "Traceback" not in captured.out + captured.err
 
 
 def test_train_runs_preflight_before_any_work(tmp_path, capsys):
     config = tmp_path / "bad.toml"
-    config.write_text(f'[run]\ntask = "reverse"\noutput_dir = "{tmp_path}/runs"\n[rl]\nkl_estimator = "k1"\n')
+    config.write_text(
+        f'[run]\ntask = "reverse"\noutput_dir = "{tmp_path}/runs"\n[rl]\nkl_estimator = "k1"\n'
+    )
     assert main(["train", str(config)]) == 2
-    assert "kl_estimator: has no effect with kl_penalty_coef=0" in capsys.readouterr().err
+    assert "train() kl_estimator: has no effect with kl_penalty_coef=0" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()

@@ -39,9 +39,11 @@ class Capabilities:
         unknown = sorted(set(values) - known)
         missing = sorted(known - set(values))
         if unknown or missing:
+            found = [f"unknown keys {unknown}"] if unknown else []
+            found += [f"missing keys {missing}"] if missing else []
             raise ValueError(
-                f"{source} returned malformed capabilities: unknown keys {unknown}, "
-                f"missing keys {missing}; expected exactly {sorted(known)}"
+                f"{source} returned malformed capabilities: {', '.join(found)}; "
+                f"expected exactly {sorted(known)}"
             )
         data = dict(values)
         kinds = data.get("device_kinds")

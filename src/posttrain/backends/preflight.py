@@ -7,18 +7,33 @@ would ignore, and whether the configured advantage flow produces token-varying a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-
-import torch
 
 from posttrain.algo.losses import LossConfig, check_config
 from posttrain.backends.capabilities import Capabilities
+from posttrain.backends.probe import probe_advantage_flow
+from posttrain.backends.schema import OptionSchema
 from posttrain.trainer.config import RLConfig, SFTConfig
-from posttrain.trainer.rl import loss_fn_config, prepare_batch
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.trainer.rl import loss_fn_config
+from posttrain.types import TrajectoryGroup
 
 _RL_DEFAULTS = {f.name: f.default for f in fields(RLConfig)}
+_SFT_DEFAULTS = {f.name: f.default for f in fields(SFTConfig)}
+
+# Options known to give the tokens of one sequence different advantages (the static check).
+TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] = (
+    (
+        "kimi_k2_tau",
+        lambda c: bool(c.kimi_k2_tau),
+        "kimi_k2_tau shifts each token's advantage by its log-ratio",
+    ),
+    (
+        "kl_mode",
+        lambda c: c.kl_penalty_coef > 0 and c.kl_mode == "advantage",
+        "kl_mode='advantage' shapes each token's advantage by its KL",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -81,33 +96,60 @@ def conflicts(config: RLConfig) -> list[Problem]:
     return problems
 
 
-def synthetic_groups() -> list[TrajectoryGroup]:
-    """Two small groups with distinct rewards, lengths and logprobs, to probe the flow."""
+def token_advantage_problem(backend: str, config: RLConfig) -> Problem | None:
+    """Token-varying advantages for a backend that keeps one per sequence: found from the
+    options (static) and by the probe, which also catches flows no static rule names."""
+    static = [(name, why) for name, applies, why in TOKEN_VARYING_OPTIONS if applies(config)]
+    try:
+        finding = probe_advantage_flow(config)
+    except ValueError as exc:
+        return Problem("advantages", f"the advantage-flow probe failed on synthetic groups: {exc}")
+    if not static and finding is None:
+        return None
+    reasons = [why for _, why in static] + ([str(finding)] if finding else [])
+    return Problem(
+        static[0][0] if static else "advantages",
+        f"{'; '.join(reasons)}; but {backend} does not preserve token-level advantages "
+        "(preserves_token_advantages=false), so it would carry one value per sequence; "
+        "drop the option or use a backend that preserves them",
+    )
 
-    def trajectory(n: int, reward: float) -> Trajectory:
-        sampled = TokenSegment(
-            tuple(range(10, 10 + n)), True, tuple(-0.1 * (i + 1) for i in range(n))
-        )
-        return Trajectory((TokenSegment((1, 2, 3)), sampled), reward)
 
-    return [
-        TrajectoryGroup((trajectory(3, 1.0), trajectory(5, 0.0), trajectory(4, 0.5))),
-        TrajectoryGroup((trajectory(6, 0.2), trajectory(2, 0.9))),
-    ]
+def unsupported_options(
+    backend: str,
+    call: str,
+    values: Mapping[str, object],
+    defaults: Mapping[str, object],
+    schema: Sequence[OptionSchema],
+) -> list[Problem]:
+    """Options `backend` does not declare, set away from their default, and values outside
+    the choices it declares (a remote backend may offer fewer losses than the local one)."""
+    declared = {o.name: o for o in schema}
+    problems: list[Problem] = []
+    for name, value in values.items():
+        if name not in declared:
+            if value != defaults[name]:
+                supported = ", ".join(sorted(declared)) or "none declared"
+                problems.append(
+                    Problem(
+                        name,
+                        f"{backend}.{call}() does not take this option (set to {value!r}); "
+                        f"remove it or use a backend that has it ({backend} takes: {supported})",
+                    )
+                )
+        elif declared[name].choices is not None and value not in declared[name].choices:  # type: ignore[operator]
+            problems.append(
+                Problem(
+                    name,
+                    f"{value!r} is not one of the choices {backend}.{call}() declares "
+                    f"{list(declared[name].choices or ())}; pick one of those or another backend",
+                )
+            )
+    return problems
 
 
-def token_varying_advantages(config: RLConfig) -> str | None:
-    """Why advantages would vary within a sequence, or None (static check, then a probe)."""
-    if config.kimi_k2_tau:
-        return "kimi_k2_tau shifts each token's advantage by its log-ratio"
-    if config.kl_penalty_coef > 0 and config.kl_mode == "advantage":
-        return "kl_mode='advantage' shapes each token's advantage by its KL"
-    for datum in prepare_batch(synthetic_groups(), config).datums:
-        mask = datum.loss_fn_inputs["mask"] > 0
-        values = datum.loss_fn_inputs["advantages"][mask]
-        if values.numel() and not torch.allclose(values, values[0].expand_as(values)):
-            return "the advantage flow gives different advantages to tokens of one sequence"
-    return None
+def _values(config: RLConfig | SFTConfig) -> dict[str, object]:
+    return {f.name: getattr(config, f.name) for f in fields(config)}
 
 
 def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[Problem]:
@@ -132,9 +174,17 @@ def preflight_rl(
     capabilities: Capabilities,
     config: RLConfig,
     groups: Sequence[TrajectoryGroup] = (),
+    *,
+    options: Sequence[OptionSchema] | None = None,
 ) -> None:
-    """Raise PreflightError listing every problem; return quietly when there is none."""
+    """Raise PreflightError listing every problem; return quietly when there is none.
+
+    `options` is the backend's declared `train()` schema: when given, options it lacks (set
+    away from their default) and values outside its choices are refused too.
+    """
     problems = conflicts(config)
+    if options is not None:
+        problems += unsupported_options(backend, "train", _values(config), _RL_DEFAULTS, options)
     if config.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
             Problem(
@@ -144,25 +194,30 @@ def preflight_rl(
             )
         )
     if not capabilities.preserves_token_advantages:
-        reason = token_varying_advantages(config)
-        if reason:
-            problems.append(
-                Problem(
-                    "advantages",
-                    f"{reason}, but {backend} does not preserve token-level "
-                    "advantages (preserves_token_advantages=false); change the options or the backend",
-                )
-            )
+        problem = token_advantage_problem(backend, config)
+        if problem is not None:
+            problems.append(problem)
     problems += missing_logprobs(config, groups)
     if problems:
         raise PreflightError(backend, problems)
 
 
-def preflight_sft(backend: str, capabilities: Capabilities, config: SFTConfig) -> None:
+def preflight_sft(
+    backend: str,
+    capabilities: Capabilities,
+    config: SFTConfig,
+    *,
+    options: Sequence[OptionSchema] | None = None,
+) -> None:
+    """Raise PreflightError listing every problem of an SFT call; `options` as in preflight_rl."""
     problems: list[Problem] = []
     if not capabilities.supports_sft:
         problems.append(
             Problem("train_sft", f"{backend} does not support SFT (supports_sft=false)")
+        )
+    if options is not None:
+        problems += unsupported_options(
+            backend, "train_sft", _values(config), _SFT_DEFAULTS, options
         )
     if config.warmup_steps and config.lr_schedule == "constant" and config.min_lr_ratio != 0.0:
         problems.append(Problem("min_lr_ratio", "has no effect with lr_schedule='constant'"))

@@ -1,14 +1,27 @@
-"""Option schemas, derived from the typed option definitions (one source of truth)."""
+"""Option schemas, derived from the typed option definitions (one source of truth).
+
+`option_schema` reads a backend's `train()` / `train_sft()` TypedDict: the type and choices from
+the annotation, the default from the matching config dataclass, the description from
+`Annotated[..., "text"]` metadata on the field or else `backends.options.HELP`. An option with
+no description is an error, so the listing can never show an undocumented option.
+`constructor_schema` describes the keyword arguments a backend's constructor takes (what a job
+config's `[backend]` table may set).
+"""
 
 from __future__ import annotations
 
+import inspect
+import keyword
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Literal, Union, get_args, get_origin, get_type_hints
+from pathlib import PurePath
+from typing import Annotated, Literal, Union, get_args, get_origin, get_type_hints
 
 from posttrain.backends.options import HELP, option_names
 
 JSONScalar = str | int | float | bool | None
+OPTION_KEYS = ("name", "type", "default", "choices", "description")
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,57 @@ class OptionSchema:
             "choices": list(self.choices) if self.choices is not None else None,
             "description": self.description,
         }
+
+    @classmethod
+    def from_mapping(cls, row: object, source: str) -> OptionSchema:
+        """Build from a plugin hook's dict; anything malformed is a ValueError naming `source`."""
+        if not isinstance(row, Mapping) or set(row) != set(OPTION_KEYS):
+            keys = sorted(row) if isinstance(row, Mapping) else type(row).__name__
+            raise ValueError(
+                f"{source}: each option must be a dict with keys {list(OPTION_KEYS)}, got {keys}"
+            )
+        name, type_, default, choices, description = (row[k] for k in OPTION_KEYS)
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"{source}: option name {name!r} is not a valid keyword argument name")
+        if not isinstance(type_, str) or not type_:
+            raise ValueError(f"{source}: option {name!r} needs its type as a string, got {type_!r}")
+        if not isinstance(description, str) or not description.strip():
+            raise ValueError(f"{source}: option {name!r} needs a description (a non-empty string)")
+        if not _is_scalar(default):
+            raise ValueError(f"{source}: option {name!r} default {default!r} is not a JSON scalar")
+        if choices is not None:
+            if not isinstance(choices, list | tuple) or not all(_is_scalar(c) for c in choices):
+                raise ValueError(
+                    f"{source}: option {name!r} choices must be a list of scalars or null"
+                )
+            if default is not None and default not in choices:
+                raise ValueError(
+                    f"{source}: option {name!r} default {default!r} is not one of its choices"
+                )
+            choices = tuple(choices)
+        return cls(name, type_, default, choices, description)
+
+
+@dataclass(frozen=True)
+class ParameterSchema:
+    """One keyword argument of a backend's constructor; `**name` stands for `**kwargs`."""
+
+    name: str
+    type: str
+    default: JSONScalar
+    required: bool
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "type": self.type,
+            "default": self.default,
+            "required": self.required,
+        }
+
+
+def _is_scalar(value: object) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
 
 
 def type_name(annotation: object) -> str:
@@ -54,17 +118,71 @@ def choices_of(annotation: object) -> tuple[JSONScalar, ...] | None:
     return None
 
 
+def description_of(options_type: type, name: str, annotation: object) -> str:
+    """The field's `Annotated` string metadata, else HELP[name]; missing is an error."""
+    if get_origin(annotation) is Annotated:
+        texts = [m for m in annotation.__metadata__ if isinstance(m, str)]  # type: ignore[attr-defined]
+        if texts:
+            return texts[0]
+    if name in HELP:
+        return HELP[name]
+    raise ValueError(
+        f"option {name!r} of {options_type.__name__} has no description: annotate it as "
+        f"Annotated[<type>, 'what it does'] (or add it to posttrain.backends.options.HELP)"
+    )
+
+
 def option_schema(options_type: type, config_type: type) -> list[OptionSchema]:
     """Schemas of the options a TypedDict declares, with defaults from its config dataclass."""
     hints = get_type_hints(options_type)
+    extras = get_type_hints(options_type, include_extras=True)
     defaults = {f.name: f.default for f in fields(config_type) if f.default is not MISSING}
     return [
         OptionSchema(
             name=name,
             type=type_name(hints[name]),
-            default=defaults.get(name),  # type: ignore[arg-type]
+            default=defaults.get(name),  # type: ignore[arg-type]  # a plugin option may have no default
             choices=choices_of(hints[name]),
-            description=HELP.get(name, ""),
+            description=description_of(options_type, name, extras[name]),
         )
         for name in sorted(option_names(options_type))
     ]
+
+
+def constructor_hints(factory: Callable[..., object]) -> dict[str, object]:
+    """The resolved annotations of `factory`'s parameters ({} when they cannot be resolved)."""
+    target = factory.__init__ if isinstance(factory, type) else factory  # type: ignore[misc]
+    try:
+        return get_type_hints(target)
+    except Exception:  # names only imported under TYPE_CHECKING: fall back to no types
+        return {}
+
+
+def constructor_parameters(factory: Callable[..., object]) -> dict[str, inspect.Parameter]:
+    """`factory`'s parameters without `self` and `*args` (those a config table could set)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cannot read the signature of {factory!r}: {exc}") from None
+    return {name: p for name, p in signature.parameters.items() if p.kind != p.VAR_POSITIONAL}
+
+
+def constructor_schema(factory: Callable[..., object]) -> list[ParameterSchema]:
+    hints = constructor_hints(factory)
+    out: list[ParameterSchema] = []
+    for name, p in constructor_parameters(factory).items():
+        if p.kind == p.VAR_KEYWORD:
+            out.append(ParameterSchema(f"**{name}", "any", None, False))
+            continue
+        annotation = hints.get(name, p.annotation)
+        type_ = "any" if annotation is inspect.Parameter.empty else type_name(annotation)
+        default = p.default
+        if isinstance(default, PurePath):
+            default = str(default)
+        required = default is inspect.Parameter.empty
+        if required:
+            default = None
+        elif not _is_scalar(default):
+            default = repr(default)
+        out.append(ParameterSchema(name, type_, default, required))
+    return out

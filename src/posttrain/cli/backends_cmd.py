@@ -1,55 +1,108 @@
-"""`posttrain backends [--json]`: every backend, its dependencies, capabilities and options."""
+"""`posttrain backends [--json] [--plugin PKG.MODULE:FACTORY ...]`: every backend, its
+dependencies, capabilities, option schemas and constructor arguments.
+
+Exit status: 0, or 1 when a backend asked for with `--plugin` cannot be resolved, imported or
+described (each such backend is reported, never a traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from posttrain.backends.registry import BackendInfo, all_backends, describe
+from posttrain.backends.registry import (
+    BackendInfo,
+    all_backends,
+    describe_or_report,
+    plugin_contract,
+    resolve,
+)
 
-SCHEMA_VERSION = 1
+# 2: adds "error" and "constructor" to each backend and the top-level "plugins" contract.
+SCHEMA_VERSION = 2
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("backends", help="list backends with capabilities and options")
-    parser.add_argument("--json", action="store_true", help="machine-readable output (schema v1)")
+    parser.add_argument(
+        "--json", action="store_true", help=f"machine-readable output (schema v{SCHEMA_VERSION})"
+    )
     parser.add_argument(
         "--plugin",
         action="append",
         default=[],
-        metavar="PKG.MODULE:CLASS",
+        metavar="PKG.MODULE:FACTORY",
         help="also describe this plugin backend (repeatable)",
     )
     parser.set_defaults(handler=run)
 
 
-def report(plugins: list[str]) -> dict[str, object]:
-    infos = all_backends() + [describe(p) for p in plugins]
-    return {"schema_version": SCHEMA_VERSION, "backends": [i.as_dict() for i in infos]}
+def _describe_plugins(specs: list[str]) -> tuple[list[BackendInfo], list[str]]:
+    """Infos of the asked-for plugins, and an error line for each that is not usable."""
+    infos: list[BackendInfo] = []
+    errors: list[str] = []
+    for spec in specs:
+        try:
+            resolve(spec)
+        except ValueError as exc:
+            errors.append(str(exc))
+            continue
+        info = describe_or_report(spec)
+        infos.append(info)
+        if info.error or not info.importable:
+            errors.append(str(info.error or info.import_error))  # each names the backend
+    return infos, errors
+
+
+def report(infos: list[BackendInfo]) -> dict[str, object]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "backends": [i.as_dict() for i in infos],
+        "plugins": plugin_contract(),
+    }
 
 
 def _text(info: BackendInfo) -> str:
-    status = "ok" if info.importable else f"not importable ({info.import_error})"
+    if info.error:
+        status = f"INVALID: {info.error}"
+    else:
+        status = "ok" if info.importable else f"not importable ({info.import_error})"
     lines = [f"{info.name}  [{info.source}]  {info.target}  -> {status}"]
     if info.extra:
         lines.append(f"  install: pip install 'posttrain[{info.extra}]'")
+    if info.error:
+        return "\n".join(lines)
     caps = info.capabilities.as_dict()
     flags = [k for k, v in caps.items() if v is True]
     lines.append(f"  capabilities ({info.capabilities_source}): {', '.join(flags) or 'none'}")
     lines.append(f"  devices: {', '.join(info.capabilities.device_kinds) or '-'}")
+    if info.constructor:
+        args = [p.name + ("" if p.required else f"={p.default!r}") for p in info.constructor]
+        lines.append(f"  constructor ([backend] table): {', '.join(args)}")
     for call, options in (("train", info.train_options), ("train_sft", info.train_sft_options)):
-        lines.append(f"  {call}() options:")
+        lines.append(f"  {call}() options:" + ("" if options else " none declared"))
         for o in options:
             choices = f" {{{', '.join(map(str, o.choices))}}}" if o.choices else ""
             lines.append(f"    {o.name:32s} {o.type:18s} default={o.default!r}{choices}")
+            lines.append(f"      {o.description}")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    data = report(args.plugin)
+    plugins, errors = _describe_plugins(args.plugin)
+    infos = all_backends() + plugins
     if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    infos = all_backends() + [describe(p) for p in args.plugin]
-    print("\n\n".join(_text(i) for i in infos))
-    return 0
+        print(json.dumps(report(infos), indent=2))
+    else:
+        print("\n\n".join(_text(i) for i in infos))
+        contract = plugin_contract()
+        print(
+            f"\nplugins: name one by dotted path ({contract['dotted_path']}) or install it under "
+            f"the entry-point group {contract['entry_point_group']!r}; hooks "
+            f"{contract['capabilities_hook']}() and {contract['option_schema_hook']}() on the "
+            "factory or its module declare what it can do (without them: conservative defaults)"
+        )
+    for error in errors:
+        print(f"posttrain backends: error: {error}", file=sys.stderr)
+    return 1 if errors else 0

@@ -1,8 +1,15 @@
-"""`posttrain doctor`: is this machine ready? A pass / warn / fail table; non-zero on a fail."""
+"""`posttrain doctor [--config JOB.toml]`: is this machine ready? A pass / warn / fail table.
+
+Checks Python, torch, the optional dependencies (which extra installs each), write access and
+free disk at the storage path, the configured backend, and the configured server: `--server`,
+else the config's `[backend] base_url`, else `$TINKER_BASE_URL`, asked with the configured
+API key (`[backend] api_key`, else `$TINKER_API_KEY`). Exit status 1 on any fail.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -16,14 +23,34 @@ from pathlib import Path
 from typing import Literal
 
 Status = Literal["pass", "warn", "fail"]
-OPTIONAL = {
-    "ray": "ray",
-    "fastapi": "server",
-    "uvicorn": "server",
-    "tinker": "tinker",
-    "openai": "server",
-}
 MIN_FREE_GB = 5.0
+DEFAULT_STORAGE = ".posttrain"
+
+
+@dataclass(frozen=True)
+class OptionalDependency:
+    module: str
+    distribution: str
+    needed_by: str
+    install: str
+
+
+OPTIONAL = (
+    OptionalDependency("ray", "ray", "RayBackend", "pip install 'posttrain[ray]'"),
+    OptionalDependency("tinker", "tinker", "TinkerBackend", "pip install 'posttrain[tinker]'"),
+    OptionalDependency("fastapi", "fastapi", "posttrain serve", "pip install 'posttrain[server]'"),
+    OptionalDependency("uvicorn", "uvicorn", "posttrain serve", "pip install 'posttrain[server]'"),
+    OptionalDependency(
+        "google.protobuf",
+        "protobuf",
+        "posttrain serve (wire protocol)",
+        "pip install 'posttrain[server]'",
+    ),
+    OptionalDependency(
+        "zstandard", "zstandard", "posttrain serve (zstd bodies)", "pip install 'posttrain[server]'"
+    ),
+    OptionalDependency("openai", "openai", "TrainableModel.openai_client()", "pip install openai"),
+)
 
 
 @dataclass(frozen=True)
@@ -33,9 +60,23 @@ class Check:
     detail: str
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    source: str  # where the URL came from
+    key: str | None
+    key_source: str | None
+
+
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("doctor", help="check Python, torch, extras, storage, server")
-    parser.add_argument("--storage", default=".posttrain", help="where checkpoints will be written")
+    parser.add_argument(
+        "--config", type=Path, help="a job config: check its backend, storage and server"
+    )
+    parser.add_argument(
+        "--storage",
+        help=f"where checkpoints will be written (default: the config's output_dir, else {DEFAULT_STORAGE})",
+    )
     parser.add_argument("--server", help="a posttrain/Tinker server URL to check")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the server")
     parser.set_defaults(handler=run)
@@ -63,10 +104,18 @@ def check_torch() -> Check:
 
 def check_optional() -> list[Check]:
     checks = []
-    for module, extra in OPTIONAL.items():
-        found = importlib.util.find_spec(module) is not None
-        detail = "installed" if found else f"missing: pip install 'posttrain[{extra}]'"
-        checks.append(Check(f"optional: {module}", "pass" if found else "warn", detail))
+    for dep in OPTIONAL:
+        name = f"optional: {dep.distribution}"
+        if importlib.util.find_spec(dep.module) is None:
+            checks.append(
+                Check(name, "warn", f"missing (needed by {dep.needed_by}): {dep.install}")
+            )
+            continue
+        try:
+            version = importlib.metadata.version(dep.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            version = "version unknown"
+        checks.append(Check(name, "pass", f"{version} (for {dep.needed_by})"))
     return checks
 
 
@@ -87,30 +136,99 @@ def check_storage(path: Path) -> list[Check]:
     return [write, disk]
 
 
-def check_server(url: str, timeout: float) -> Check:
+def check_server(server: Server, timeout: float) -> Check:
+    """GET /healthz with the configured key; a 401/403 means the key is missing or wrong."""
+    where = f"{server.url} ({server.source})"
+    headers = {"X-API-Key": server.key} if server.key else {}
+    request = urllib.request.Request(server.url.rstrip("/") + "/healthz", headers=headers)
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=timeout) as response:
-            return Check("server", "pass", f"{url} answered {response.status}")
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            accepted = f", key from {server.key_source} accepted" if server.key else ""
+            return Check("server", "pass", f"{where} answered {response.status}{accepted}")
     except urllib.error.HTTPError as exc:
-        return Check("server", "pass" if exc.code < 500 else "fail", f"{url} answered {exc.code}")
-    except (urllib.error.URLError, OSError) as exc:
-        return Check("server", "fail", f"{url} unreachable within {timeout}s: {exc}")
+        if exc.code in (401, 403) and server.key:
+            fix = f"the key from {server.key_source} was rejected; set it to a key this server accepts (tml-...)"
+            return Check("server", "fail", f"{where} answered {exc.code}: {fix}")
+        if exc.code in (401, 403):
+            fix = "it needs an API key; set TINKER_API_KEY=tml-... (or api_key in the config's [backend])"
+            return Check("server", "fail", f"{where} answered {exc.code}: {fix}")
+        if exc.code >= 500:
+            return Check("server", "fail", f"{where} answered {exc.code}: the server is failing")
+        return Check(
+            "server",
+            "warn",
+            f"{where} answered {exc.code} on /healthz: is it a posttrain or Tinker server?",
+        )
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return Check("server", "fail", f"{where} unreachable within {timeout}s: {exc}")
 
 
-def run_checks(storage: Path, server: str | None, timeout: float) -> list[Check]:
-    checks = [check_python(), check_torch(), *check_optional(), *check_storage(storage)]
-    if server:
-        checks.append(check_server(server, timeout))
+def configured_server(
+    flag: str | None, backend: dict[str, object], config: Path | None
+) -> Server | None:
+    """The server to check and the key to send, each with where it came from."""
+    key, key_source = os.environ.get("TINKER_API_KEY"), "$TINKER_API_KEY"
+    if isinstance(backend.get("api_key"), str):
+        key, key_source = str(backend["api_key"]), f"[backend] api_key in {config}"
+    if flag:
+        return Server(flag, "--server", key, key_source if key else None)
+    if isinstance(backend.get("base_url"), str):
+        return Server(
+            str(backend["base_url"]),
+            f"[backend] base_url in {config}",
+            key,
+            key_source if key else None,
+        )
+    if os.environ.get("TINKER_BASE_URL"):
+        return Server(
+            os.environ["TINKER_BASE_URL"], "$TINKER_BASE_URL", key, key_source if key else None
+        )
+    return None
+
+
+def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | None]:
+    """The config's backend, its `[backend]` table and output_dir; an unreadable config fails."""
+    from posttrain.jobs.backend import job_problems
+    from posttrain.jobs.config import load_config
+
+    try:
+        config = load_config(path)
+    except (ValueError, FileNotFoundError) as exc:
+        return [Check("config", "fail", str(exc))], {}, None
+    info, problems = job_problems(config)
+    backend_problems = [p for p in problems if p.call == "backend"]
+    if backend_problems:
+        check = Check("backend", "fail", "; ".join(str(p) for p in backend_problems))
+    else:
+        source = info.capabilities_source if info else "?"
+        check = Check("backend", "pass", f"{config.run.backend} (capabilities: {source})")
+    return [Check("config", "pass", str(path)), check], dict(config.backend), config.run.output_dir
+
+
+def run_checks(args: argparse.Namespace) -> list[Check]:
+    checks = [check_python(), check_torch(), *check_optional()]
+    backend: dict[str, object] = {}
+    output_dir = None
+    if args.config is not None:
+        config_checks, backend, output_dir = check_job_config(args.config)
+        checks += config_checks
+    checks += check_storage(Path(args.storage or output_dir or DEFAULT_STORAGE))
+    server = configured_server(args.server, backend, args.config)
+    if server is not None:
+        checks.append(check_server(server, args.timeout))
     if os.environ.get("POSTTRAIN_LOG_TO"):
         checks.append(Check("POSTTRAIN_LOG_TO", "pass", os.environ["POSTTRAIN_LOG_TO"]))
     return checks
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = run_checks(Path(args.storage), args.server, args.timeout)
+    checks = run_checks(args)
     width = max(len(c.name) for c in checks)
     for c in checks:
         print(f"{c.status.upper():5s} {c.name:{width}s}  {c.detail}")
     failed = [c for c in checks if c.status == "fail"]
-    print(f"\n{len(checks) - len(failed)} ok, {len(failed)} failed")
+    warned = [c for c in checks if c.status == "warn"]
+    print(
+        f"\n{len(checks) - len(failed) - len(warned)} passed, {len(warned)} warned, {len(failed)} failed"
+    )
     return 1 if failed else 0

@@ -1,4 +1,8 @@
-"""`posttrain explain CONFIG [--json]`: the resolved job, its backend, preflight and plan."""
+"""`posttrain explain CONFIG [--json]`: the resolved job, its backend, preflight and plan.
+
+Nothing is built or trained. Exit status: 0 when the job can run, 1 when preflight refuses
+it, 2 when the config itself cannot be read.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,31 @@ import argparse
 import dataclasses
 import json
 import math
+import random
+import sys
 from pathlib import Path
 
-from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
-from posttrain.backends.registry import describe
+from posttrain.backends.registry import BackendInfo
+from posttrain.jobs.backend import JobProblem, job_problems
 from posttrain.jobs.config import JobConfig, load_config
+
+# What each plan entry counts.
+PLAN_NOTES = {
+    "sft_examples": "task problems with their reference solution ([sft] examples)",
+    "sft_dataset_rows": "conversations in the [sft] dataset file",
+    "sft_optimizer_steps": "ceil((examples + dataset rows) / batch_size) x epochs",
+    "rl_steps": "RL steps, one backend.train call each",
+    "rl_prompts_per_step": "prompts sampled per RL step",
+    "rl_group_size": "completions per prompt",
+    "rl_completions_per_step": "prompts_per_step x group_size trajectories per step",
+    "rl_optimizer_steps_per_step": "optimizer steps per backend.train call (num_minibatches)",
+    "rl_sampled_tokens_per_step_max": "completions x max_tokens: sampled tokens at most",
+    "rl_prompt_tokens_per_step_estimate": "prompt tokens of step 1's prompts x group_size (each "
+    "completion is trained with its prompt); null without a local tokenizer",
+    "rl_trained_tokens_per_step_max_estimate": "prompt estimate + sampled maximum: tokens in "
+    "one step's forward/backward passes, at most",
+    "held_out_problems": "greedy evaluation problems, before RL, every [eval] every steps, after",
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,71 +54,150 @@ def _jsonable(value: object) -> object:
     return value
 
 
-def plan(config: JobConfig) -> dict[str, int]:
-    """Step counts and batch shape the job will run."""
+def load_tokenizer(config: JobConfig) -> object | None:
+    """The base model's tokenizer without building or downloading anything, else None."""
+    spec = config.model.base_model
+    if spec.startswith("tiny:"):
+        from posttrain.engine.tiny import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def dataset_rows(config: JobConfig, tokenizer: object | None) -> int:
+    """Conversations in `[sft] dataset`: read as the job reads them when the tokenizer is at
+    hand, else its non-blank lines."""
+    path = config.dataset_path()
+    if path is None:
+        return 0
+    if tokenizer is None:
+        if not path.is_file():
+            raise FileNotFoundError(f"SFT dataset {str(path)!r} does not exist")
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    from posttrain.jobs.sft_data import load_sft_dataset
+
+    return len(load_sft_dataset(path, tokenizer))  # type: ignore[arg-type]
+
+
+def prompt_tokens(config: JobConfig, tokenizer: object | None) -> int | None:
+    """Prompt tokens of RL step 1's prompts, rendered as the job renders them."""
+    if tokenizer is None:
+        return None
+    from posttrain.jobs.rollouts import derive_seed, user_message
+    from posttrain.rollout import TrajectoryBuilder
+    from posttrain.tasks import get_task
+
+    rng = random.Random(derive_seed(config.run.seed, "rl", 0))  # as the job draws step 1
+    problems = get_task(config.run.task).make_prompts(rng, config.rl.prompts_per_step)
+    builders = [TrajectoryBuilder(tokenizer) for _ in problems]
+    for builder, problem in zip(builders, problems, strict=True):
+        builder.prompt(user_message(problem))
+    return sum(len(b.tokens) for b in builders)
+
+
+def plan(config: JobConfig) -> tuple[dict[str, int | None], list[JobProblem]]:
+    """Step counts, batch shape and tokens per step the job will run (see PLAN_NOTES)."""
+    tokenizer = load_tokenizer(config)
+    problems: list[JobProblem] = []
+    try:
+        rows = dataset_rows(config, tokenizer)
+    except (ValueError, FileNotFoundError) as exc:
+        rows = 0
+        problems.append(JobProblem("train_sft", "[sft] dataset", str(exc)))
     sft = config.sft.trainer
-    examples = config.sft.examples
-    sft_steps = math.ceil(examples / sft.batch_size) * sft.epochs if examples else 0
+    total = config.sft.examples + rows
     completions = config.rl.prompts_per_step * config.rl.group_size
+    sampled = completions * config.rl.max_tokens
+    prompts = prompt_tokens(config, tokenizer)
+    prompt_estimate = prompts * config.rl.group_size if prompts is not None else None
     return {
-        "sft_examples": examples,
-        "sft_optimizer_steps": sft_steps,
+        "sft_examples": config.sft.examples,
+        "sft_dataset_rows": rows,
+        "sft_optimizer_steps": math.ceil(total / sft.batch_size) * sft.epochs,
         "rl_steps": config.rl.steps,
         "rl_prompts_per_step": config.rl.prompts_per_step,
         "rl_group_size": config.rl.group_size,
         "rl_completions_per_step": completions,
-        "rl_max_sampled_tokens_per_step": completions * config.rl.max_tokens,
         "rl_optimizer_steps_per_step": config.rl.trainer.num_minibatches,
+        "rl_sampled_tokens_per_step_max": sampled,
+        "rl_prompt_tokens_per_step_estimate": prompt_estimate,
+        "rl_trained_tokens_per_step_max_estimate": (
+            prompt_estimate + sampled if prompt_estimate is not None else None
+        ),
         "held_out_problems": config.eval.held_out,
+    }, problems
+
+
+def _backend(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
+    if info is None:
+        return {"name": config.run.backend, "resolved": False}
+    return {
+        "name": info.name,
+        "target": info.target,
+        "source": info.source,
+        "resolved": True,
+        "importable": info.importable,
+        "constructor_options": dict(config.backend),
+        "capabilities_source": info.capabilities_source,
+        "capabilities": info.capabilities.as_dict(),
     }
 
 
 def explain(config: JobConfig) -> dict[str, object]:
-    info = describe(config.run.backend)
-    problems: list[dict[str, str]] = []
-    name = info.target.rpartition(":")[2]
-    try:
-        preflight_rl(name, info.capabilities, config.rl.trainer)
-    except PreflightError as exc:
-        problems += [{"call": "train", "option": p.option, "message": p.message} for p in exc.problems]
-    if config.sft.examples or config.sft.dataset:
-        try:
-            preflight_sft(name, info.capabilities, config.sft.trainer)
-        except PreflightError as exc:
-            problems += [{"call": "train_sft", "option": p.option, "message": p.message} for p in exc.problems]
+    info, problems = job_problems(config)
+    steps, plan_problems = plan(config)
+    problems += plan_problems
     return {
         "config": _jsonable(config),
-        "backend": {
-            "name": info.name,
-            "target": info.target,
-            "importable": info.importable,
-            "capabilities": info.capabilities.as_dict(),
+        "backend": _backend(config, info),
+        "preflight": {
+            "ok": not problems,
+            "problems": [
+                {"call": p.call, "option": p.option, "message": p.message} for p in problems
+            ],
         },
-        "preflight": {"ok": not problems, "problems": problems},
-        "plan": plan(config),
+        "plan": steps,
+        "plan_notes": PLAN_NOTES,
     }
 
 
 def _print_table(title: str, rows: dict[str, object], indent: str = "  ") -> None:
     print(title)
     for key, value in rows.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             _print_table(f"{indent}{key}:", value, indent + "  ")  # type: ignore[arg-type]
         else:
             print(f"{indent}{key} = {value!r}")
 
 
+def _print(path: Path, report: dict[str, object]) -> None:
+    _print_table(f"config ({path}):", report["config"])  # type: ignore[arg-type]
+    _print_table("backend:", report["backend"])  # type: ignore[arg-type]
+    preflight = report["preflight"]
+    assert isinstance(preflight, dict)
+    print("preflight: ok" if preflight["ok"] else "preflight: problems")
+    for p in preflight["problems"]:
+        where = p["option"] if p["call"] == "backend" else f"{p['call']}() {p['option']}"
+        print(f"  - {where}: {p['message']}")
+    print("plan:")
+    for key, value in report["plan"].items():  # type: ignore[attr-defined]
+        print(f"  {key} = {value!r}  # {PLAN_NOTES[key]}")
+
+
 def run(args: argparse.Namespace) -> int:
-    report = explain(load_config(args.config))
+    try:
+        config = load_config(args.config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"posttrain explain: error: {exc}", file=sys.stderr)
+        return 2
+    report = explain(config)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_table(f"config ({args.config}):", report["config"])  # type: ignore[arg-type]
-        _print_table("backend:", report["backend"])  # type: ignore[arg-type]
-        preflight = report["preflight"]
-        assert isinstance(preflight, dict)
-        print("preflight: ok" if preflight["ok"] else "preflight: problems")
-        for p in preflight["problems"]:
-            print(f"  - {p['call']}() {p['option']}: {p['message']}")
-        _print_table("plan:", report["plan"])  # type: ignore[arg-type]
+        _print(args.config, report)
     return 0 if report["preflight"]["ok"] else 1  # type: ignore[index]

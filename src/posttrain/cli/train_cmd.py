@@ -85,20 +85,19 @@ def run_demo(args: argparse.Namespace) -> int:
 def _run(config: JobConfig, resume: Path | None) -> int:
     from transformers.utils import logging as hf_logging
 
-    from posttrain.cli.explain_cmd import explain
+    from posttrain.jobs.backend import JobPreflightError
     from posttrain.jobs.train_job import run_job
 
-    # Preflight before any work: a refused configuration costs nothing.
-    problems = explain(config)["preflight"]["problems"]  # type: ignore[index]
-    if problems:
-        for p in problems:
-            print(f"posttrain train: preflight: {p['call']}() {p['option']}: {p['message']}", file=sys.stderr)
-        return 2
     # A checkpoint per step would otherwise print a "Writing model shards" bar per step.
     hf_logging.disable_progress_bar()
     try:
+        # run_job runs the job's preflight before any work: a refused configuration costs nothing.
         asyncio.run(run_job(config, resume=resume))
-    except (ValueError, FileNotFoundError) as exc:
+    except JobPreflightError as exc:
+        for problem in exc.problems:
+            print(f"posttrain train: preflight: {problem}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"posttrain train: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

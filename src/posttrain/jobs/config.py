@@ -1,9 +1,13 @@
 """The `posttrain train` job's TOML configuration, as frozen dataclasses, one per table.
 
-Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`. `[sft]` and `[rl]` also accept every
-option of `backend.train_sft` / `backend.train` (`SFTConfig` / `LocalRLOptions`), passed
-through as they are. An unknown table or key is an error naming the table, the key and the
-nearest valid key.
+Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`. `[sft]` and `[rl]` also
+accept every option of `backend.train_sft` / `backend.train` (`SFTConfig` / `LocalRLOptions`);
+the job passes each backend the options it declares, and preflight refuses the others.
+`[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
+name, or a dotted path "package.module:Factory". `[backend]` holds its constructor's keyword
+arguments, checked against the constructor by `jobs.backend` (the job itself supplies `path`
+from `[run] output_dir` and `keep_checkpoints` from `[run]`). An unknown table or key is an error
+naming the table, the key and the nearest valid key.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, get_args
 
+from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.tiny import Arch, Size
 from posttrain.tasks import get_task
 from posttrain.trainer.config import RLConfig, SFTConfig, check_field_types
@@ -32,12 +37,13 @@ class RunConfig:
     project: str = "posttrain"
     output_dir: str = "runs"  # relative to the working directory
     seed: int = 0  # training prompts, sampling, SFT shuffling, model seed
-    backend: Literal["local"] = "local"
+    backend: str = "local"  # a built-in or entry-point name, or "package.module:Factory"
     keep_checkpoints: int = 2  # the job checkpoints every step; keep the last N
 
     def __post_init__(self) -> None:
         check_field_types(self)
         get_task(self.task)  # raises for an unknown task, naming the choices
+        resolve_backend(self.backend)  # raises for an unknown name, listing the known ones
         if self.keep_checkpoints < 1:
             raise ValueError(f"[run] keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
@@ -144,6 +150,7 @@ class JobConfig:
     sft: SFTWarmupConfig = field(default_factory=SFTWarmupConfig)
     rl: RLJobConfig = field(default_factory=RLJobConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    backend: Mapping[str, object] = field(default_factory=dict[str, object])  # [backend] kwargs
     source: Path | None = field(default=None, compare=False)
 
     def dataset_path(self) -> Path | None:
@@ -189,15 +196,20 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         "rl": RLJobConfig,
         "eval": EvalConfig,
     }
+    names = [*tables, "backend"]
     for name, value in data.items():
-        if name not in tables:
+        if name not in names:
             raise ValueError(
-                f"unknown table [{name}]{_hint(name, tables)} (tables: {', '.join(tables)})"
+                f"unknown table [{name}]{_hint(name, names)} (tables: {', '.join(names)})"
             )
         if not isinstance(value, dict):
             raise ValueError(f"[{name}] must be a table, got {value!r}")
     built = {name: _build(cls, dict(data.get(name) or {}), name) for name, cls in tables.items()}  # type: ignore[call-overload]
-    return JobConfig(**built, source=source)  # type: ignore[arg-type]
+    backend = dict(data.get("backend") or {})  # type: ignore[call-overload]
+    for key, value in backend.items():
+        if isinstance(value, dict):
+            raise ValueError(f"[backend] {key} must be a value, got a table")
+    return JobConfig(**built, backend=backend, source=source)  # type: ignore[arg-type]
 
 
 def _build(cls: type, table: dict[str, object], name: str) -> object:

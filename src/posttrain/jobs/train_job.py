@@ -21,9 +21,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
-from posttrain.backends.local import LocalBackend
-from posttrain.backends.options import LocalRLOptions, SFTOptions
+from posttrain.backends.options import RLOptions, SFTOptions
+from posttrain.backends.protocol import TrainableBackend
+from posttrain.backends.registry import BackendInfo
 from posttrain.backends.sampling import SamplingClient
+from posttrain.jobs.backend import JobPreflightError, call_options, create_backend, job_problems
 from posttrain.jobs.config import JobConfig, load_config
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line
 from posttrain.jobs.rollouts import derive_seed, evaluate, sample_groups, sft_examples
@@ -51,7 +53,8 @@ class _Run:
     config: JobConfig
     task: Task
     model: TrainableModel
-    backend: LocalBackend
+    backend: TrainableBackend
+    info: BackendInfo  # the backend's capabilities and the options it declares
     sampler: SamplingClient
     metrics: MetricsLog
     held_out: list[Problem]
@@ -76,6 +79,9 @@ async def run_job(
 ) -> JobResult:
     """Run (or, with `resume`, continue) a job; `on_step(k)` is called after RL step k."""
     start = time.perf_counter()
+    _, problems = job_problems(config, resume=resume is not None)
+    if problems:  # before any work: nothing is written for a job that cannot run
+        raise JobPreflightError(problems)
     task = get_task(config.run.task)
     backend_path, project, name = locate_run(config, resume)
     run_dir = prepare_run_dir(
@@ -91,7 +97,7 @@ async def run_job(
         dtype=config.model.dtype,
         seed=config.run.seed,
     )
-    backend = LocalBackend(backend_path, keep_checkpoints=config.run.keep_checkpoints)
+    backend, info = create_backend(config, backend_path)
     await model.register(backend)
     try:
         run = _Run(
@@ -99,6 +105,7 @@ async def run_job(
             task=task,
             model=model,
             backend=backend,
+            info=info,
             sampler=backend.sampling_client(model),
             metrics=MetricsLog(run_dir / "metrics.jsonl"),
             held_out=task.held_out(config.eval.seed, config.eval.held_out),
@@ -163,7 +170,7 @@ async def _warm_up(run: _Run) -> None:
     run.echo(f"sft warm-up: {len(examples)} examples, {config.sft.trainer.epochs} epochs")
     run.model.run_state["sft_done"] = True  # saved with the checkpoint train_sft writes
     began = time.perf_counter()
-    options = cast(SFTOptions, vars(config.sft.trainer).copy())
+    options = cast(SFTOptions, call_options(config.sft.trainer, run.info.train_sft_options))
     result = await run.backend.train_sft(run.model, examples, **options)
     seconds = time.perf_counter() - began
     metrics = {**result.metrics, "examples": float(len(examples)), "step_s": seconds}
@@ -195,9 +202,8 @@ async def _rl_step(run: _Run, k: int) -> None:
     sample_s = time.perf_counter() - began
     warmup = min(1.0, (k + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
     learning_rate = config.trainer.learning_rate * warmup
-    options = cast(
-        LocalRLOptions, vars(replace(config.trainer, learning_rate=learning_rate)).copy()
-    )
+    trainer = replace(config.trainer, learning_rate=learning_rate)
+    options = cast(RLOptions, call_options(trainer, run.info.train_options))
     run.model.run_state["rl_steps_done"] = k + 1  # saved with the checkpoint train writes
     result = await run.backend.train(run.model, groups, **options)
     logged = await run.model.log(groups, metrics=result.metrics, step=result.step)

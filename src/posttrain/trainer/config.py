@@ -130,8 +130,10 @@ def _describe(annotation: object) -> str:
 def check_field_types(config: object) -> None:
     """Runtime check of each field against its annotation (Literal choices included)."""
     for name, annotation in get_type_hints(type(config)).items():
-        value = getattr(config, name)
-        if not _accepts(annotation, value):
-            raise ValueError(
-                f"option {name}={value!r} is invalid: expected {_describe(annotation)}"
-            )
+        check_value(name, annotation, getattr(config, name))
+
+
+def check_value(name: str, annotation: object, value: object) -> None:
+    """Raise ValueError unless `value` fits `annotation` (Literal choices included)."""
+    if not _accepts(annotation, value):
+        raise ValueError(f"option {name}={value!r} is invalid: expected {_describe(annotation)}")

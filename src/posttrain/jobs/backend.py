@@ -1,0 +1,184 @@
+"""The job's backend: found through the registry from `[run] backend`, built with `[backend]`
+as its constructor's keyword arguments, checked before any work, and given only the options
+it declares.
+
+The job calls `Factory(path=<[run] output_dir>, keep_checkpoints=<[run] keep_checkpoints>,
+**[backend])`, passing `path` and `keep_checkpoints` only to a constructor that has them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Literal
+
+from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
+from posttrain.backends.protocol import TrainableBackend
+from posttrain.backends.registry import BackendInfo, Factory, describe, load
+from posttrain.backends.schema import OptionSchema, constructor_hints, constructor_parameters
+from posttrain.jobs.config import JobConfig
+from posttrain.trainer.config import RLConfig, SFTConfig, check_value
+
+# Constructor arguments the job fills in itself, and where their value comes from.
+JOB_SUPPLIED = {"path": "[run] output_dir", "keep_checkpoints": "[run] keep_checkpoints"}
+Call = Literal["backend", "train", "train_sft"]
+
+
+@dataclass(frozen=True)
+class JobProblem:
+    """Something that stops the job, found before any work: in the backend itself (`call` is
+    "backend") or in the options one of its calls would get."""
+
+    call: Call
+    option: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.option if self.call == "backend" else f"{self.call}() {self.option}"
+        return f"{where}: {self.message}"
+
+
+class JobPreflightError(ValueError):
+    def __init__(self, problems: Sequence[JobProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__("the job cannot start:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def constructor_kwargs(config: JobConfig, factory: Factory, path: Path) -> dict[str, object]:
+    """Keyword arguments for the backend's constructor; errors name the `[backend]` key."""
+    spec = config.run.backend
+    params = constructor_parameters(factory)
+    named = {n: p for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    hints = constructor_hints(factory)
+    for key, value in config.backend.items():
+        if key in JOB_SUPPLIED:
+            raise ValueError(
+                f"[backend] {key}: the job sets it from {JOB_SUPPLIED[key]}; set it there instead"
+            )
+        if key not in named and not open_ended:
+            close = difflib.get_close_matches(key, sorted(named), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            takes = ", ".join(n for n in named if n not in JOB_SUPPLIED) or "nothing"
+            raise ValueError(
+                f"[backend] unknown key {key!r} for backend {spec!r}{hint} "
+                f"(its constructor takes: {takes})"
+            )
+        if key in hints:
+            _check_type(key, hints[key], value)
+    kwargs: dict[str, object] = {}
+    if "path" in named:
+        kwargs["path"] = path
+    if "keep_checkpoints" in named:
+        kwargs["keep_checkpoints"] = config.run.keep_checkpoints
+    kwargs.update(config.backend)
+    missing = [
+        n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs
+    ]
+    if missing:
+        raise ValueError(
+            f"[backend] backend {spec!r} needs {', '.join(map(repr, missing))}: add "
+            f"{' and '.join(f'{m} = ...' for m in missing)} to the [backend] table"
+        )
+    return kwargs
+
+
+def _check_type(key: str, annotation: object, value: object) -> None:
+    try:
+        check_value(key, annotation, value)
+    except ValueError as exc:
+        raise ValueError(f"[backend] {exc}") from None
+    except TypeError:  # an annotation isinstance cannot check (Any, generics): the constructor will
+        pass
+
+
+def create_backend(config: JobConfig, path: Path) -> tuple[TrainableBackend, BackendInfo]:
+    """Build the configured backend; run `job_problems` first for errors that name the fix."""
+    info = describe(config.run.backend)
+    factory = load(config.run.backend)
+    backend = factory(**constructor_kwargs(config, factory, path))
+    if not isinstance(backend, TrainableBackend):
+        raise ValueError(
+            f"[run] backend {config.run.backend!r}: {info.label}(...) returned a "
+            f"{type(backend).__name__}, which lacks register/train/train_sft/sampling_client/close"
+        )
+    return backend, info
+
+
+def job_problems(
+    config: JobConfig, *, resume: bool = False
+) -> tuple[BackendInfo | None, list[JobProblem]]:
+    """Everything that would stop this job, found without building anything: the backend
+    (name, import, hooks), its `[backend]` options, what the job needs of it (sampling, SFT,
+    resume) and preflight of the options each call would get."""
+    spec = config.run.backend
+    try:
+        info = describe(spec)
+        factory = load(spec) if info.importable else None
+    except (ValueError, ImportError) as exc:
+        return None, [JobProblem("backend", "[run] backend", str(exc))]
+    if factory is None:
+        install = f"; install it with pip install 'posttrain[{info.extra}]'" if info.extra else ""
+        message = f"{spec!r} cannot be imported: {info.import_error}{install}"
+        return info, [JobProblem("backend", "[run] backend", message)]
+    problems: list[JobProblem] = []
+    try:
+        constructor_kwargs(config, factory, Path(config.run.output_dir))
+    except ValueError as exc:
+        problems.append(JobProblem("backend", "[backend]", str(exc)))
+    problems += _needs(info, config, resume)
+    problems += _preflight(
+        "train",
+        lambda: preflight_rl(
+            info.label, info.capabilities, config.rl.trainer, options=info.train_options
+        ),
+    )
+    if config.sft.enabled:
+        problems += _preflight(
+            "train_sft",
+            lambda: preflight_sft(
+                info.label, info.capabilities, config.sft.trainer, options=info.train_sft_options
+            ),
+        )
+    return info, problems
+
+
+def _needs(info: BackendInfo, config: JobConfig, resume: bool) -> list[JobProblem]:
+    """What the job needs of a backend beyond its options."""
+    problems: list[JobProblem] = []
+    if not info.capabilities.supports_sampling:
+        problems.append(
+            JobProblem(
+                "backend",
+                "[run] backend",
+                f"{info.label} cannot sample (supports_sampling=false), and the job samples its "
+                "rollouts and evaluations through the backend; choose a backend that samples",
+            )
+        )
+    if resume and not info.capabilities.supports_checkpoint_resume:
+        problems.append(
+            JobProblem(
+                "backend",
+                "--resume",
+                f"{info.label} cannot resume from a checkpoint (supports_checkpoint_resume=false)",
+            )
+        )
+    return problems
+
+
+def _preflight(call: Call, check: Callable[[], None]) -> list[JobProblem]:
+    try:
+        check()
+    except PreflightError as exc:
+        return [JobProblem(call, p.option, p.message) for p in exc.problems]
+    return []
+
+
+def call_options(values: RLConfig | SFTConfig, schema: Sequence[OptionSchema]) -> dict[str, object]:
+    """The job's value of every option the backend declares; preflight refused the rest (any
+    set away from its default), so leaving them out changes nothing."""
+    declared = {o.name for o in schema}
+    return {f.name: getattr(values, f.name) for f in fields(values) if f.name in declared}
