@@ -105,16 +105,8 @@ class HookedBackend:
 
     @staticmethod
     def posttrain_capabilities() -> dict[str, object]:
-        return {
-            "reports_sync_loss": True,
-            "preserves_token_advantages": False,
-            "supports_checkpoint_resume": True,
-            "resume_runtime_dependent": True,
-            "supports_sft": True,
-            "supports_kl_reference": False,
-            "supports_sampling": True,
-            "device_kinds": ["remote"],
-        }
+        local = LocalPlugin.posttrain_capabilities()
+        return {**local, "resume_runtime_dependent": True, "device_kinds": ["remote"]}
 
     @staticmethod
     def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
