@@ -28,6 +28,13 @@ class ServerProcess:
     url: str
     process: subprocess.Popen[str]
     log: Path
+    storage: Path
+
+    def checkpoint_dir(self, tinker_path: str) -> Path:
+        """Where this server keeps a `save_state` checkpoint (tinker://MODEL/weights/NAME)."""
+        model_id, kind, name = tinker_path.removeprefix("tinker://").split("/")
+        assert kind == "weights", tinker_path
+        return self.storage / "runs" / model_id.replace(":", "_") / "checkpoints" / name
 
     def kill(self) -> None:
         """SIGKILL: no shutdown handler runs, as in a crash."""
@@ -69,9 +76,27 @@ def start_server(
                 httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code
                 == 200
             ):
-                return ServerProcess(url, process, log)
+                return ServerProcess(url, process, log, storage)
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     process.kill()
     raise RuntimeError(f"posttrain serve did not answer /healthz in 90 s: {log.read_text()}")
+
+
+def post(server: ServerProcess, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
+    """POST /api/v1/PATH with the key in X-API-Key (none if `key` is None)."""
+    headers = dict(kwargs.pop("headers", {}))
+    if key is not None:
+        headers["X-API-Key"] = key
+    return httpx.post(f"{server.url}/api/v1/{path}", headers=headers, timeout=30, **kwargs)
+
+
+def result(server: ServerProcess, request_id: str, key: str = KEY) -> dict:
+    """retrieve_future until the request is no longer pending."""
+    while True:
+        response = post(server, "retrieve_future", key, json={"request_id": request_id})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        if body.get("type") != "try_again":
+            return body

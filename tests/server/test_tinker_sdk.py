@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import KEY, ServerProcess, start_server
+from serve_helpers import KEY, ServerProcess
 from transformers import AutoTokenizer
 
 from posttrain.clients.create import create_training_client
@@ -19,17 +19,11 @@ from posttrain.types import ModelInput as PtModelInput
 tinker = pytest.importorskip("tinker")
 types = tinker.types
 
+# Each test talks to a `posttrain serve` subprocess (seconds to start, more on a busy CPU).
+pytestmark = pytest.mark.slow
+
 TOKENS = [[10, 72, 101, 108, 108, 111], [10, 87, 111, 114, 108, 100, 33, 33]]
 RANK = 4
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-sdk") / "storage")
-    yield process
-    process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=30.0,
         help="seconds a model waits for a missing seq_id before failing the requests behind it",
     )
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=300.0,
+        help="seconds without a heartbeat after which a session finishes and its models unload",
+    )
+    parser.add_argument(
+        "--sampler-cache-size",
+        type=int,
+        default=4,
+        help="sampling models (base model or checkpoints) kept loaded, least recently used first out",
+    )
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(handler=run_serve)
 
@@ -65,6 +78,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * 1024 * 1024),
             lora_rank_max=args.lora_rank_max,
             seq_gap_timeout=args.seq_gap_timeout,
+            session_timeout=args.session_timeout,
+            sampler_cache_size=args.sampler_cache_size,
             device=args.device,
         )
     except ValueError as err:
@@ -86,6 +101,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"posttrain serve: {err}", file=sys.stderr)
         return 2
     config = replace(config, model_path=model_path, aliases=(model_path,))
+    # Server-side details of failed requests (error ids of 500s) go to stderr.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     _serve(create_app(config), args.host, args.port)
     return 0
 

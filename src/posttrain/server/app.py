@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,6 +25,8 @@ from fastapi.responses import JSONResponse
 from posttrain.server.config import KEY_PREFIX, ServerConfig, owner_of
 from posttrain.server.runtime import Runtime
 from posttrain.server.store import Store
+
+log = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -112,16 +116,9 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-def _mount_openai(app: FastAPI, runtime: Runtime) -> None:
-    try:
-        from posttrain.server.openai_api import create_openai_router
-    except ImportError:  # the OpenAI-compatible endpoints are optional while they are written
-        return
-    app.include_router(create_openai_router(runtime))
-
-
 def create_app(config: ServerConfig) -> FastAPI:
     """The server's app: Tinker protocol under /api/v1, OpenAI-compatible under /v1."""
+    from posttrain.server.openai_api import create_openai_router
     from posttrain.server.tinker_api import create_tinker_router
     from posttrain.server.tinker_info import create_info_router
 
@@ -140,15 +137,25 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.runtime = runtime
     app.include_router(create_tinker_router(runtime))
     app.include_router(create_info_router(runtime))
-    _mount_openai(app, runtime)
+    app.include_router(create_openai_router(runtime))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.exception_handler(Exception)
-    async def server_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        # The exception text may name files, paths or other callers' ids: it stays in the log,
+        # and the client gets an id to quote when reporting it.
+        error_id = uuid.uuid4().hex[:12]
+        log.error(
+            "internal error %s on %s %s",
+            error_id,
+            request.method,
+            request.url.path,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        return JSONResponse({"detail": f"internal server error (error id {error_id})"}, 500)
 
     # The last added runs first: keys are checked before anything else is looked at.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)

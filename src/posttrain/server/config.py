@@ -39,7 +39,10 @@ class ServerConfig:
     lora_rank_max: int = 256
     seq_gap_timeout: float = 30.0  # a model waits this long for a missing seq_id
     poll_timeout: float = 25.0  # retrieve_future holds this long before try_again
-    sampler_cache_size: int = 4
+    sampler_cache_size: int = 4  # sampling models kept loaded (each a full model copy)
+    # A session without a heartbeat for this long is finished and its models unloaded (the SDK
+    # beats every 10 s and warns after 120 s without one).
+    session_timeout: float = 300.0
     device: str = "cpu"
     aliases: tuple[str, ...] = field(default=())  # other names accepted for the base model
 
@@ -60,6 +63,8 @@ class ServerConfig:
             raise ValueError(f"lora_rank_max must be >= 1, got {self.lora_rank_max}")
         if not self.seq_gap_timeout > 0 or not self.poll_timeout > 0:
             raise ValueError("seq_gap_timeout and poll_timeout must be > 0")
+        if not self.session_timeout > 0:
+            raise ValueError(f"session_timeout must be > 0, got {self.session_timeout}")
         if self.sampler_cache_size < 1:
             raise ValueError(f"sampler_cache_size must be >= 1, got {self.sampler_cache_size}")
 

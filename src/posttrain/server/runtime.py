@@ -13,8 +13,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import shutil
 import threading
+import time
 import traceback
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.server.config import ServerConfig
 from posttrain.server.sources import UnknownModelError
-from posttrain.server.store import FutureRow, SamplerRow, Store
+from posttrain.server.store import FutureRow, ModelRow, SamplerRow, Store
 
 RESTARTED = "the server restarted before this request finished; submit it again"
 
@@ -104,9 +107,14 @@ class Lane:
         self.next_seq = max(self.waiting) + 1
         self.waiting.clear()
 
-    def close(self) -> None:
+    def close(self, reason: str) -> None:
+        """Fail the requests still waiting for their turn; those already handed on run (and
+        fail, as the model is gone)."""
         if self.timer is not None:
             self.timer.cancel()
+        for item in self.waiting.values():
+            self.runtime.fail(item.request_id, reason)
+        self.waiting.clear()
         self.thread.shutdown(wait=False)
 
 
@@ -118,6 +126,8 @@ class Runtime:
         self.store = store
         self.clients: dict[str, LocalTrainingClient] = {}
         self.lanes: dict[str, Lane] = {}
+        self.live_sessions: dict[str, str] = {}  # live model id -> its session id
+        self._reaper: asyncio.Task[None] | None = None
         self._events: dict[str, asyncio.Event] = {}
         self._samplers: OrderedDict[str, LocalTrainingClient] = OrderedDict()
         self._sampler_lock = threading.Lock()
@@ -134,10 +144,13 @@ class Runtime:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.store.fail_pending(RESTARTED)
+        self._reaper = loop.create_task(self._reap_expired_sessions())
 
     def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         for lane in self.lanes.values():
-            lane.close()
+            lane.close("the server is shutting down")
         self.admin.shutdown(wait=False, cancel_futures=True)
         self.sampling.shutdown(wait=False, cancel_futures=True)
 
@@ -165,11 +178,7 @@ class Runtime:
     def submit_ordered(self, model_id: str, seq_id: int, request_id: str, job: Job) -> None:
         lane = self.lanes.get(model_id)
         if lane is None:
-            self.fail(
-                request_id,
-                f"model {model_id} is not loaded in this server process (it restarted); "
-                "create a training client from one of its checkpoints",
-            )
+            self.fail(request_id, not_loaded(model_id))
             return
         lane.submit(seq_id, request_id, job)
 
@@ -212,10 +221,56 @@ class Runtime:
     def model_dir(self, model_id: str) -> Path:
         return self.config.storage_dir / "runs" / model_id.replace(":", "_")
 
-    def add_live(self, model_id: str, client: LocalTrainingClient) -> None:
-        """Called on the event loop once the model is built."""
-        self.clients[model_id] = client
-        self.lanes[model_id] = Lane(self, model_id)
+    def add_live(self, row: ModelRow, client: LocalTrainingClient) -> None:
+        """From the job that built the model: registers it on the event loop (where sessions
+        are unloaded, so the two never interleave) and returns once it is live."""
+
+        async def register() -> None:
+            if self.store.session_state(row.session_id, row.owner) != "live":
+                raise UserError(
+                    f"session {row.session_id} finished while model {row.model_id} was loading"
+                )
+            self.clients[row.model_id] = client
+            self.lanes[row.model_id] = Lane(self, row.model_id)
+            self.live_sessions[row.model_id] = row.session_id
+
+        asyncio.run_coroutine_threadsafe(register(), self.loop).result()
+
+    def client(self, model_id: str) -> LocalTrainingClient:
+        """The live model's client (for jobs); a user error once the model was unloaded."""
+        try:
+            return self.clients[model_id]
+        except KeyError:
+            raise UserError(not_loaded(model_id)) from None
+
+    # unloading: a session's models and ephemeral samplers go when it finishes or expires
+    def unload_session(self, session_id: str) -> None:
+        """Called on the event loop. Named checkpoints stay; the rest of the session goes."""
+        for model_id in [m for m, s in self.live_sessions.items() if s == session_id]:
+            self.unload_model(model_id)
+        for row in self.store.ephemeral_samplers(session_id):
+            assert row.weights_dir is not None
+            with self._sampler_lock:
+                self._samplers.pop(row.weights_dir, None)
+            self.admin.submit(remove_dir, Path(row.weights_dir))
+
+    def unload_model(self, model_id: str) -> None:
+        self.live_sessions.pop(model_id, None)
+        lane = self.lanes.pop(model_id, None)
+        client = self.clients.pop(model_id, None)
+        if lane is not None:
+            lane.close(not_loaded(model_id))
+        if client is not None:
+            # close() waits for the call in flight, so not on the event loop; the client (and
+            # its model) is freed once that call has finished with it.
+            self.admin.submit(client.close)
+
+    async def _reap_expired_sessions(self) -> None:
+        timeout = self.config.session_timeout
+        while True:
+            await asyncio.sleep(min(timeout / 2, 30.0))
+            for session_id in self.store.expire_sessions(time.time() - timeout):
+                self.unload_session(session_id)
 
     # samplers
     def sampler_client(self, weights_dir: str | None, lora: dict[str, int | bool] | None):
@@ -229,8 +284,9 @@ class Runtime:
             client = self._load_sampler(weights_dir, lora)
             self._samplers[key] = client
             while len(self._samplers) > self.config.sampler_cache_size:
-                _, old = self._samplers.popitem(last=False)
-                old.close()
+                # Dropped, not closed: a request that already holds it finishes on it, and the
+                # model is freed with the last reference.
+                self._samplers.popitem(last=False)
             return client
 
     def _load_sampler(
@@ -277,6 +333,21 @@ class Runtime:
             raise UnknownModelError(f"model {name!r} is not served")
         client = self.sampler_client(row.dir, model.lora)
         return SamplingClient(client, client.get_tokenizer())
+
+
+def not_loaded(model_id: str) -> str:
+    return (
+        f"model {model_id} is not loaded: its session finished or expired, or the server "
+        "restarted; create a training client from one of its checkpoints"
+    )
+
+
+def remove_dir(directory: Path) -> None:
+    """Renamed first, so a crash mid-delete leaves a hidden directory, not a half checkpoint."""
+    if directory.is_dir():
+        hidden = directory.with_name(f".{directory.name}.deleting-{uuid.uuid4().hex}")
+        directory.rename(hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _context_length(model_path: str) -> int | None:

@@ -19,6 +19,7 @@ from typing import Literal
 
 FutureStatus = Literal["pending", "completed", "failed"]
 CheckpointKind = Literal["weights", "sampler"]
+SessionState = Literal["live", "finished"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -148,9 +149,13 @@ class Store:
                 (session_id, owner, json.dumps(tags), json.dumps(metadata), sdk, now, now),
             )
 
-    def session_exists(self, session_id: str, owner: str) -> bool:
-        row = self._one("SELECT 1 FROM sessions WHERE session_id=? AND owner=?", session_id, owner)
-        return row is not None
+    def session_state(self, session_id: str, owner: str) -> SessionState | None:
+        row = self._one(
+            "SELECT finished FROM sessions WHERE session_id=? AND owner=?", session_id, owner
+        )
+        if row is None:
+            return None
+        return "live" if row["finished"] is None else "finished"
 
     def touch_session(self, session_id: str, owner: str, finished: str | None = None) -> bool:
         with self.transaction() as db:
@@ -160,6 +165,19 @@ class Store:
                 (time.time(), finished, session_id, owner),
             )
             return cursor.rowcount == 1
+
+    def expire_sessions(self, cutoff: float) -> list[str]:
+        """Mark live sessions without a heartbeat since `cutoff` finished; their ids."""
+        with self.transaction() as db:
+            rows = db.execute(
+                "SELECT session_id FROM sessions WHERE finished IS NULL AND last_heartbeat < ?",
+                (cutoff,),
+            ).fetchall()
+            ids = [r["session_id"] for r in rows]
+            db.executemany(
+                "UPDATE sessions SET finished='expired' WHERE session_id=?", [(i,) for i in ids]
+            )
+            return ids
 
     # models
     def add_model(self, row: ModelRow) -> None:
@@ -298,17 +316,28 @@ class Store:
             sampling_session_id,
             owner,
         )
-        if row is None:
-            return None
-        return SamplerRow(
-            sampling_session_id=row["sampling_session_id"],
-            owner=row["owner"],
-            session_id=row["session_id"],
-            base_model=row["base_model"],
-            model_path=row["model_path"],
-            weights_dir=row["weights_dir"],
-            lora=None if row["lora"] is None else json.loads(row["lora"]),
+        return None if row is None else _sampler_row(row)
+
+    def ephemeral_samplers(self, session_id: str) -> list[SamplerRow]:
+        """The session's snapshot samplers: weights of their own, no checkpoint path."""
+        rows = self._all(
+            "SELECT * FROM sampling_sessions WHERE session_id=? AND model_path IS NULL "
+            "AND weights_dir IS NOT NULL",
+            session_id,
         )
+        return [_sampler_row(r) for r in rows]
+
+
+def _sampler_row(row: sqlite3.Row) -> SamplerRow:
+    return SamplerRow(
+        sampling_session_id=row["sampling_session_id"],
+        owner=row["owner"],
+        session_id=row["session_id"],
+        base_model=row["base_model"],
+        model_path=row["model_path"],
+        weights_dir=row["weights_dir"],
+        lora=None if row["lora"] is None else json.loads(row["lora"]),
+    )
 
 
 def _model_row(row: sqlite3.Row) -> ModelRow:

@@ -67,8 +67,12 @@ class Api:
 
     # helpers
     def session(self, session_id: str, who: str) -> None:
-        if not self.store.session_exists(session_id, who):
+        """A live session of the caller: 404 if unknown, 410 once finished (or expired)."""
+        state = self.store.session_state(session_id, who)
+        if state is None:
             raise not_found(f"session {session_id!r}")
+        if state == "finished":
+            raise HTTPException(410, f"session {session_id!r} has finished; create a new one")
 
     def model(self, model_id: str, who: str) -> ModelRow:
         row = self.store.model(model_id, who)
@@ -143,17 +147,21 @@ class Api:
         return {"session_id": session_id, "type": "create_session"}
 
     async def heartbeat(self, body: s.SessionRef, request: Request) -> dict[str, object]:
-        if not self.store.touch_session(body.session_id, owner(request)):
-            raise not_found(f"session {body.session_id!r}")
+        # 410 for a finished session is what stops the SDK's heartbeat loop.
+        self.session(body.session_id, owner(request))
+        self.store.touch_session(body.session_id, owner(request))
         return {"type": "session_heartbeat"}
 
     async def finish_session(self, session_id: str, request: Request) -> dict[str, object]:
+        """The session's models are unloaded and its snapshot samplers deleted; its named
+        checkpoints stay. Finishing twice is fine."""
         try:
             reason = str((await request.json()).get("reason", {}).get("type", "finished"))
         except (ValueError, AttributeError):
             reason = "finished"
         if not self.store.touch_session(session_id, owner(request), finished=reason):
             raise not_found(f"session {session_id!r}")
+        self.rt.unload_session(session_id)
         return {}
 
     # models
@@ -189,7 +197,7 @@ class Api:
             def job() -> Outcome:
                 client = self.rt.build_client(model_id, settings, seed)
                 self.store.add_model(row)
-                self.rt.add_live(model_id, client)
+                self.rt.add_live(row, client)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
             self.rt.submit(self.rt.admin, rid, job)
@@ -218,7 +226,7 @@ class Api:
         model = self.model(req.model_id, owner(request))
 
         def job() -> Outcome:
-            client = self.rt.clients[req.model_id]
+            client = self.rt.client(req.model_id)
             call = client.forward if req.forward_only else client.forward_backward
             out = call(req.data, req.loss_fn, req.loss_fn_config).result()
             return Outcome(fwdbwd_json(out), encode_forward_backward_output(out))
@@ -234,7 +242,7 @@ class Api:
             kind = params.pop("type", "adamw")
             if kind not in ("adamw", "adam"):
                 raise UserError(f"optimizer {kind!r} is not supported; the model uses adamw")
-            result = self.rt.clients[model.model_id].optim_step(AdamParams(**params)).result()
+            result = self.rt.client(model.model_id).optim_step(AdamParams(**params)).result()
             return Outcome({"metrics": result.metrics or {}, "type": "optim_step"})
 
         return await self.ordered(request, "optim_step", model, body.seq_id, job)
@@ -259,7 +267,7 @@ class Api:
         def job() -> Outcome:
             if not overwrite and self.store.checkpoint(tinker_path, model.owner) is not None:
                 raise UserError(f"checkpoint {tinker_path} exists; save with overwrite=True")
-            client = self.rt.clients[model.model_id]
+            client = self.rt.client(model.model_id)
             save = client.save_state if kind == "weights" else client.save_weights_for_sampler
             directory = save(name).result().path
             self.store.add_checkpoint(
@@ -290,7 +298,7 @@ class Api:
         sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
 
         def ephemeral() -> Outcome:
-            client = self.rt.clients[model.model_id]
+            client = self.rt.client(model.model_id)
             directory = client.save_weights_for_sampler(f".ephemeral-{sampler_id}").result().path
             self.store.add_sampler(
                 SamplerRow(
@@ -323,7 +331,7 @@ class Api:
                 raise HTTPException(400, "load_weights on an existing model needs seq_id")
 
             def load() -> Outcome:
-                client = self.rt.clients[model.model_id]
+                client = self.rt.client(model.model_id)
                 client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
                 return Outcome({"path": body.path, "type": "load_weights"})
 
@@ -360,7 +368,7 @@ class Api:
                 client = self.rt.build_client(model_id, source.lora, 0)
                 client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
                 self.store.add_model(row)
-                self.rt.add_live(model_id, client)
+                self.rt.add_live(row, client)
                 return Outcome({"model_id": model_id, "path": body.path, "type": "load_weights"})
 
             self.rt.submit(self.rt.admin, rid, job)

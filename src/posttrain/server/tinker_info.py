@@ -3,15 +3,13 @@ health, training runs and their checkpoints (listing, deletion, weights info).""
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
 
 from posttrain.server import tinker_schema as s
-from posttrain.server.runtime import Runtime
+from posttrain.server.runtime import Runtime, remove_dir
 from posttrain.server.store import CheckpointRow, ModelRow
 from posttrain.server.tinker_api import not_found, owner
 
@@ -35,12 +33,15 @@ def checkpoint_json(row: CheckpointRow) -> dict[str, object]:
     }
 
 
-def create_info_router(runtime: Runtime) -> APIRouter:
-    store, config = runtime.store, runtime.config
-    router = APIRouter(prefix="/api/v1")
+class InfoApi:
+    """Handlers of the read-mostly endpoints; each method is one endpoint."""
 
-    @router.post("/client/config")
-    async def client_config() -> dict[str, object]:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.store = runtime.store
+        self.config = runtime.config
+
+    async def client_config(self) -> dict[str, object]:
         # Keep the SDK on the plain protocol: no JWT exchange, no server-side custom losses,
         # no batched retrieve_futures or joined sampling sessions; chunks fit the body limit.
         return {
@@ -49,34 +50,30 @@ def create_info_router(runtime: Runtime) -> APIRouter:
             "sample_use_retrieve_futures": False,
             "custom_loss_server_side": False,
             "sample_join_sampling_session": False,
-            "fwdbwd_max_chunk_bytes_count": min(5_000_000, config.max_body_bytes // 2),
+            "fwdbwd_max_chunk_bytes_count": min(5_000_000, self.config.max_body_bytes // 2),
         }
 
-    @router.post("/client/dynamic_config")
-    async def dynamic_config() -> dict[str, object]:
+    async def dynamic_config(self) -> dict[str, object]:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
-    @router.post("/telemetry")
-    async def telemetry() -> dict[str, object]:
+    async def telemetry(self) -> dict[str, object]:
         return {"status": "accepted"}
 
-    @router.get("/healthz")
-    async def healthz() -> dict[str, object]:
+    async def healthz(self) -> dict[str, object]:
         return {"status": "ok"}
 
-    @router.get("/get_server_capabilities")
-    async def capabilities() -> dict[str, object]:
-        model = {
-            "model_name": config.base_model,
+    async def capabilities(self) -> dict[str, object]:
+        model: dict[str, object] = {
+            "model_name": self.config.base_model,
             "trainable": True,
             "sampleable": True,
         }
-        if runtime.max_context_length is not None:
-            model["max_context_length"] = runtime.max_context_length
+        if self.rt.max_context_length is not None:
+            model["max_context_length"] = self.rt.max_context_length
         return {"supported_models": [model]}
 
-    def run_json(row: ModelRow) -> dict[str, object]:
-        ckpts = store.checkpoints(row.owner, row.model_id)
+    def run_json(self, row: ModelRow) -> dict[str, object]:
+        ckpts = self.store.checkpoints(row.owner, row.model_id)
         weights = [c for c in ckpts if c.kind == "weights"]
         samplers = [c for c in ckpts if c.kind == "sampler"]
         return {
@@ -92,53 +89,44 @@ def create_info_router(runtime: Runtime) -> APIRouter:
             "user_metadata": row.user_metadata,
         }
 
-    def run_row(run_id: str, request: Request) -> ModelRow:
-        row = store.model(run_id, owner(request))
+    def run_row(self, run_id: str, request: Request) -> ModelRow:
+        row = self.store.model(run_id, owner(request))
         if row is None:
             raise not_found(f"training run {run_id!r}")
         return row
 
-    @router.get("/training_runs")
     async def training_runs(
-        request: Request, limit: int = 20, offset: int = 0
+        self, request: Request, limit: int = 20, offset: int = 0
     ) -> dict[str, object]:
-        rows = store.models(owner(request))
+        rows = self.store.models(owner(request))
         page = rows[max(offset, 0) : max(offset, 0) + max(limit, 0)]
         return {
-            "training_runs": [run_json(r) for r in page],
+            "training_runs": [self.run_json(r) for r in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},
         }
 
-    @router.get("/training_runs/{run_id}")
-    async def training_run(run_id: str, request: Request) -> dict[str, object]:
-        return run_json(run_row(run_id, request))
+    async def training_run(self, run_id: str, request: Request) -> dict[str, object]:
+        return self.run_json(self.run_row(run_id, request))
 
-    @router.get("/training_runs/{run_id}/checkpoints")
-    async def checkpoints(run_id: str, request: Request) -> dict[str, object]:
-        row = run_row(run_id, request)
-        return {"checkpoints": [checkpoint_json(c) for c in store.checkpoints(row.owner, run_id)]}
+    async def checkpoints(self, run_id: str, request: Request) -> dict[str, object]:
+        row = self.run_row(run_id, request)
+        rows = self.store.checkpoints(row.owner, run_id)
+        return {"checkpoints": [checkpoint_json(c) for c in rows]}
 
-    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(
-        run_id: str, checkpoint_id: str, request: Request
+        self, run_id: str, checkpoint_id: str, request: Request
     ) -> dict[str, object]:
-        row = run_row(run_id, request)
+        row = self.run_row(run_id, request)
         path = f"tinker://{run_id}/{checkpoint_id}"
-        ckpt = store.checkpoint(path, row.owner)
-        if ckpt is None or not store.delete_checkpoint(path, row.owner):
+        ckpt = self.store.checkpoint(path, row.owner)
+        if ckpt is None or not self.store.delete_checkpoint(path, row.owner):
             raise not_found(f"checkpoint {path!r}")
-        # Renamed first, so a crash mid-delete leaves a hidden directory, not a half checkpoint.
-        directory = Path(ckpt.dir)
-        if directory.is_dir():
-            hidden = directory.with_name(f".{directory.name}.deleting-{uuid.uuid4().hex}")
-            directory.rename(hidden)
-            shutil.rmtree(hidden, ignore_errors=True)
+        remove_dir(Path(ckpt.dir))
         return {}
 
-    @router.post("/weights_info")
-    async def weights_info(body: s.WeightsInfo, request: Request) -> dict[str, object]:
-        ckpt = store.checkpoint(body.tinker_path, owner(request))
-        model = store.model(ckpt.model_id, ckpt.owner) if ckpt else None
+    async def weights_info(self, body: s.WeightsInfo, request: Request) -> dict[str, object]:
+        ckpt = self.store.checkpoint(body.tinker_path, owner(request))
+        model = self.store.model(ckpt.model_id, ckpt.owner) if ckpt else None
         if model is None:
             raise HTTPException(404, f"checkpoint {body.tinker_path!r} not found")
         return {
@@ -148,4 +136,20 @@ def create_info_router(runtime: Runtime) -> APIRouter:
             **{k: model.lora[k] for k in ("train_unembed", "train_mlp", "train_attn")},
         }
 
+
+def create_info_router(runtime: Runtime) -> APIRouter:
+    """The read-mostly endpoints under /api/v1."""
+    api = InfoApi(runtime)
+    router = APIRouter(prefix="/api/v1")
+    post, get = router.post, router.get
+    post("/client/config")(api.client_config)
+    post("/client/dynamic_config")(api.dynamic_config)
+    post("/telemetry")(api.telemetry)
+    get("/healthz")(api.healthz)
+    get("/get_server_capabilities")(api.capabilities)
+    get("/training_runs")(api.training_runs)
+    get("/training_runs/{run_id}")(api.training_run)
+    get("/training_runs/{run_id}/checkpoints")(api.checkpoints)
+    router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")(api.delete_checkpoint)
+    post("/weights_info")(api.weights_info)
     return router

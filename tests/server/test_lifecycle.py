@@ -1,0 +1,146 @@
+"""Sessions end: `sessions/{id}/finish` (what the SDK's ServiceClient.close sends) and a missed
+heartbeat unload the session's models and delete its snapshot samplers; named checkpoints stay.
+Raw HTTP, so the test controls every request (the SDK would heartbeat on its own)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_helpers import KEY, ServerProcess, post, result, start_server
+
+# Each test talks to a `posttrain serve` subprocess (seconds to start, more on a busy CPU).
+pytestmark = pytest.mark.slow
+
+ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [10, 72, 101]}]}
+
+
+def new_session(server: ServerProcess) -> str:
+    response = post(server, "create_session", json={})
+    assert response.status_code == 200, response.text
+    return response.json()["session_id"]
+
+
+def new_model(server: ServerProcess, session: str, base_model: Path) -> str:
+    body = {"session_id": session, "model_seq_id": 0, "base_model": str(base_model)}
+    submitted = post(server, "create_model", json={**body, "lora_config": {"rank": 2}})
+    return result(server, submitted.json()["request_id"])["model_id"]
+
+
+def submit(server: ServerProcess, path: str, body: dict) -> dict:
+    response = post(server, path, json=body)
+    assert response.status_code == 200, response.text
+    return result(server, response.json()["request_id"])
+
+
+def optim_step(server: ServerProcess, model_id: str, seq_id: int) -> dict:
+    return submit(
+        server, "optim_step", {"model_id": model_id, "seq_id": seq_id, "adam_params": ADAM}
+    )
+
+
+def sample(server: ServerProcess, sampler_id: str) -> dict:
+    body = {
+        "sampling_session_id": sampler_id,
+        "prompt": PROMPT,
+        "sampling_params": {"max_tokens": 2},
+    }
+    return submit(server, "asample", body)
+
+
+def wait_until_gone(path: Path) -> bool:
+    """Directories are deleted on the server's admin thread, just after the unload."""
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not path.exists()
+
+
+def test_finish_unloads_models_and_deletes_snapshots(
+    server: ServerProcess, tiny_model_dir: Path
+) -> None:
+    session = new_session(server)
+    model_id = new_model(server, session, tiny_model_dir)
+    assert "metrics" in optim_step(server, model_id, 1)
+    named = submit(server, "save_weights", {"model_id": model_id, "seq_id": 2, "path": "kept"})[
+        "path"
+    ]
+    snapshot = submit(server, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 3})
+    sampler_id = snapshot["sampling_session_id"]
+    assert len(sample(server, sampler_id)["sequences"]) == 1
+    snapshot_dir = (
+        server.storage
+        / "runs"
+        / model_id.replace(":", "_")
+        / "sampler_weights"
+        / f".ephemeral-{sampler_id}"
+    )
+    assert snapshot_dir.is_dir()
+
+    finished = post(server, f"sessions/{session}/finish", json={"reason": {"type": "success"}})
+    assert finished.status_code == 200 and finished.json() == {}
+    # Finishing again is harmless; another key cannot finish it (it does not exist for them).
+    assert post(server, f"sessions/{session}/finish", json={}).status_code == 200
+    other = post(server, f"sessions/{session}/finish", "tml-test-key-two", json={})
+    assert other.status_code == 404
+
+    # The model is unloaded: its next request fails with a user error that says what to do.
+    gone = optim_step(server, model_id, 4)
+    assert gone["category"] == "user" and "not loaded" in gone["error"]
+    assert "create a training client from one of its checkpoints" in gone["error"]
+    # Its snapshot sampler's weights are deleted, and sampling it says so.
+    assert wait_until_gone(snapshot_dir)
+    stale = sample(server, sampler_id)
+    assert stale["category"] == "user" and "gone" in stale["error"]
+    # The session takes no new work, and its heartbeat answers 410 (the SDK stops beating).
+    assert post(server, "session_heartbeat", json={"session_id": session}).status_code == 410
+    refused = post(
+        server,
+        "create_model",
+        json={"session_id": session, "model_seq_id": 1, "base_model": str(tiny_model_dir)},
+    )
+    assert refused.status_code == 410 and "finished" in refused.json()["detail"]
+
+    # The named checkpoint outlives the session: a new session loads it and trains on.
+    fresh = new_session(server)
+    body = {"path": named, "session_id": fresh, "model_seq_id": 0, "optimizer": True}
+    loaded = submit(server, "load_weights", body)
+    assert loaded["path"] == named
+    assert "metrics" in optim_step(server, loaded["model_id"], 1)
+    run = httpx.get(f"{server.url}/api/v1/training_runs/{model_id}", headers={"X-API-Key": KEY})
+    assert run.status_code == 200  # the run stays listed
+
+
+def test_a_session_without_heartbeats_expires(tiny_model_dir: Path, tmp_path: Path) -> None:
+    timeout = 2.0
+    server = start_server(tiny_model_dir, tmp_path / "storage", "--session-timeout", str(timeout))
+    beating: set[str] = set()
+    stop = threading.Event()
+
+    def heartbeats() -> None:  # what the SDK does every 10 s, here every 0.2 s
+        while not stop.wait(0.2):
+            for session in list(beating):
+                post(server, "session_heartbeat", json={"session_id": session})
+
+    thread = threading.Thread(target=heartbeats, daemon=True)
+    thread.start()
+    try:
+        silent, kept = new_session(server), new_session(server)
+        beating.update((silent, kept))  # both beat while their models load
+        silent_model = new_model(server, silent, tiny_model_dir)
+        kept_model = new_model(server, kept, tiny_model_dir)
+        beating.discard(silent)
+        # The reaper looks every timeout/2: after 2.5 timeouts of silence the session is gone.
+        time.sleep(2.5 * timeout)
+        expired = optim_step(server, silent_model, 1)
+        assert expired["category"] == "user" and "not loaded" in expired["error"]
+        assert post(server, "session_heartbeat", json={"session_id": silent}).status_code == 410
+        assert "metrics" in optim_step(server, kept_model, 1)  # heartbeats kept it loaded
+    finally:
+        stop.set()
+        thread.join()
+        server.stop()
