@@ -11,11 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import KEY, OTHER_KEY, ServerProcess, start_server
+from serve_helpers import KEY, OTHER_KEY, ServerProcess, post, result, start_server
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+
+# Each test talks to a `posttrain serve` subprocess (seconds to start, more on a busy CPU).
+pytestmark = pytest.mark.slow
 
 GAP_TIMEOUT = 2.0
 MAX_BODY = 256 * 1024
@@ -33,15 +36,10 @@ def server(
 
 
 @pytest.fixture(scope="module")
-def service(server: ServerProcess) -> object:
-    return tinker.ServiceClient(base_url=server.url, api_key=KEY)
-
-
-def post(server: ServerProcess, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
-    headers = dict(kwargs.pop("headers", {}))
-    if key is not None:
-        headers["X-API-Key"] = key
-    return httpx.post(f"{server.url}/api/v1/{path}", headers=headers, timeout=30, **kwargs)
+def service(server: ServerProcess) -> Iterator[object]:
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    yield client
+    client.close("success").result()
 
 
 def detail(response: httpx.Response) -> str:
@@ -49,8 +47,9 @@ def detail(response: httpx.Response) -> str:
     return str(response.json()["detail"])
 
 
-def new_model(service, tiny_model_dir: Path):
-    return service.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
+def new_model(service, tiny_model_dir: Path, seed: int | None = None):
+    base = str(tiny_model_dir)
+    return service.create_lora_training_client(base_model=base, rank=2, seed=seed).result()
 
 
 def datum(tokens: list[int]):
@@ -69,15 +68,6 @@ def fwdbwd_body(model_id: str, seq_id: int, tokens: list[int]) -> bytes:
         seq_id=seq_id,
     )
     return forward_backward_request_to_proto(request).SerializeToString()
-
-
-def result(server: ServerProcess, request_id: str, key: str = KEY) -> dict:
-    while True:
-        response = post(server, "retrieve_future", key, json={"request_id": request_id})
-        assert response.status_code == 200, response.text
-        body = response.json()
-        if body.get("type") != "try_again":
-            return body
 
 
 def test_api_keys(server: ServerProcess) -> None:
@@ -133,12 +123,73 @@ def test_unknown_and_foreign_ids(server: ServerProcess, service, tiny_model_dir:
 
 
 def test_token_ids_out_of_range(service, tiny_model_dir: Path) -> None:
-    tc = new_model(service, tiny_model_dir)
+    failing = new_model(service, tiny_model_dir, seed=5)
+    clean = new_model(service, tiny_model_dir, seed=5)  # the same initial weights
+    good = datum([10, 72, 101, 108, 108, 111])
     with pytest.raises(tinker.RequestFailedError) as failed:
-        tc.forward_backward([datum([1, 2, 1_000_000])], "cross_entropy").result()
+        # A valid datum first: had the server run it before refusing the second, its gradient
+        # would stay accumulated.
+        failing.forward_backward([good, datum([1, 2, 1_000_000])], "cross_entropy").result()
     assert failed.value.category == "user" and "outside the vocabulary" in failed.value.message
-    # Nothing was accumulated by the failed call, and the model keeps working.
-    assert tc.forward([datum([1, 2, 3])], "cross_entropy").result().metrics["loss:sum"] > 0
+    # Nothing was accumulated: the next step's gradient is the clean model's (a leftover copy of
+    # `good`'s gradient would double its norm), and so are the weights after it. Same process,
+    # same code and inputs: equal up to float32 rounding (measured equal).
+    adam = types.AdamParams(learning_rate=1e-2)
+    norms, losses = [], []
+    for tc in (failing, clean):
+        tc.forward_backward([good], "cross_entropy").result()
+        norms.append(tc.optim_step(adam).result().metrics["grad_norm:mean"])
+        losses.append(tc.forward([good], "cross_entropy").result().metrics["loss:sum"])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6) and norms[0] > 0
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_another_keys_checkpoints_are_refused(
+    server: ServerProcess, service, tiny_model_dir: Path
+) -> None:
+    tc = new_model(service, tiny_model_dir)
+    weights = tc.save_state("private").result().path
+    sampler = tc.save_weights_for_sampler("private").result().path
+    session = post(server, "create_session", OTHER_KEY, json={}).json()["session_id"]
+    intruder = post(
+        server,
+        "create_model",
+        OTHER_KEY,
+        json={"session_id": session, "model_seq_id": 0, "base_model": str(tiny_model_dir)},
+    )
+    intruder_model = result(server, intruder.json()["request_id"], OTHER_KEY)["model_id"]
+
+    def refused(path: str) -> list[httpx.Response]:
+        first_request = {"path": path, "session_id": session, "model_seq_id": 1}
+        existing = {"path": path, "model_id": intruder_model, "seq_id": 1}
+        sampling = {"session_id": session, "sampling_session_seq_id": 0, "model_path": path}
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+        return [
+            post(server, "load_weights", OTHER_KEY, json=first_request),
+            post(server, "load_weights", OTHER_KEY, json={**existing, "optimizer": True}),
+            post(server, "create_sampling_session", OTHER_KEY, json=sampling),
+            post(server, "asample", OTHER_KEY, json={"model_path": path, "prompt": prompt}),
+            post(server, "weights_info", OTHER_KEY, json={"tinker_path": path}),
+        ]
+
+    unknown = refused("tinker://session-none:train:0/weights/nothing")
+    for path in (weights, sampler):
+        # Answered exactly as a path that does not exist: the other key learns nothing.
+        for mine, absent in zip(refused(path), unknown, strict=True):
+            assert mine.status_code == absent.status_code == 404
+            assert detail(mine) == detail(absent).replace(
+                "tinker://session-none:train:0/weights/nothing", path
+            )
+    other = tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY)
+    with pytest.raises(tinker.NotFoundError):
+        other.create_training_client_from_state(weights).result()
+    # The owner still loads both.
+    assert service.create_training_client_from_state(weights).result().model_id
+    assert (
+        service.create_sampling_client(model_path=sampler)
+        .compute_logprobs(types.ModelInput.from_ints([1, 2, 3]))
+        .result()[1:]
+    )
 
 
 def test_oversize_body(server: ServerProcess) -> None:

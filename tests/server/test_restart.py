@@ -13,6 +13,9 @@ from serve_helpers import KEY, start_server
 tinker = pytest.importorskip("tinker")
 types = tinker.types
 
+# Each test talks to a `posttrain serve` subprocess (seconds to start, more on a busy CPU).
+pytestmark = pytest.mark.slow
+
 TOKENS = [10, 72, 101, 108, 108, 111, 33]
 
 
