@@ -24,10 +24,10 @@ class PaddedBatch:
         return sum(self.lengths)
 
 
-def pad_datums(datums: Sequence[Datum], device: torch.device | str = "cpu") -> PaddedBatch:
-    """Stack datums into [B, T] tensors; every datum must carry the same loss_fn_input keys."""
+def check_same_keys(datums: Sequence[Datum]) -> None:
+    """Every datum of a call carries the same loss_fn_inputs keys (whatever the split)."""
     if not datums:
-        raise ValueError("pad_datums got an empty list of datums")
+        raise ValueError("no datums given: pass at least one Datum")
     keys = set(datums[0].loss_fn_inputs)
     for i, datum in enumerate(datums):
         if set(datum.loss_fn_inputs) != keys:
@@ -35,6 +35,12 @@ def pad_datums(datums: Sequence[Datum], device: torch.device | str = "cpu") -> P
                 f"datum {i} has loss_fn_inputs keys {sorted(datum.loss_fn_inputs)}, but datum 0 "
                 f"has {sorted(keys)}; every datum in a call must carry the same keys"
             )
+
+
+def pad_datums(datums: Sequence[Datum], device: torch.device | str = "cpu") -> PaddedBatch:
+    """Stack datums into [B, T] tensors; every datum must carry the same loss_fn_input keys."""
+    check_same_keys(datums)
+    keys = set(datums[0].loss_fn_inputs)
     lengths = [d.length for d in datums]
     batch, max_len = len(datums), max(lengths)
     input_ids = torch.zeros(batch, max_len, dtype=torch.long)

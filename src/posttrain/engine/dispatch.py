@@ -2,8 +2,10 @@
 
 The trainer hands over a mini-batch; dispatch shards it across data-parallel workers (mesh) or
 sends one call to all (pass-through), and gathers the results in the caller's order. It also
-owns placement: optimizer state is offloaded before sampling and reloaded before training, so
-no trainer ever moves tensors between devices.
+owns placement (`engine.placement`): before each operation it parks on the CPU what the new
+phase does not keep (sampling keeps only the weights; `offload()` parks everything) and reloads
+what the operation needs, so no trainer ever moves tensors between devices. Phase changes are
+recorded in `transitions` and every move in `moves`.
 
 An executor runs calls on workers. `InProcessExecutor` holds workers in this process; a Ray
 executor (one actor per worker, gradients all-reduced by torch.distributed) plugs in behind
@@ -19,11 +21,12 @@ from typing import Literal, Protocol
 import torch
 
 from posttrain.algo.losses import LossConfig
-from posttrain.engine.batching import shard_for_ranks
+from posttrain.engine.batching import check_same_keys, shard_for_ranks
+from posttrain.engine.placement import GROUPS, KEEPS, NEEDS, Operation, Placement, StateGroup
 from posttrain.engine.worker import PassResult, Worker
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
-Placement = Literal["train", "sample"]
+Move = tuple[Literal["offload", "reload"], StateGroup]
 
 
 class Executor(Protocol):
@@ -90,25 +93,44 @@ def merge_results(results: Sequence[PassResult], shards: Sequence[Sequence[int]]
 
 
 class Dispatch:
-    """Mesh and pass-through calls over an executor, plus offload/reload around sampling."""
+    """Mesh and pass-through calls over an executor, and placement of the workers' state."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.placement: Placement = "train"
+        self.resident: set[StateGroup] = set(GROUPS)
         self.transitions: list[tuple[Placement, Placement]] = []
+        self.moves: list[Move] = []
 
     @property
     def num_workers(self) -> int:
         return self.executor.num_workers
 
-    def ensure_placement(self, placement: Placement) -> None:
-        """Offload optimizer state for sampling, reload it for training (recorded either way)."""
-        if placement == self.placement:
-            return
-        device = "cpu" if placement == "sample" else None
-        self.executor.run("move_optimizer_state", [(device,)] * self.num_workers)
-        self.transitions.append((self.placement, placement))
-        self.placement = placement
+    def prepare(self, operation: Operation, placement: Placement | None = None) -> None:
+        """Enter `placement` (None: stay), parking what it does not keep, then reload what
+        `operation` needs. Every worker makes the same moves, in the same order."""
+        if placement is not None and placement != self.placement:
+            self.transitions.append((self.placement, placement))
+            self.placement = placement
+            for group in reversed(GROUPS):
+                if group in self.resident and group not in KEEPS[placement]:
+                    self._move("offload", group)
+        for group in GROUPS:
+            if group in NEEDS[operation] and group not in self.resident:
+                self._move("reload", group)
+
+    def offload(self) -> None:
+        """Park weights, gradients and optimizer state on the CPU until the next call needs
+        them (for a process that hands the device to another engine for a while)."""
+        self.prepare("offload", "offloaded")
+
+    def _move(self, action: Literal["offload", "reload"], group: StateGroup) -> None:
+        self.executor.run(action, [(group,)] * self.num_workers)
+        if action == "offload":
+            self.resident.discard(group)
+        else:
+            self.resident.add(group)
+        self.moves.append((action, group))
 
     def pass_through(self, method: str, *args: object) -> list[object]:
         return self.executor.run(method, [args] * self.num_workers)
@@ -116,34 +138,52 @@ class Dispatch:
     def mesh(
         self, method: str, datums: Sequence[Datum], loss_fn: str, config: LossConfig
     ) -> PassResult:
-        """Shard datums by tokens across ranks, run `method` on each shard, gather in order."""
-        if not datums:
-            raise ValueError("no datums given: pass at least one Datum")
+        """Shard datums by tokens across ranks, run `method` on each shard, gather in order.
+
+        With several ranks the shards are all checked before any rank computes, and a
+        forward_backward is committed on every rank only once all succeeded (else discarded on
+        all), so a failed call leaves every rank's gradients as they were.
+        """
+        check_same_keys(datums)
         shards = shard_for_ranks([d.length for d in datums], self.num_workers)
         # A rank with an empty shard has nothing to compute; sum semantics make skipping exact.
-        args = [
+        args: list[tuple[object, ...] | None] = [
             ([datums[i] for i in shard], loss_fn, config) if shard else None for shard in shards
         ]
-        if self.num_workers > 1:
-            # Check every shard before any rank computes, so a bad datum on one rank cannot
-            # leave gradients accumulated on the others.
-            self.executor.run("check_datums", [(a[0], loss_fn) if a else None for a in args])
-        results = self.executor.run(method, args)
+        if self.num_workers == 1:
+            results = self.executor.run(method, args)
+        else:
+            self.executor.run("check_datums", args)
+            results = self._run_all_or_nothing(method, args)
         kept = [(r, s) for r, s in zip(results, shards, strict=True) if s]
         return merge_results([r for r, _ in kept], [s for _, s in kept])  # type: ignore[misc]
 
+    def _run_all_or_nothing(
+        self, method: str, args: Sequence[tuple[object, ...] | None]
+    ) -> list[object]:
+        if method != "forward_backward":
+            return self.executor.run(method, args)
+        ranks = [None if a is None else () for a in args]
+        try:
+            results = self.executor.run(method, [None if a is None else (*a, False) for a in args])
+        except BaseException:
+            self.executor.run("discard_gradients", ranks)
+            raise
+        self.executor.run("commit_gradients", ranks)
+        return results
+
     def forward(self, datums: Sequence[Datum], loss_fn: str, config: LossConfig) -> PassResult:
-        self.ensure_placement("train")
+        self.prepare("forward", "train")
         return self.mesh("forward", datums, loss_fn, config)
 
     def forward_backward(
         self, datums: Sequence[Datum], loss_fn: str, config: LossConfig
     ) -> PassResult:
-        self.ensure_placement("train")
+        self.prepare("forward_backward", "train")
         return self.mesh("forward_backward", datums, loss_fn, config)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        self.ensure_placement("train")
+        self.prepare("optim_step", "train")
         self.executor.reduce_gradients()
         metrics = self.pass_through("optim_step", adam)
         return metrics[0]  # type: ignore[return-value]
@@ -152,7 +192,7 @@ class Dispatch:
         self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
     ) -> list[SampleResponse]:
         """Each rank samples its share of the prompts on its current weights."""
-        self.ensure_placement("sample")
+        self.prepare("sample", "sample")
         shards = shard_for_ranks([1] * len(prompts), self.num_workers)
         # Seeds are offset by the prompt's global index so sharding never changes the tokens.
         args = [
@@ -166,12 +206,13 @@ class Dispatch:
         return out
 
     def compute_logprobs(self, prompt: Sequence[int]) -> list[float | None]:
-        self.ensure_placement("sample")
+        self.prepare("sample", "sample")
         return self.executor.run("compute_logprobs", [(prompt,)] + [None] * (self.num_workers - 1))[
             0
         ]  # type: ignore[return-value]
 
     def reference_logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
+        self.prepare("reference")
         shards = shard_for_ranks([d.length for d in datums], self.num_workers)
         args = [([datums[i] for i in shard],) if shard else None for shard in shards]
         out: list[list[float]] = [[] for _ in datums]
@@ -186,16 +227,19 @@ class Dispatch:
         self, path: Path, with_optimizer: bool, trainer_state: Mapping[str, object]
     ) -> Path:
         # Replicas hold identical weights and optimizer state: rank 0 writes for all.
+        self.prepare("save")
         args: list[tuple[object, ...] | None] = [None] * self.num_workers
         args[0] = (path, with_optimizer, trainer_state)
         return self.executor.run("save_state", args)[0]  # type: ignore[return-value]
 
     def save_weights(self, path: Path) -> Path:
+        self.prepare("save")
         args: list[tuple[object, ...] | None] = [None] * self.num_workers
         args[0] = (path,)
         return self.executor.run("save_weights", args)[0]  # type: ignore[return-value]
 
     def load_state(self, path: Path, *, with_optimizer: bool) -> Path:
+        self.prepare("load")
         self.pass_through("load_state", path, with_optimizer)
         return path
 

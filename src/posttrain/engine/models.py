@@ -148,6 +148,8 @@ def apply_lora(
     )
     if seed is None:
         return get_peft_model(model, config)  # type: ignore[return-value]
-    with torch.random.fork_rng(devices=[]):
+    # torch.manual_seed reseeds every CUDA device too, so fork (and restore) all of them.
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         return get_peft_model(model, config)  # type: ignore[return-value]

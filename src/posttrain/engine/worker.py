@@ -2,6 +2,15 @@
 
 A worker knows micro-batches, never mini-batches: it splits whatever it is given by a token
 budget and accumulates gradients with sum semantics, so the split never changes the result.
+
+A forward_backward is all or nothing. Its input is checked whole before any compute
+(`datum_checks`), so bad input fails before the first backward; and for a fault during the
+pass (out of memory, say) it accumulates into fresh gradient tensors while the earlier calls'
+gradients are set aside: on success they are added in, on failure the partial sums are dropped
+and the earlier ones put back untouched. Setting aside moves no data: it costs one add per
+gradient element when calls accumulate (nothing on a step's first call), and holds the earlier
+gradients beside the new ones while the call runs, as a snapshot would; a snapshot/restore
+would also copy every gradient on every call.
 """
 
 from __future__ import annotations
@@ -16,12 +25,13 @@ from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.algo.loss_metrics import counted_values
-from posttrain.algo.losses import LossBatch, LossConfig, check_inputs, get_loss
-from posttrain.engine import checkpoint
+from posttrain.algo.losses import LossBatch, LossConfig, get_loss
+from posttrain.engine import checkpoint, datum_checks, placement
 from posttrain.engine.batching import pad_datums, split_by_token_budget
 from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
+from posttrain.engine.placement import StateGroup
 from posttrain.engine.sampler import Sampler
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
@@ -75,46 +85,63 @@ class Worker:
         lm_config = getattr(causal_lm(model), "config")  # noqa: B009 - HF config, hidden from nn.Module's stubs
         self.vocab_size = int(lm_config.vocab_size)
         self.max_positions = int(getattr(lm_config, "max_position_embeddings", 1 << 30))
+        self.offloaded: set[StateGroup] = set()
+        self._parked_grads: dict[str, torch.Tensor | None] = {}
+        # Gradients of earlier calls, set aside while an uncommitted forward_backward runs.
+        self._earlier_grads: dict[str, torch.Tensor | None] | None = None
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def check_datums(self, datums: Sequence[Datum], loss_fn: str) -> None:
+    def check_datums(self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig) -> None:
         """Reject bad input before any compute, so a failed call leaves the worker unchanged."""
-        if not datums:
-            raise ValueError("no datums given: pass at least one Datum")
-        for i, datum in enumerate(datums):
-            check_inputs(loss_fn, datum.loss_fn_inputs.keys())
-            if datum.length > self.max_positions:
-                raise ValueError(
-                    f"datum {i} has {datum.length} tokens; the model has "
-                    f"max_position_embeddings={self.max_positions}"
-                )
-            ids = torch.tensor(datum.model_input.to_ints())
-            for name, tokens in (
-                ("model_input", ids),
-                ("target_tokens", datum.loss_fn_inputs.get("target_tokens")),
-            ):
-                if tokens is None:
-                    continue
-                bad = (tokens < 0) | (tokens >= self.vocab_size)
-                if bool(bad.any()):
-                    token = int(tokens[bad][0])
-                    raise ValueError(
-                        f"datum {i} {name} has token id {token} outside the vocabulary "
-                        f"[0, {self.vocab_size})"
-                    )
+        datum_checks.check_datums(
+            datums,
+            loss_fn,
+            loss_config,
+            vocab_size=self.vocab_size,
+            max_positions=self.max_positions,
+        )
 
     def forward(self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig) -> PassResult:
-        self.check_datums(datums, loss_fn)
+        self._require("weights")
+        self.check_datums(datums, loss_fn, loss_config)
         with torch.no_grad():
             return self._run(datums, loss_fn, loss_config, backward=False)
 
     def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig, commit: bool = True
     ) -> PassResult:
-        self.check_datums(datums, loss_fn)
-        return self._run(datums, loss_fn, loss_config, backward=True)
+        """Add the gradient of the summed loss to the accumulated gradients, or fail leaving
+        them exactly as they were.
+
+        `commit=False` keeps this call's gradients apart until `commit_gradients` or
+        `discard_gradients`: Dispatch uses it so a call that fails on one rank is undone on all.
+        """
+        self._require("weights", "grads")
+        self.check_datums(datums, loss_fn, loss_config)
+        params = self.trainable_parameters()
+        self._earlier_grads = placement.detach_grads(params)
+        try:
+            result = self._run(datums, loss_fn, loss_config, backward=True)
+        except BaseException:
+            self.discard_gradients()
+            raise
+        if commit:
+            self.commit_gradients()
+        return result
+
+    def commit_gradients(self) -> None:
+        """Add the set-aside gradients of earlier calls to the last call's (a no-op if none)."""
+        if self._earlier_grads is not None:
+            placement.add_grads(self.trainable_parameters(), self._earlier_grads)
+            self._earlier_grads = None
+
+    def discard_gradients(self) -> None:
+        """Drop the last uncommitted call's gradients and put the earlier ones back."""
+        if self._earlier_grads is not None:
+            placement.attach_grads(self.trainable_parameters(), self._earlier_grads)
+            self._earlier_grads = None
 
     def _run(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig, *, backward: bool
@@ -151,6 +178,9 @@ class Worker:
 
     def reference_logprobs(self, datums: Sequence[Datum]) -> list[torch.Tensor]:
         """Target logprobs under the reference policy: the base model (LoRA off) or a frozen copy."""
+        self._require("weights")
+        datum_checks.check_same_keys(datums)
+        datum_checks.check_model_limits(datums, self.vocab_size, self.max_positions)
         model = self.model
         if self._reference_factory is not None and not hasattr(self.model, "disable_adapter"):
             if self._reference is None:
@@ -193,21 +223,29 @@ class Worker:
         params: SamplingParams,
         first_index: int = 0,
     ) -> list[SampleResponse]:
+        self._require("weights")
         return self.sampler().sample(prompts, num_samples, params, first_index=first_index)
 
     def compute_logprobs(self, prompt: Sequence[int]) -> list[float | None]:
+        self._require("weights")
         return self.sampler().compute_logprobs(prompt)
 
     def grads(self) -> dict[str, torch.Tensor | None]:
+        self._require("grads")
         return {n: p.grad for n, p in self.trainable_parameters().items()}
 
     def set_grads(self, grads: Mapping[str, torch.Tensor | None]) -> None:
+        self._require("grads")
         for name, param in self.trainable_parameters().items():
             grad = grads[name]
             param.grad = None if grad is None else grad.to(param.device).clone()
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """Clip, step AdamW with this call's settings, zero gradients. Skips non-finite grads."""
+        """Clip, step AdamW with this call's settings, zero gradients. Skips non-finite grads.
+
+        `grad_norm:mean` is the total L2 norm before clipping (NaN when skipped).
+        """
+        self._require(*placement.GROUPS)
         params = list(self.trainable_parameters().values())
         if all(p.grad is None for p in params):
             return {
@@ -227,7 +265,7 @@ class Worker:
                 weight_decay=adam.weight_decay,
             )
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         return {
             "grad_norm:mean": norm if not skipped else float("nan"),
             "skipped:sum": float(skipped),
@@ -235,7 +273,9 @@ class Worker:
         }
 
     def zero_grad(self) -> None:
+        self._require_committed()
         self.optimizer.zero_grad(set_to_none=True)
+        self._parked_grads = dict.fromkeys(self._parked_grads)
 
     def save_state(
         self,
@@ -255,7 +295,8 @@ class Worker:
 
     def load_state(self, path: Path, with_optimizer: bool = True) -> dict[str, JSONValue]:
         """Weights only, or (with_optimizer) an exact resume: optimizer and RNG state too."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self._require("weights", "optimizer")
+        self.zero_grad()
         return checkpoint.load_checkpoint(
             path,
             model=self.model,
@@ -263,10 +304,49 @@ class Worker:
             restore_rng=with_optimizer,
         )
 
-    def move_optimizer_state(self, device: str | None) -> None:
-        """Offload (to "cpu") or reload (None: the worker's device) the AdamW moments."""
-        device = device or self.config.device
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device)
+    def offload(self, group: StateGroup) -> None:
+        """Park a state group on the CPU (a no-op move on a CPU worker, still tracked)."""
+        self._require_committed()
+        cpu = torch.device("cpu")
+        if group == "weights":
+            for module in (self.model, self._reference):
+                if module is not None:
+                    placement.move_module(module, cpu)
+        elif group == "grads":
+            grads = placement.detach_grads(self.trainable_parameters())
+            self._parked_grads = {n: None if g is None else g.to(cpu) for n, g in grads.items()}
+        else:
+            placement.move_optimizer_state(self.optimizer, cpu)
+        self.offloaded.add(group)
+        placement.free_device_cache(torch.device(self.config.device))
+
+    def reload(self, group: StateGroup) -> None:
+        """Bring a parked state group back to the worker's device."""
+        device = torch.device(self.config.device)
+        if group == "weights":
+            for module in (self.model, self._reference):
+                if module is not None:
+                    placement.move_module(module, device)
+        elif group == "grads":
+            self._require("weights")  # gradients go where their parameters are
+            if self._parked_grads:
+                placement.attach_grads(self.trainable_parameters(), self._parked_grads)
+            self._parked_grads = {}
+        else:
+            placement.move_optimizer_state(self.optimizer, device)
+        self.offloaded.discard(group)
+
+    def _require(self, *groups: StateGroup) -> None:
+        """Refuse to run on parked state: Dispatch reloads what an operation needs first."""
+        self._require_committed()
+        parked = [g for g in groups if g in self.offloaded]
+        if parked:
+            raise RuntimeError(
+                f"{parked} are offloaded to the CPU; reload them first (Dispatch does so)"
+            )
+
+    def _require_committed(self) -> None:
+        if self._earlier_grads is not None:
+            raise RuntimeError(
+                "the last forward_backward(commit=False) was neither committed nor discarded"
+            )

@@ -1,0 +1,71 @@
+"""Everything a forward or forward_backward call would reject, checked before any compute.
+
+A call that fails after some micro-batches already ran backward would leave their gradients
+behind, so the worker checks the whole call first: model limits (token ids, positions), the
+loss's config and inputs, and every per-token value the loss validates (a NaN behaviour logprob
+on a counted token, bad per-token clip bounds, ...). The loss checks run the loss itself on
+the padded datums with placeholder learner logprobs: each of its checks reads only the inputs,
+so this finds exactly what the real pass would, with no second copy of the rules to drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from posttrain.algo.losses import LossBatch, LossConfig, check_inputs, get_loss
+from posttrain.engine.batching import check_same_keys, pad_datums
+from posttrain.types import Datum
+
+__all__ = ["check_datums", "check_loss_inputs", "check_model_limits", "check_same_keys"]
+
+
+def check_model_limits(datums: Sequence[Datum], vocab_size: int, max_positions: int) -> None:
+    """Token ids inside the vocabulary and sequences within the model's positions."""
+    for i, datum in enumerate(datums):
+        if datum.length > max_positions:
+            raise ValueError(
+                f"datum {i} has {datum.length} tokens; the model has "
+                f"max_position_embeddings={max_positions}"
+            )
+        ids = torch.tensor(datum.model_input.to_ints())
+        for name, tokens in (
+            ("model_input", ids),
+            ("target_tokens", datum.loss_fn_inputs.get("target_tokens")),
+        ):
+            if tokens is None:
+                continue  # check_inputs names a missing target_tokens
+            bad = (tokens < 0) | (tokens >= vocab_size)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"datum {i} {name} has token id {int(tokens[bad][0])} outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
+
+
+def check_loss_inputs(datums: Sequence[Datum], loss_fn: str, config: LossConfig) -> None:
+    """Run loss `loss_fn` on placeholder logprobs to raise whatever it would raise on `datums`.
+
+    No loss check reduces across datums (see `algo.ratios`), so one padded batch of all the
+    datums raises exactly when some micro-batch of the real pass would.
+    """
+    fn = get_loss(loss_fn)
+    check_inputs(loss_fn, datums[0].loss_fn_inputs.keys(), config)
+    batch = pad_datums(datums)
+    logp_BT = torch.zeros(batch.pad_mask_BT.shape)
+    fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT), config)
+
+
+def check_datums(
+    datums: Sequence[Datum],
+    loss_fn: str,
+    config: LossConfig,
+    *,
+    vocab_size: int,
+    max_positions: int,
+) -> None:
+    """All of the above; raises ValueError naming the datum, field or option at fault."""
+    check_same_keys(datums)
+    check_model_limits(datums, vocab_size, max_positions)
+    check_loss_inputs(datums, loss_fn, config)
