@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, assert_type
+
 import pytest
 import torch
 
 from posttrain.clients.create import create_training_client
-from posttrain.engine.models import parse_dtype
+from posttrain.clients.local import LocalTrainingClient
 from posttrain.types import AdamParams, Datum, ModelInput, SamplingParams
+
+if TYPE_CHECKING:
+    from posttrain.clients.ray import RayTrainingClient
 
 
 def sft_datums(tokenizer, texts: list[str]) -> list[Datum]:
@@ -76,13 +81,73 @@ def test_sample_logprobs_equal_forward_logprobs(client):
     assert [s.tokens for s in again.sequences] == [s.tokens for s in response.sequences]
 
 
-def test_offload_and_reload_around_sampling_are_recorded(client):
+def test_placement_cycle_moves_state_and_records_it(client):
+    """sample -> forward_backward -> optim_step -> sample: sampling parks gradients and AdamW
+    moments (reverse order), training brings back only what each call needs."""
     datums = sft_datums(client.get_tokenizer(), ["abc", "de"])
+    prompt, params = ModelInput.from_ints([5, 6]), SamplingParams(max_tokens=2, seed=0)
+    client.sample(prompt, 1, params).result()
     client.forward_backward(datums, "cross_entropy").result()
+    moves_after_fb = list(client.dispatch.moves)
     client.optim_step(AdamParams()).result()
-    client.sample(ModelInput.from_ints([5, 6]), 1, SamplingParams(max_tokens=2)).result()
+    client.sample(prompt, 1, params).result()
+    park = [("offload", "optimizer"), ("offload", "grads")]
+    assert moves_after_fb == [*park, ("reload", "grads")]  # optimizer stays parked for fb
+    assert client.dispatch.moves == [*park, ("reload", "grads"), ("reload", "optimizer"), *park]
+    assert client.dispatch.transitions == [
+        ("train", "sample"),
+        ("sample", "train"),
+        ("train", "sample"),
+    ]
+    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    assert worker.offloaded == {"grads", "optimizer"}  # the workers did move, not just Dispatch
     client.forward_backward(datums, "cross_entropy").result()
-    assert client.dispatch.transitions == [("train", "sample"), ("sample", "train")]
+    assert worker.offloaded == {"optimizer"}
+
+
+def test_parked_state_comes_back_exactly(tiny_model_dir, tmp_path):
+    """Gradients parked by a sample in mid-accumulation, and everything parked by offload(),
+    come back bit-identical: the result equals a run that never moved anything."""
+    made = [
+        create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / name)
+        for name in ("still", "moved")
+    ]
+    still, moved = made
+    first = sft_datums(still.get_tokenizer(), ["the cat sat", "on the mat"])
+    second = sft_datums(still.get_tokenizer(), ["a dog ran", "far away"])
+    prompt, params = ModelInput.from_ints([5, 6]), SamplingParams(max_tokens=3, seed=0)
+    for client in made:
+        for datums in (first, second):
+            client.forward_backward(datums, "cross_entropy").result()
+            if client is moved:
+                client.sample(prompt, 1, params).result()  # parks this step's gradients
+                client.offload().result()  # and then everything
+        client.optim_step(AdamParams(learning_rate=1e-2)).result()
+        client.forward_backward(first, "cross_entropy").result()
+        client.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert moved.dispatch.transitions[:3] == [
+        ("train", "sample"),
+        ("sample", "offloaded"),
+        ("offloaded", "train"),
+    ]
+    assert ("offload", "weights") in moved.dispatch.moves
+    assert_same_weights(still, moved)
+    for client in made:
+        client.close()
+
+
+def weights_of(client) -> dict[str, torch.Tensor]:
+    worker = client.dispatch.executor.workers[0]
+    return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}
+
+
+def assert_same_weights(a, b) -> None:
+    """Bit-identical trainable weights on every replica of both clients."""
+    for x, y in zip(a.dispatch.executor.workers, b.dispatch.executor.workers, strict=True):
+        wx, wy = x.trainable_parameters(), y.trainable_parameters()
+        assert wx.keys() == wy.keys()
+        for name in wx:
+            assert torch.equal(wx[name], wy[name]), name
 
 
 def test_exact_resume_through_the_client(tiny_model_dir, tmp_path):
@@ -119,38 +184,233 @@ def test_exact_resume_through_the_client(tiny_model_dir, tmp_path):
         c.close()
 
 
-def test_bad_input_raises_and_the_client_keeps_working(client, tmp_path):
+def policy_datums(
+    count: int = 3, length: int = 6, common: dict[str, float] | None = None, **late: list[float]
+) -> list[Datum]:
+    """ppo-ready datums, with `common` inputs constant on every datum; keyword arguments replace
+    an input of the LAST datum only, so with a small token budget the bad value sits in a later
+    micro-batch than good ones."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(count):
+        ids = torch.randint(3, 250, (length + 1,), generator=gen)
+        inputs: dict[str, object] = {
+            "target_tokens": ids[1:],
+            "logprobs": torch.full((length,), -5.5),
+            "advantages": torch.randn(length, generator=gen),
+            "sampler_logprobs": torch.full((length,), -5.4),
+            "ref_logprobs": torch.full((length,), -5.6),
+        }
+        inputs.update({key: [value] * length for key, value in (common or {}).items()})
+        if i == count - 1:
+            inputs.update(late)
+        out.append(Datum(ModelInput.from_ints(ids[:-1].tolist()), inputs))  # type: ignore[arg-type]
+    return out
+
+
+NAN = float("nan")
+# (datums, loss, loss_fn_config, what the error names). Each fails on the last datum only.
+LATE_FAILURES = [
+    (policy_datums(logprobs=[-5.5, NAN, -5.5, -5.5, -5.5, -5.5]), "ppo", {}, "'logprobs'.*NaN"),
+    (
+        policy_datums(
+            common={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+            clip_low_threshold=[0.9] * 6,
+            clip_high_threshold=[0.8] * 6,
+        ),
+        "ppo",
+        {},
+        "per-token clip bounds",
+    ),
+    (
+        policy_datums(sampler_logprobs=[NAN] * 6),
+        "ppo",
+        {"truncated_importance_sampling": 2.0},
+        "sampler_logprobs",
+    ),
+    (
+        policy_datums(ref_logprobs=[-5.0, -5.0, NAN, -5.0, -5.0, -5.0]),
+        "ppo",
+        {"kl_penalty_coef": 0.1},
+        "ref_logprobs",
+    ),
+    (policy_datums(mask=[1.0] * 6), "ppo", {}, "same keys"),
+    (policy_datums(), "ppo", {"clip_low_threshold": 1.5, "clip_high_threshold": 1.2}, "clip_low"),
+    (policy_datums(), "cross_entropy", {}, "weights"),
+]
+
+
+def test_bad_input_raises_and_leaves_no_gradient_behind(tiny_model_dir, tmp_path):
+    """Each bad call fails (naming the problem) with nothing accumulated, so the next valid
+    step is bit-identical to that of a client that never saw a bad call."""
+    budget = 6  # one 6-token datum per micro-batch: the bad one is the third micro-batch
+    exposed = create_training_client(
+        tiny_model_dir, storage_dir=tmp_path / "a", micro_batch_tokens=budget
+    )
+    clean = create_training_client(
+        tiny_model_dir, storage_dir=tmp_path / "b", micro_batch_tokens=budget
+    )
+    worker = exposed.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    for datums, loss, config, message in LATE_FAILURES:
+        with pytest.raises(ValueError, match=message):
+            exposed.forward_backward(datums, loss, config).result()
+        assert all(g is None for g in worker.grads().values()), message
+    for client in (exposed, clean):
+        client.forward_backward(policy_datums(), "ppo", {"kl_penalty_coef": 0.1}).result()
+        client.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert_same_weights(exposed, clean)
+    exposed.close()
+    clean.close()
+
+
+@pytest.mark.parametrize(("num_workers", "budget"), [(1, 6), (2, 8192)])
+def test_a_fault_mid_call_leaves_gradients_as_they_were(
+    tiny_model_dir, tmp_path, monkeypatch, num_workers, budget
+):
+    """A runtime fault (out of memory, say) in the second micro-batch of a call (one worker),
+    or on the second rank after the first finished its backward (two workers)."""
+    from posttrain.engine import worker as worker_module
+
+    made = [
+        create_training_client(
+            tiny_model_dir,
+            storage_dir=tmp_path / name,
+            micro_batch_tokens=budget,
+            num_workers=num_workers,
+        )
+        for name in ("faulty", "clean")
+    ]
+    faulty, clean = made
+    real = worker_module.target_logprobs
+    calls: list[int] = []
+
+    def fail_on_second(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated device failure")
+        return real(*args, **kwargs)
+
+    config = {"kl_penalty_coef": 0.1}
+    for client in made:
+        client.forward_backward(policy_datums(count=2), "ppo", config).result()
+    monkeypatch.setattr(worker_module, "target_logprobs", fail_on_second)
+    with pytest.raises(RuntimeError, match="simulated"):
+        faulty.forward_backward(policy_datums(count=4), "ppo", config).result()
+    monkeypatch.setattr(worker_module, "target_logprobs", real)
+    assert len(calls) == 2  # the fault came after a backward had run
+    for client in made:
+        client.forward_backward(policy_datums(count=3), "ppo", config).result()
+        client.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert_same_weights(faulty, clean)
+    for client in made:
+        client.close()
+
+
+def test_bad_input_raises_and_the_client_keeps_working(tiny_model_dir, tmp_path):
+    """The issue's bad inputs, each after a good datum in an earlier micro-batch: a clear error,
+    no gradient left behind, nothing written, and the next step equals a fresh client's."""
+    made = [
+        create_training_client(tiny_model_dir, storage_dir=tmp_path / name, micro_batch_tokens=4)
+        for name in ("used", "fresh")
+    ]
+    client, fresh = made
     good = sft_datums(client.get_tokenizer(), ["abc"])
+    long = Datum(
+        ModelInput.from_ints([5] * 600), {"target_tokens": [6] * 600, "weights": [1.0] * 600}
+    )
     bad_cases = [
         (
             [
+                *good,
                 Datum(
                     ModelInput.from_ints([5, 999]), {"target_tokens": [6, 7], "weights": [1.0, 1.0]}
-                )
+                ),
             ],
             "cross_entropy",
             "999",
         ),
-        ([Datum(ModelInput.from_ints([5]), {"target_tokens": [6]})], "cross_entropy", "weights"),
         (
-            [
-                Datum(
-                    ModelInput.from_ints([5] * 600),
-                    {"target_tokens": [6] * 600, "weights": [1.0] * 600},
-                )
-            ],
+            [*good, Datum(ModelInput.from_ints([5]), {"target_tokens": [6]})],
             "cross_entropy",
-            "max_position",
+            "same keys",
         ),
+        ([Datum(ModelInput.from_ints([5]), {"target_tokens": [6]})], "cross_entropy", "weights"),
+        ([*good, long], "cross_entropy", "max_position"),
         (good, "reinforce", "cross_entropy"),
         ([], "cross_entropy", "no datums"),
     ]
+    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
     for datums, loss, message in bad_cases:
         with pytest.raises(ValueError, match=message):
             client.forward_backward(datums, loss).result()
+        assert all(g is None for g in worker.grads().values()), message
     with pytest.raises(FileNotFoundError, match="nowhere"):
         client.load_state(str(tmp_path / "nowhere")).result()
-    with pytest.raises(ValueError, match="fp8"):
-        parse_dtype("fp8")
-    out = client.forward_backward(good, "cross_entropy").result()
-    assert out.metrics["loss:sum"] > 0
+    with pytest.raises(
+        ValueError, match=r"dtype 'fp8' is not supported; use one of float32, bfloat16, float16"
+    ):
+        create_training_client(tiny_model_dir, storage_dir=tmp_path / "fp8", dtype="fp8")
+    assert not (tmp_path / "fp8").exists()  # refused before anything was built or written
+    assert not (tmp_path / "used").exists()  # no call wrote anything
+    for made_client in made:
+        out = made_client.forward_backward(good, "cross_entropy").result()
+        assert out.metrics["loss:sum"] > 0
+        made_client.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert_same_weights(client, fresh)
+    for made_client in made:
+        made_client.close()
+
+
+@pytest.mark.parametrize("lora_rank", [None, 4])
+def test_sampling_clients_keep_the_published_weights(tiny_model_dir, tmp_path, lora_rank):
+    """save_weights_and_get_sampling_client and create_sampling_client(save_weights_for_sampler
+    path) sample from the weights as published, however the training client trains on."""
+    client = create_training_client(tiny_model_dir, lora_rank=lora_rank, storage_dir=tmp_path)
+    datums = sft_datums(client.get_tokenizer(), ["the cat sat", "on the mat"])
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            client.forward_backward(datums, "cross_entropy").result()
+            client.optim_step(AdamParams(learning_rate=2e-2)).result()
+
+    prompt = ModelInput.from_ints(datums[0].model_input.to_ints()[:4])  # "the " and BOS
+    params = SamplingParams(max_tokens=8, seed=3)
+    train(2)
+    published = client.sample(prompt, 2, params).result()
+    scored = client.compute_logprobs(prompt).result()
+    snapshot = client.save_weights_and_get_sampling_client().result()
+    path = client.save_weights_for_sampler("published").result().path
+    named = client.create_sampling_client(path).result()
+    train(3)
+    moved_on = client.sample(prompt, 2, params).result()
+    # Training changed the model: the same seeds now give other logprobs.
+    assert [s.logprobs for s in moved_on.sequences] != [s.logprobs for s in published.sequences]
+    for sampler in (snapshot, named):
+        out = sampler.sample(prompt, 2, params).result()
+        # The same weights (safetensors round trip is exact) and the same code: identical bits.
+        assert [s.tokens for s in out.sequences] == [s.tokens for s in published.sequences]
+        assert [s.logprobs for s in out.sequences] == [s.logprobs for s in published.sequences]
+        assert sampler.compute_logprobs(prompt).result() == scored
+        sampler.close()
+    # The snapshot's files were ephemeral; the named ones stay.
+    assert [p.name for p in (tmp_path / "sampler_weights").iterdir()] == ["published"]
+    client.close()
+
+
+def test_create_training_client_is_typed_by_executor_and_keeps_the_global_rng(
+    tiny_model_dir, tmp_path
+):
+    rng = torch.get_rng_state()
+    client = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "a")
+    assert torch.equal(torch.get_rng_state(), rng)  # LoRA's init drew from a forked generator
+    assert_type(client, LocalTrainingClient)
+    assert type(client) is LocalTrainingClient
+    same = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "b")
+    other = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "c", seed=1)
+    assert_same_weights(client, same)  # the seed alone decides the LoRA initialisation
+    with pytest.raises(AssertionError):
+        assert_same_weights(client, other)
+    for made in (client, same, other):
+        made.close()
+    if TYPE_CHECKING:  # pyright checks this overload in CI; running it would start Ray
+        assert_type(create_training_client(tiny_model_dir, executor="ray"), RayTrainingClient)

@@ -62,7 +62,7 @@ def test_buckets_keep_order_and_bound_size():
 
 def test_ray_options_need_the_ray_executor(tiny_model_dir):
     with pytest.raises(ValueError, match="need executor='ray'"):
-        create_training_client(tiny_model_dir, address="auto")
+        create_training_client(tiny_model_dir, address="auto")  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="executor must be 'local' or 'ray'"):
         create_training_client(tiny_model_dir, executor="mpi")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'GPU' share"):

@@ -2,7 +2,7 @@
 
 `executor="local"` holds the workers in this process (LocalTrainingClient); `executor="ray"`
 runs each as a Ray actor in a torch.distributed group (RayTrainingClient), with the same
-methods and results.
+methods and results. The Ray modules are imported only on that path.
 """
 
 from __future__ import annotations
@@ -12,16 +12,24 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.dispatch import Dispatch, InProcessExecutor
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, load_tokenizer
-from posttrain.engine.ray_executor import RayConfig, RayExecutor
+from posttrain.engine.models import (
+    LoraSettings,
+    apply_lora,
+    load_hf_model,
+    load_tokenizer,
+    parse_dtype,
+)
 from posttrain.engine.worker import Worker, WorkerConfig
+
+if TYPE_CHECKING:
+    from posttrain.clients.ray import RayTrainingClient
+    from posttrain.engine.ray_executor import RayConfig
 
 ExecutorKind = Literal["local", "ray"]
 
@@ -38,11 +46,14 @@ class WorkerSpec:
     seed: int
 
     def build(self) -> Worker:
-        """Load the model and wrap it; the same spec gives bit-identical replicas anywhere."""
-        torch.manual_seed(self.seed)  # LoRA's A matrices are drawn from torch's generator
+        """Load the model and wrap it; the same spec gives bit-identical replicas anywhere.
+
+        LoRA's random A matrices come from `seed` through a forked generator, so building a
+        worker leaves torch's global random state as it was.
+        """
         model = load_hf_model(self.base_model, dtype=self.dtype, device=self.device)
         if self.lora is not None:
-            model = apply_lora(model, self.lora)
+            model = apply_lora(model, self.lora, seed=self.seed)
         return Worker(
             model,
             self.config,
@@ -52,6 +63,49 @@ class WorkerSpec:
 
     def reference_model(self) -> torch.nn.Module:
         return load_hf_model(self.base_model, dtype=self.dtype, device=self.device)
+
+
+@overload
+def create_training_client(
+    base_model: str | Path,
+    *,
+    lora_rank: int | None = ...,
+    lora_alpha: float | None = ...,
+    train_attn: bool = ...,
+    train_mlp: bool = ...,
+    train_unembed: bool = ...,
+    device: str = ...,
+    dtype: str = ...,
+    num_workers: int = ...,
+    micro_batch_tokens: int = ...,
+    logprob_chunk_size: int = ...,
+    storage_dir: str | Path | None = ...,
+    seed: int = ...,
+    executor: Literal["local"] = ...,
+) -> LocalTrainingClient: ...
+
+
+@overload
+def create_training_client(
+    base_model: str | Path,
+    *,
+    lora_rank: int | None = ...,
+    lora_alpha: float | None = ...,
+    train_attn: bool = ...,
+    train_mlp: bool = ...,
+    train_unembed: bool = ...,
+    device: str = ...,
+    dtype: str = ...,
+    num_workers: int = ...,
+    micro_batch_tokens: int = ...,
+    logprob_chunk_size: int = ...,
+    storage_dir: str | Path | None = ...,
+    seed: int = ...,
+    executor: Literal["ray"],
+    address: str | None = ...,
+    resources_per_worker: Mapping[str, float] | None = ...,
+    ray_config: RayConfig | None = ...,
+) -> RayTrainingClient: ...
 
 
 def create_training_client(
@@ -88,41 +142,77 @@ def create_training_client(
         raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
     if executor == "local" and (address, resources_per_worker, ray_config) != (None, None, None):
         raise ValueError("address, resources_per_worker and ray_config need executor='ray'")
-    lora = None
-    if lora_rank is not None:
-        alpha = lora_alpha if lora_alpha is not None else LoraSettings.default_alpha(lora_rank)
-        lora = LoraSettings(
-            rank=lora_rank,
-            alpha=alpha,
-            train_attn=train_attn,
-            train_mlp=train_mlp,
-            train_unembed=train_unembed,
-        )
+    parse_dtype(dtype)  # a bad dtype fails here, before any model loads or Ray starts
+    lora = _lora_settings(lora_rank, lora_alpha, train_attn, train_mlp, train_unembed)
     config = WorkerConfig(
         micro_batch_tokens=micro_batch_tokens, logprob_chunk_size=logprob_chunk_size, device=device
     )
     spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed)
     storage = Path(storage_dir) if storage_dir else Path(tempfile.mkdtemp(prefix="posttrain-"))
     if executor == "ray":
-        ray = ray_config or RayConfig()
-        if address is not None:
-            ray = replace(ray, address=address)
-        if resources_per_worker is not None:
-            ray = replace(ray, resources_per_worker=dict(resources_per_worker))
-        if device.startswith("cuda") and ray.num_gpus <= 0:
-            raise ValueError(f"device={device!r} needs resources_per_worker with a 'GPU' share > 0")
-        workers = RayExecutor(spec.build, num_workers, ray, device=device)
-        return RayTrainingClient(workers, storage_dir=storage, base_model=str(base_model))
+        ray = _ray_config(ray_config, address, resources_per_worker, device)
+        return _ray_client(spec, num_workers, ray, storage)
+    return _local_client(spec, num_workers, storage)
+
+
+def _lora_settings(
+    rank: int | None, alpha: float | None, attn: bool, mlp: bool, unembed: bool
+) -> LoraSettings | None:
+    """None (full fine-tuning) without a rank; alpha defaults per `LoraSettings.default_alpha`."""
+    if rank is None:
+        return None
+    alpha = alpha if alpha is not None else LoraSettings.default_alpha(rank)
+    return LoraSettings(
+        rank=rank, alpha=alpha, train_attn=attn, train_mlp=mlp, train_unembed=unembed
+    )
+
+
+def _local_client(spec: WorkerSpec, num_workers: int, storage: Path) -> LocalTrainingClient:
+    """Replicas in this process: one built from the spec, the others deep copies of it."""
     first = spec.build()
     workers = [first] + [
         Worker(
             copy.deepcopy(first.model),
-            config,
+            spec.config,
             tokenizer=first.tokenizer,
             reference_factory=spec.reference_model,
         )
         for _ in range(num_workers - 1)
     ]
     return LocalTrainingClient(
-        Dispatch(InProcessExecutor(workers)), storage_dir=storage, base_model=str(base_model)
+        Dispatch(InProcessExecutor(workers)),
+        storage_dir=storage,
+        base_model=spec.base_model,
+        worker_factory=spec.build,
     )
+
+
+def _ray_config(
+    given: RayConfig | None,
+    address: str | None,
+    resources_per_worker: Mapping[str, float] | None,
+    device: str,
+) -> RayConfig:
+    """`given` (or the defaults) with `address` and `resources_per_worker` applied."""
+    from posttrain.engine.ray_executor import RayConfig
+
+    ray = given or RayConfig()
+    if address is not None:
+        ray = replace(ray, address=address)
+    if resources_per_worker is not None:
+        ray = replace(ray, resources_per_worker=dict(resources_per_worker))
+    if device.startswith("cuda") and ray.num_gpus <= 0:
+        raise ValueError(f"device={device!r} needs resources_per_worker with a 'GPU' share > 0")
+    return ray
+
+
+def _ray_client(
+    spec: WorkerSpec, num_workers: int, ray: RayConfig, storage: Path
+) -> RayTrainingClient:
+    from posttrain.clients.ray import RayTrainingClient
+    from posttrain.engine.ray_executor import RayExecutor
+
+    workers = RayExecutor(spec.build, num_workers, ray, device=spec.device)
+    client = RayTrainingClient(workers, storage_dir=storage, base_model=spec.base_model)
+    client.worker_factory = spec.build  # sampling clients are built in this process
+    return client

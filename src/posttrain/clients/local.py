@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+import shutil
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from posttrain.algo.loss_metrics import summarize_values
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.futures import APIFuture, OrderedRunner
+from posttrain.clients.local_sampling import LocalSamplingClient
 from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
 from posttrain.engine.dispatch import Dispatch
-from posttrain.engine.worker import PassResult
+from posttrain.engine.worker import PassResult, Worker
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -47,11 +50,18 @@ class LocalTrainingClient:
     """Runs Tinker's primitives on workers in this process, one call at a time, in order."""
 
     def __init__(
-        self, dispatch: Dispatch, *, storage_dir: str | Path, base_model: str = ""
+        self,
+        dispatch: Dispatch,
+        *,
+        storage_dir: str | Path,
+        base_model: str = "",
+        worker_factory: Callable[[], Worker] | None = None,
     ) -> None:
         self.dispatch = dispatch
         self.storage_dir = Path(storage_dir)
         self.base_model = base_model
+        # Builds a fresh replica of the base model (same LoRA settings) for sampling clients.
+        self.worker_factory = worker_factory
         self._runner = OrderedRunner("posttrain-local")
 
     def forward(
@@ -129,10 +139,47 @@ class LocalTrainingClient:
         return self.load_state(path, with_optimizer=True)
 
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        """Publish the current weights under `<storage>/sampler_weights/<name>`; give the path
+        to `create_sampling_client`."""
         path = self.storage_dir / "sampler_weights" / _check_name(name)
         return self._runner.submit(
             lambda: SaveWeightsResponse(str(self.dispatch.save_weights(path)))
         )
+
+    def create_sampling_client(self, model_path: str) -> APIFuture[LocalSamplingClient]:
+        """A sampling client on the weights saved at `model_path` (sampler weights or state)."""
+        factory = self._factory()
+        return self._runner.submit(
+            lambda: LocalSamplingClient.load(factory, model_path, base_model=self.base_model)
+        )
+
+    def save_weights_and_get_sampling_client(self) -> APIFuture[LocalSamplingClient]:
+        """A sampling client on a snapshot of the weights as of this call (in call order);
+        later training does not change what it samples. The snapshot's files are ephemeral."""
+        factory = self._factory()
+        path = self.storage_dir / "sampler_weights" / f".ephemeral-{uuid.uuid4().hex}"
+
+        def snapshot() -> LocalSamplingClient:
+            try:
+                self.dispatch.save_weights(path)
+                return LocalSamplingClient.load(factory, path, base_model=self.base_model)
+            finally:
+                shutil.rmtree(path, ignore_errors=True)  # the replica holds the weights now
+
+        return self._runner.submit(snapshot)
+
+    def _factory(self) -> Callable[[], Worker]:
+        if self.worker_factory is None:
+            raise ValueError(
+                "this client has no worker_factory to build sampling replicas with; "
+                "create it with posttrain.create_training_client"
+            )
+        return self.worker_factory
+
+    def offload(self) -> APIFuture[None]:
+        """Park weights, gradients and optimizer state on the CPU (in call order); the next
+        call that needs them brings them back. Frees the device for another engine."""
+        return self._runner.submit(self.dispatch.offload)
 
     def set_logprob_chunk_size(self, chunk_size: int) -> None:
         """Tokens per chunk of the logprob computation on every worker (from the next call)."""
