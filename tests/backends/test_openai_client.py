@@ -178,3 +178,23 @@ async def test_wrong_api_key_is_refused(tiny_model_dir: Path, tmp_path: Path) ->
     with pytest.raises(openai.AuthenticationError):
         await intruder.models.list()
     await backend.close()
+
+
+def test_backends_never_import_the_server_layer() -> None:
+    """LocalBackend finds its OpenAI server through the `posttrain.openai_servers` entry point
+    (declared in pyproject.toml), so no module under backends/ imports posttrain.server."""
+    import ast
+    import importlib.metadata
+
+    import posttrain.backends
+
+    for path in Path(posttrain.backends.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.startswith("posttrain.server") for n in names), (path.name, names)
+    (entry,) = importlib.metadata.entry_points(group="posttrain.openai_servers", name="local")
+    assert entry.value == "posttrain.server.local_openai:LocalOpenAIServer"

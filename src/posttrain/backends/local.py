@@ -5,19 +5,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Unpack
+from typing import ClassVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
 from posttrain.backends.client_models import ModelClients
+from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, resolve_sft
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
-
-if TYPE_CHECKING:
-    from posttrain.server.local_openai import LocalOpenAIServer
 
 BACKEND = "LocalBackend"
 
@@ -47,7 +45,7 @@ class LocalBackend:
         self.micro_batch_tokens = micro_batch_tokens
         self.keep_checkpoints = keep_checkpoints
         self._registered: dict[tuple[str, str], TrainableModel] = {}
-        self._openai: LocalOpenAIServer | None = None
+        self._openai: OpenAIServer | None = None
 
     def model_dir(self, model: TrainableModel) -> Path:
         return self._models.model_dir(model)
@@ -103,14 +101,12 @@ class LocalBackend:
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
         """Serve registered models' latest weights OpenAI-style on loopback (started on first call).
 
-        See `posttrain.server.local_openai` (extra `server`); `close()` stops the server.
+        The server comes from the server layer through `backends.openai_serving` (extra
+        `server`); `close()` stops it.
         """
         self.client(model)  # the clear "not registered" error
         if self._openai is None:
-            # A lazy upward import: the server layer is optional and only loaded when asked for.
-            from posttrain.server.local_openai import LocalOpenAIServer
-
-            self._openai = LocalOpenAIServer(self)
+            self._openai = start_openai_server(self)
         return self._openai.endpoint(model)
 
     async def close(self) -> None:
