@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Unpack
+from typing import Any, ClassVar, Unpack, get_args
 
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import write_model_json
@@ -25,7 +25,8 @@ from posttrain.backends.options import RLOptions, SFTOptions, resolve_rl, resolv
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker
-from posttrain.model import TrainableModel
+from posttrain.model import OpenAIEndpoint, TrainableModel
+from posttrain.trainer.config import ProtocolPolicyLoss, RLConfig
 from posttrain.trainer.rl import train_rl_step
 from posttrain.trainer.sft import train_sft
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
@@ -72,6 +73,8 @@ class TinkerBackend:
         self.api_key = api_key
         self._service: Any = None
         self._clients: dict[int, TinkerTrainingClient] = {}
+        # Models served through openai_endpoint: (step, tinker path of its sampler weights).
+        self._published: dict[int, tuple[int, str]] = {}
 
     def service_client(self) -> Any:
         """The SDK's ServiceClient (created on first use; it connects lazily)."""
@@ -95,12 +98,12 @@ class TinkerBackend:
         service = self.service_client()
         latest = latest_checkpoint(directory)
         if latest is None:
-            training = await service.create_lora_training_client_async(
+            training = await service.create_lora_training_client(
                 model.base_model, rank=model.lora_rank, seed=model.seed
             )
             step = 0
         else:
-            training = await service.create_training_client_from_state_with_optimizer_async(
+            training = await service.create_training_client_from_state_with_optimizer(
                 latest["path"]
             )
             step = int(latest["step"])
@@ -125,7 +128,7 @@ class TinkerBackend:
         **options: Unpack[TinkerRLOptions],
     ) -> TrainResult:
         """One RL step through the shared trainer; the loss runs on the server."""
-        config = resolve_rl(options, TinkerRLOptions, BACKEND)
+        config = resolve_tinker_rl(options)
         preflight_rl(BACKEND, self.capabilities, config, trajectory_groups)
         metrics = await train_rl_step(self.client(model), trajectory_groups, config)
         return await self._finish_step(model, metrics.as_dict(), config.save_checkpoint)
@@ -147,6 +150,8 @@ class TinkerBackend:
         step = model.step + 1
         model.set_step(step)
         path = await self.checkpoint(model) if save else None
+        if id(model) in self._published:  # served OpenAI-style: publish the new weights too
+            await self._publish(model)
         return TrainResult(step=step, metrics=metrics, checkpoint_path=path)
 
     async def checkpoint(self, model: TrainableModel) -> str:
@@ -165,13 +170,61 @@ class TinkerBackend:
         client = self.client(model)
         return SamplingClient(client, client.get_tokenizer())
 
+    def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
+        """The model's latest weights, OpenAI-style, from the `posttrain serve` it trains on.
+
+        The weights are saved as a named sampler checkpoint (`openai-step-<step>`), which the
+        server's `/v1` endpoints serve under its `tinker://` path. The first call saves (and
+        blocks for that round trip); from then on every train step publishes its weights, so
+        read `model.inference_model_name` after each step.
+        """
+        self.client(model)  # the clear "not registered" error
+        base_url = self.base_url or os.environ.get("TINKER_BASE_URL")
+        if not base_url:
+            raise NotImplementedError(
+                f"{BACKEND} serves OpenAI-compatible sampling only from a `posttrain serve` "
+                "server: pass TinkerBackend(base_url=...) (or set TINKER_BASE_URL)"
+            )
+        api_key = self.api_key or os.environ.get("TINKER_API_KEY")
+        if not api_key:
+            raise ValueError(f"{BACKEND} needs an API key: pass api_key= or set TINKER_API_KEY")
+        published = self._published.get(id(model))
+        if published is None or published[0] != model.step:
+            path = self.client(model).save_weights_for_sampler(openai_name(model.step)).result()
+            published = (model.step, path.path)
+            self._published[id(model)] = published
+        return OpenAIEndpoint(base_url.rstrip("/") + "/v1", api_key, published[1])
+
+    async def _publish(self, model: TrainableModel) -> None:
+        saved = await self.client(model).save_weights_for_sampler(openai_name(model.step))
+        self._published[id(model)] = (model.step, saved.path)
+
     async def close(self) -> None:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        self._published.clear()
         if self._service is not None:
             service, self._service = self._service, None
             await asyncio.to_thread(_close_service, service)
+
+
+def resolve_tinker_rl(options: Mapping[str, object]) -> RLConfig:
+    """RLConfig from TinkerBackend.train() options: unknown options are a TypeError, and a loss
+    posttrain does not send over the protocol a ValueError, both before any work."""
+    config = resolve_rl(options, TinkerRLOptions, BACKEND)
+    losses = get_args(ProtocolPolicyLoss)
+    if config.loss not in losses:
+        raise ValueError(
+            f"{BACKEND}.train(): loss={config.loss!r} is not carried by the Tinker protocol as "
+            f"posttrain sends it; choose loss from {list(losses)}, or train with LocalBackend or "
+            "RayBackend for dro and gspo"
+        )
+    return config
+
+
+def openai_name(step: int) -> str:
+    return f"openai-step-{step:06d}"
 
 
 def _close_service(service: Any) -> None:

@@ -243,7 +243,7 @@ class TinkerTrainingClient:
     async def _sampling_client(self) -> Any:
         async with self._sampler_lock:
             if self._sampler is None:
-                self._sampler = await self._client.save_weights_and_get_sampling_client_async()
+                self._sampler = await self._client.save_weights_and_get_sampling_client()
             return self._sampler
 
     def sample(
@@ -256,7 +256,7 @@ class TinkerTrainingClient:
     ) -> SampleResponse:
         tinker = import_tinker()
         sampler = await self._sampling_client()
-        response = await sampler.sample_async(
+        response = await sampler.sample(
             tinker.ModelInput.from_ints(prompt.to_ints()),
             num_samples,
             to_tinker_sampling_params(params),
@@ -277,7 +277,7 @@ class TinkerTrainingClient:
     async def _compute_logprobs(self, prompt: ModelInput) -> list[float | None]:
         tinker = import_tinker()
         sampler = await self._sampling_client()
-        out = await sampler.compute_logprobs_async(tinker.ModelInput.from_ints(prompt.to_ints()))
+        out = await sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt.to_ints()))
         return list(out)
 
     def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]:

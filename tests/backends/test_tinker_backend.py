@@ -1,0 +1,270 @@
+"""TinkerBackend against a real `posttrain serve` on loopback: register, train and train_sft,
+the checkpoint index and resume, sampling, option errors, model.openai_client(), and parity
+with LocalBackend on the same train() calls."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_openai_client import groups
+
+from posttrain.backends.local import LocalBackend
+from posttrain.backends.tinker import TinkerBackend
+from posttrain.model import TrainableModel
+from posttrain.types import SamplingParams
+
+# The server tests' helpers start and stop `posttrain serve` (tests/ is not a package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from serve_helpers import (  # pyright: ignore[reportMissingImports]
+    KEY,
+    ServerProcess,
+    start_server,
+)
+
+pytest.importorskip("tinker")
+
+# The server is a subprocess (seconds to start, more on a busy CPU).
+pytestmark = pytest.mark.slow
+
+PROMPT = [104, 101, 108, 108, 111, 32]  # "hello " in the tiny byte-level vocabulary
+LR = 1e-2
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-backend") / "storage")
+    yield process
+    process.stop()
+
+
+def tinker_backend(server: ServerProcess, path: Path) -> TinkerBackend:
+    return TinkerBackend(path, base_url=server.url, api_key=KEY)
+
+
+def tiny(name: str, tiny_model_dir: Path, seed: int = 0) -> TrainableModel:
+    return TrainableModel(
+        name=name, project="p", base_model=str(tiny_model_dir), lora_rank=4, seed=seed
+    )
+
+
+def index_of(model: TrainableModel) -> list[dict]:
+    lines = (model.directory / "checkpoints.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+async def test_train_checkpoint_and_resume(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    backend = tinker_backend(server, tmp_path)
+    model = tiny("m", tiny_model_dir, seed=3)
+    await model.register(backend)
+    assert model.step == 0
+    paths = []
+    for i in range(3):
+        result = await backend.train(model, groups(i), learning_rate=LR, loss="ppo")
+        assert result.step == model.step == i + 1
+        assert result.metrics["num_updates"] == 1 and result.metrics["loss"] != 0
+        paths.append(result.checkpoint_path)
+    model.run_state = {"cursor": 7}
+    trajectories = [t for g in groups(5) for t in g.trajectories]
+    sft = await backend.train_sft(model, trajectories, learning_rate=LR, batch_size=4)
+    assert sft.step == 4 and sft.metrics["num_updates"] == 2  # 8 trajectories, batches of 4
+    paths.append(sft.checkpoint_path)
+    index = index_of(model)
+    assert [r["step"] for r in index] == [1, 2, 3, 4]
+    assert [r["path"] for r in index] == paths
+    assert all(
+        p.startswith("tinker://") and p.endswith(f"/weights/step-00000{i}")
+        for i, p in enumerate(paths, 1)
+    )
+    assert index[-1]["run_state"] == {"cursor": 7} and index[0]["run_state"] == {}
+
+    sampler = backend.sampling_client(model)
+    at_step_4 = (await sampler.compute_logprobs(PROMPT))[1:]  # the first token has none
+    # One more step, not checkpointed: the resumed run below must reproduce it.
+    extra = await backend.train(model, groups(9), learning_rate=LR, save_checkpoint=False)
+    after_extra = (await backend.sampling_client(model).compute_logprobs(PROMPT))[1:]
+    await backend.close()
+
+    again = tinker_backend(server, tmp_path)
+    resumed = tiny("m", tiny_model_dir, seed=3)
+    await resumed.register(again)
+    assert resumed.step == 4 and resumed.run_state == {"cursor": 7}  # the latest checkpoint
+    # The weights of step 4 (loaded on the server: same code and values, the same logprobs).
+    assert (await again.sampling_client(resumed).compute_logprobs(PROMPT))[1:] == pytest.approx(
+        at_step_4, rel=1e-6
+    )
+    # And its optimizer moments: the next step is the one the first run took (same process on
+    # the server, same inputs: equal to float32 rounding).
+    redo = await again.train(resumed, groups(9), learning_rate=LR, save_checkpoint=False)
+    assert redo.step == 5
+    assert redo.metrics["loss"] == pytest.approx(extra.metrics["loss"], rel=1e-6)
+    assert redo.metrics["grad_norm"] == pytest.approx(extra.metrics["grad_norm"], rel=1e-6)
+    assert (await again.sampling_client(resumed).compute_logprobs(PROMPT))[1:] == pytest.approx(
+        after_extra, rel=1e-6
+    )
+    await again.close()
+
+
+async def test_sampling(server: ServerProcess, tiny_model_dir: Path, tmp_path: Path) -> None:
+    backend = tinker_backend(server, tmp_path)
+    model = tiny("s", tiny_model_dir)
+    await model.register(backend)
+    await backend.train(model, groups(0), learning_rate=LR, save_checkpoint=False)
+    sampler = backend.sampling_client(model)
+    response = await sampler.sample(PROMPT, 3, SamplingParams(max_tokens=6, seed=1))
+    assert len(response.sequences) == 3
+    for sequence in response.sequences:
+        assert 1 <= len(sequence.tokens) <= 6
+        assert sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens)
+        # Sampled logprobs are the teacher-forced ones of the trained weights (temperature 1).
+        forced = await sampler.compute_logprobs(PROMPT + sequence.tokens)
+        assert forced[len(PROMPT) :] == pytest.approx(sequence.logprobs, rel=1e-4, abs=1e-5)
+    same_seed = await sampler.sample(PROMPT, 3, SamplingParams(max_tokens=6, seed=1))
+    assert [s.tokens for s in same_seed.sequences] == [s.tokens for s in response.sequences]
+    await backend.close()
+
+
+async def test_options_it_lacks_fail_before_any_work(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    backend = tinker_backend(server, tmp_path)
+    model = tiny("o", tiny_model_dir)
+    await model.register(backend)
+    with pytest.raises(TypeError, match="kl_penalty_coef"):
+        await backend.train(model, groups(0), kl_penalty_coef=0.1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'epochz'.*did you mean 'epochs'"):
+        await backend.train_sft(model, [], epochz=2)  # type: ignore[call-arg]
+    for loss in ("gspo", "dro"):
+        with pytest.raises(ValueError) as refused:
+            await backend.train(model, groups(0), loss=loss)  # type: ignore[arg-type]
+        message = str(refused.value)
+        assert f"loss={loss!r}" in message
+        assert all(name in message for name in ("'ppo'", "'cispo'", "'importance_sampling'"))
+    assert model.step == 0 and not (model.directory / "checkpoints.jsonl").exists()
+    await backend.close()
+
+
+async def test_openai_client_serves_the_latest_weights(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    backend = tinker_backend(server, tmp_path)
+    model = tiny("agent", tiny_model_dir)
+    await model.register(backend)
+    client = model.openai_client()
+    assert str(client.base_url) == f"{server.url}/v1/"
+    first_name = model.inference_model_name
+    assert first_name.startswith("tinker://") and first_name.endswith("openai-step-000000")
+
+    async def served(name: str) -> tuple[list[int], list[float]]:
+        out = await client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=6, seed=4, logprobs=0
+        )
+        choice = out.choices[0]
+        return choice.model_extra["token_ids"], choice.logprobs.token_logprobs  # type: ignore[index, union-attr, return-value]
+
+    async def sampled_now() -> tuple[list[int], list[float]]:
+        params = SamplingParams(max_tokens=6, seed=4)
+        seq = (await backend.sampling_client(model).sample(PROMPT, 1, params)).sequences[0]
+        return seq.tokens, seq.logprobs  # type: ignore[return-value]
+
+    def same(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> bool:
+        # Two loaded copies of the same weights on the server: same tokens, logprobs to rounding.
+        return a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-5, abs=1e-6)
+
+    before = await served(first_name)
+    assert same(before, await sampled_now())
+    await backend.train(model, groups(0), learning_rate=5e-2, save_checkpoint=False)
+    latest = model.inference_model_name  # published by the step
+    assert latest.endswith("openai-step-000001") and latest != first_name
+    after = await served(latest)
+    assert same(after, await sampled_now())
+    assert not same(after, before)  # a 5e-2 step moves the logprobs far beyond rounding
+    assert same(await served(first_name), before)  # the older checkpoint is still served
+    chat = await client.chat.completions.create(
+        model=latest, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True
+    )
+    choice = chat.choices[0]
+    assert choice.model_extra is not None and choice.logprobs is not None
+    assert len(choice.model_extra["token_ids"]) == len(choice.logprobs.content or [])
+    await backend.close()
+
+
+def lora_update(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(after[k] - before[k]).flatten() for k in sorted(before)])
+
+
+def as_saved(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LocalBackend's parameter names as PEFT saves them (no adapter name)."""
+    return {k.replace(".default.", "."): v for k, v in weights.items()}
+
+
+def server_weights(server: ServerProcess, path: str) -> dict[str, torch.Tensor]:
+    saved = load_file(server.checkpoint_dir(path) / "adapter_model.safetensors")
+    return {k: v for k, v in saved.items() if "lora_" in k}
+
+
+async def test_parity_with_local_backend(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The same train() and train_sft() calls on LocalBackend and on TinkerBackend -> posttrain
+    serve give the same losses and the same weight updates.
+
+    Both run posttrain's trainer and engine in fp32 on the same seed. What differs: TinkerBackend
+    folds the token weights into the advantages (one more float32 product per token, ~6e-8
+    relative), and the server runs with one thread while this process may use more (another
+    summation order, ~1e-7 relative). Adam passes such relative gradient errors through almost
+    unchanged where |g| >> eps, so the updates differ by ~1e-7 relative at most. Measured with
+    OMP_NUM_THREADS=1 here too: one loss of four off by 7e-8 relative, updates bit-identical
+    (Δ ~ 1e-2 differences of ~1e-9 vanish in the weights' rounding). We allow 1e-5 on both
+    (compared on the updates, not the whole weights, which would dilute an error ~100x). A
+    lost weight, a wrong clip or a skipped step is off by orders of magnitude more.
+    """
+    local_backend = LocalBackend(tmp_path / "local")
+    remote_backend = tinker_backend(server, tmp_path / "remote")
+    local, remote = tiny("parity", tiny_model_dir, seed=11), tiny("parity", tiny_model_dir, seed=11)
+    await local.register(local_backend)
+    await remote.register(remote_backend)
+    worker = local_backend.client(local).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+
+    def local_weights() -> dict[str, torch.Tensor]:
+        params = worker.trainable_parameters().items()
+        return as_saved({n: p.detach().clone() for n, p in params})
+
+    initial = local_weights()
+    initial_remote = server_weights(server, await remote_backend.checkpoint(remote))
+    assert initial_remote.keys() == initial.keys()
+    assert all(torch.equal(initial[k], initial_remote[k]) for k in initial)  # same seed, same init
+
+    trajectories = [t for g in groups(7) for t in g.trajectories]
+    losses = []
+    for backend, model in ((local_backend, local), (remote_backend, remote)):
+        steps = [
+            await backend.train(
+                model, groups(i), learning_rate=LR, loss="ppo", save_checkpoint=False
+            )
+            for i in range(3)
+        ]
+        sft = await backend.train_sft(
+            model, trajectories, learning_rate=LR, batch_size=4, save_checkpoint=False
+        )
+        losses.append([r.metrics["loss"] for r in (*steps, sft)])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+    local_update = lora_update(local_weights(), initial)
+    remote_update = lora_update(
+        server_weights(server, await remote_backend.checkpoint(remote)), initial
+    )
+    relative = float((remote_update - local_update).norm() / local_update.norm())
+    print(f"parity: losses {losses}, relative update difference {relative:.2e}")
+    assert relative < 1e-5
+    await local_backend.close()
+    await remote_backend.close()
