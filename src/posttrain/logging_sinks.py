@@ -1,19 +1,29 @@
 """Optional metric sinks beside history.jsonl: TensorBoard, Weights & Biases, MLflow.
 
-None is required. A sink is used when its package is installed and it is asked for with
-`POSTTRAIN_LOG_TO` (comma-separated: `tensorboard`, `wandb`, `mlflow`).
+None is required. A model sends `model.log` rows to the sinks named by
+`TrainableModel(report_metrics=[...])`; with `report_metrics=None` (the default), to those named
+by the `POSTTRAIN_LOG_TO` environment variable (comma-separated), if set. Asking for a sink
+whose package is not installed is an error naming the package. W&B and MLflow read their own
+configuration (API key, tracking URI) from their usual environment variables.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
-SINK_NAMES = ("tensorboard", "wandb", "mlflow")
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+SinkName = Literal["tensorboard", "wandb", "mlflow"]
+SINK_NAMES: tuple[SinkName, ...] = get_args(SinkName)
+# The package each sink needs (TensorBoard's writer is torch's, but it imports tensorboard).
+SINK_PACKAGES: dict[SinkName, str] = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+}
+ENV_VAR = "POSTTRAIN_LOG_TO"
 
 
 class Sink(Protocol):
@@ -21,6 +31,8 @@ class Sink(Protocol):
 
 
 class TensorBoardSink:
+    """Scalars `<split>/<metric>` under `<model dir>/tensorboard`."""
+
     def __init__(self, directory: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -54,25 +66,43 @@ class MLflowSink:
         self._mlflow.log_metrics({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
 
 
-def requested_sinks(env: Mapping[str, str] | None = None) -> list[str]:
-    value = (env if env is not None else os.environ).get("POSTTRAIN_LOG_TO", "")
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    for name in names:
+def is_installed(package: str) -> bool:
+    # A None entry in sys.modules is Python's own way of marking a module unimportable.
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def check_sinks(names: Iterable[str], source: str) -> tuple[SinkName, ...]:
+    """The sink names, checked: each known and its package installed. `source` names the
+    setting they came from, for the error."""
+    given = list(names)
+    for name in given:  # every name first: a typo is reported before a missing package
         if name not in SINK_NAMES:
-            raise ValueError(
-                f"POSTTRAIN_LOG_TO names unknown sink {name!r}; use {', '.join(SINK_NAMES)}"
-            )
-    return names
-
-
-def default_sinks(directory: Path, *, project: str, name: str) -> list[Sink]:
-    """The requested sinks whose packages are installed (a missing one is an error)."""
-    sinks: list[Sink] = []
-    for sink in requested_sinks():
-        if importlib.util.find_spec(_PACKAGES[sink]) is None:
+            raise ValueError(f"{source}: unknown sink {name!r}; use {', '.join(SINK_NAMES)}")
+    checked: list[SinkName] = [name for name in given if name in SINK_NAMES]  # all of them
+    for sink in checked:
+        package = SINK_PACKAGES[sink]
+        if not is_installed(package):
             raise ImportError(
-                f"POSTTRAIN_LOG_TO asks for {sink}, which is not installed: pip install {sink}"
+                f"{source} asks for {sink}, whose package {package!r} is not installed: "
+                f"pip install {package}"
             )
+    return tuple(checked)
+
+
+def sinks_from_env(env: Mapping[str, str]) -> tuple[SinkName, ...]:
+    """The sinks `POSTTRAIN_LOG_TO` names in `env` (none when it is unset or empty)."""
+    value = env.get(ENV_VAR, "")  # unset: no sinks
+    return check_sinks([n.strip() for n in value.split(",") if n.strip()], ENV_VAR)
+
+
+def open_sinks(
+    names: Iterable[SinkName], directory: Path, *, project: str, name: str
+) -> list[Sink]:
+    """One sink per name (already checked by `check_sinks`)."""
+    sinks: list[Sink] = []
+    for sink in names:
         if sink == "tensorboard":
             sinks.append(TensorBoardSink(directory))
         elif sink == "wandb":

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, runtime_checkable
 
-from posttrain.logging_sinks import Sink, default_sinks
+from posttrain.logging_sinks import Sink, SinkName, check_sinks, open_sinks, sinks_from_env
 from posttrain.types import JSONScalar, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from posttrain.backends.protocol import TrainableBackend
 
 Split = Literal["train", "val", "test"]
+# What a model keeps in `run_state`: JSON saved with every checkpoint.
+RunState: TypeAlias = dict[str, JSONScalar | list[JSONScalar] | dict[str, JSONScalar]]
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,9 @@ class TrainableModel:
 
     `lora_rank=None` trains every weight; otherwise LoRA adapters of that rank are trained.
     `run_state` is JSON the caller wants restored on resume (a data cursor, a controller's
-    state); it is saved with every checkpoint.
+    state); it is saved with every checkpoint. `report_metrics` names where `log` also sends
+    its rows besides history.jsonl: "tensorboard", "wandb", "mlflow" (packages not installed
+    by posttrain); None reads the POSTTRAIN_LOG_TO environment variable, `[]` means none.
     """
 
     name: str
@@ -53,9 +58,8 @@ class TrainableModel:
     lora_alpha: float | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
-    run_state: dict[str, JSONScalar | list[JSONScalar] | dict[str, JSONScalar]] = field(
-        default_factory=dict
-    )
+    run_state: RunState = field(default_factory=dict)
+    report_metrics: Sequence[SinkName] | None = None
     _backend: TrainableBackend | None = field(default=None, init=False, repr=False)
     _dir: Path | None = field(default=None, init=False, repr=False)
     _step: int = field(default=0, init=False, repr=False)
@@ -70,6 +74,13 @@ class TrainableModel:
             raise ValueError(
                 f"lora_rank must be >= 1 or None (full fine-tuning), got {self.lora_rank}"
             )
+        if self.report_metrics is not None:
+            if isinstance(self.report_metrics, str):
+                raise ValueError(
+                    "TrainableModel.report_metrics is a list of sink names, e.g. "
+                    f"[{self.report_metrics!r}], not a string"
+                )
+            self.report_metrics = check_sinks(self.report_metrics, "TrainableModel.report_metrics")
 
     async def register(self, backend: TrainableBackend) -> None:
         """Attach to `backend`: load the base model, or resume from the latest checkpoint."""
@@ -77,8 +88,11 @@ class TrainableModel:
 
     def attach(self, backend: TrainableBackend, directory: Path, step: int) -> None:
         """Called by a backend's register()."""
+        names = self.report_metrics
+        if names is None:
+            names = sinks_from_env(os.environ)
         self._backend, self._dir, self._step = backend, directory, step
-        self._sinks = default_sinks(directory, project=self.project, name=self.name)
+        self._sinks = open_sinks(names, directory, project=self.project, name=self.name)
 
     @property
     def backend(self) -> TrainableBackend:
