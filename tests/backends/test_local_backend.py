@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
+from local_groups import synthetic_groups, weights_of
 from peft import PeftModel
 
 from posttrain.backends.local import LocalBackend
@@ -14,29 +14,6 @@ from posttrain.backends.preflight import PreflightError
 from posttrain.engine.models import load_hf_model
 from posttrain.model import TrainableModel
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
-
-
-def synthetic_groups(seed: int, groups: int = 3, size: int = 4) -> list[TrajectoryGroup]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(groups):
-        prompt = TokenSegment(tuple(rng.randrange(3, 250) for _ in range(5)))
-        trajs = []
-        for _ in range(size):
-            n = rng.randrange(2, 7)
-            sampled = TokenSegment(
-                tuple(rng.randrange(3, 250) for _ in range(n)),
-                trainable=True,
-                logprobs=tuple(-5.5 + rng.random() for _ in range(n)),
-            )
-            trajs.append(Trajectory((prompt, sampled), reward=float(rng.random() > 0.5)))
-        out.append(TrajectoryGroup(tuple(trajs)))
-    return out
-
-
-def weights_of(backend: LocalBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
-    return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}
 
 
 async def test_train_checkpoint_log_and_peft_loadable(tiny_model_dir, tmp_path):
@@ -152,4 +129,75 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
     result = await backend.train(model, synthetic_groups(0), logprob_calculation_chunk_size=7)
     worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
     assert worker.config.logprob_chunk_size == 7 and result.step == 2
+    await backend.close()
+
+
+async def test_a_failed_register_leaves_nothing_behind(tiny_model_dir, tmp_path):
+    backend = LocalBackend(tmp_path / "runs")
+    missing = tmp_path / "no-such-model"
+    wrong = TrainableModel(name="x", project="p", base_model=str(missing), lora_rank=4)
+    with pytest.raises(FileNotFoundError) as caught:
+        await wrong.register(backend)
+    message = str(caught.value)
+    # It names the path and the two ways to fix it.
+    assert str(missing) in message and "make-tiny-model" in message and "hub id" in message
+    run_dir = tmp_path / "runs" / "p" / "models" / "x"
+    assert not (run_dir / "model.json").exists()
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        await TrainableModel(name="x", project="p", base_model=str(not_a_model)).register(backend)
+    # The corrected path registers under the same name (it used to be refused as "already
+    # holds model 'x' with base_model=<the wrong path>").
+    fixed = TrainableModel(name="x", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+    await fixed.register(backend)
+    assert json.loads((run_dir / "model.json").read_text())["base_model"] == str(tiny_model_dir)
+    await backend.close()
+
+
+async def test_a_failed_step_leaves_the_last_good_state(tiny_model_dir, tmp_path):
+    """Two ways a step's checkpoint fails after its updates: a stray directory where the
+    checkpoint goes, and a run_state that is not JSON. Each time the step, the checkpoints and
+    the weights stay those of the last good step, the step's plot is removed, and the retried
+    step gives bit for bit what an uninterrupted run gives."""
+
+    async def registered(path):
+        backend = LocalBackend(path)
+        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+        await model.register(backend)
+        return backend, model
+
+    straight, reference = await registered(tmp_path / "a")
+    await straight.train(reference, synthetic_groups(1), learning_rate=1e-2)
+    after_one = weights_of(straight, reference)
+    await straight.train(reference, synthetic_groups(2), learning_rate=1e-2)
+    after_two = weights_of(straight, reference)
+    await straight.close()
+
+    backend, model = await registered(tmp_path / "b")
+    await backend.train(model, synthetic_groups(1), learning_rate=1e-2)
+    checkpoints = model.directory / "checkpoints"
+    (checkpoints / "2").mkdir()
+    (checkpoints / "2" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="refusing to replace"):
+        await backend.train(model, synthetic_groups(2), learning_rate=1e-2, plot_tensors=True)
+    assert model.step == 1
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2"]  # no temp dir left
+    assert (checkpoints / "2" / "notes.txt").read_text() == "not a checkpoint"
+    assert not (model.directory / "plots" / "step_00002.png").exists()
+    for name, value in after_one.items():
+        assert torch.equal(weights_of(backend, model)[name], value), name
+    (checkpoints / "2" / "notes.txt").unlink()
+    (checkpoints / "2").rmdir()
+
+    model.run_state["cursor"] = float("nan")  # not JSON: the trainer state cannot be written
+    with pytest.raises(ValueError):
+        await backend.train(model, synthetic_groups(2), learning_rate=1e-2)
+    assert model.step == 1 and sorted(p.name for p in checkpoints.iterdir()) == ["1"]
+    del model.run_state["cursor"]
+
+    result = await backend.train(model, synthetic_groups(2), learning_rate=1e-2)
+    assert result.step == model.step == 2
+    for name, value in after_two.items():
+        assert torch.equal(weights_of(backend, model)[name], value), name
     await backend.close()

@@ -4,13 +4,19 @@
 runs the shared trainer on them: register (or resume from the latest checkpoint), one RL or
 SFT step, checkpoint with retention, close. LocalBackend and RayBackend each hold one and
 differ only in how a client is made.
+
+A step is all or nothing: the model's step advances only once its updates, plots and
+checkpoint are done. If any of them fails, the step and the checkpoints stay as they were and
+the client is reloaded from the checkpoint of the current step, so a retry starts from the
+last good state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+import shutil
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -18,15 +24,18 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.checkpoint import list_checkpoints, prune_checkpoints
-from posttrain.model import TrainableModel
+from posttrain.engine.checkpoint import is_complete_checkpoint, list_checkpoints, prune_checkpoints
+from posttrain.model import RunState, TrainableModel
 from posttrain.trainer.config import RLConfig, SFTConfig
-from posttrain.trainer.rl import train_rl_step
-from posttrain.trainer.sft import train_sft
+from posttrain.trainer.metrics import StepMetrics
+from posttrain.trainer.rl import prepare_batch, train_rl_batch
+from posttrain.trainer.sft import sft_batches, train_sft_batches
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 ClientT = TypeVar("ClientT", bound=LocalTrainingClient)
+# model.json keys that must match to reuse a model directory.
+IDENTITY_KEYS = ("base_model", "lora_rank")
 
 
 class ModelClients(Generic[ClientT]):
@@ -57,20 +66,30 @@ class ModelClients(Generic[ClientT]):
         model: TrainableModel,
         make_client: Callable[[Path], ClientT],
     ) -> None:
-        """Create the model's client (`make_client(directory)`), resume its latest checkpoint."""
+        """Create the model's client (`make_client(directory)`), resume its latest checkpoint.
+
+        model.json is written only once the client is up: a registration that fails (a base
+        model that does not exist, say) leaves nothing behind to trip the next attempt.
+        """
         directory = self.model_dir(model)
-        write_model_json(directory, model)
-        client = await asyncio.to_thread(make_client, directory)
+        check_model_json(directory, model)
+        try:
+            client = await asyncio.to_thread(make_client, directory)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(missing_base_model(model, exc)) from exc
+        try:
+            step = 0
+            checkpoints = list_checkpoints(directory / "checkpoints")
+            if checkpoints:
+                latest = checkpoints[-1]
+                await client.load_state(str(latest), with_optimizer=True)
+                step, model.run_state = read_trainer_state(latest)
+            model.attach(backend, directory, step)  # opens the metric sinks, which may refuse
+            write_model_json(directory, model)
+        except BaseException:
+            client.close()
+            raise
         self._clients[id(model)] = client
-        step = 0
-        checkpoints = list_checkpoints(directory / "checkpoints")
-        if checkpoints:
-            latest = checkpoints[-1]
-            await client.load_state(str(latest), with_optimizer=True)
-            state = json.loads((latest / "trainer_state.json").read_text())
-            step = int(state["step"])
-            model.run_state = dict(state.get("run_state", {}))
-        model.attach(backend, directory, step)
 
     def client(self, model: TrainableModel) -> ClientT:
         try:
@@ -84,35 +103,86 @@ class ModelClients(Generic[ClientT]):
     async def train(
         self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: RLConfig
     ) -> TrainResult:
-        """Preflight, one RL step through the shared trainer, then the step and a checkpoint."""
+        """Preflight, one RL step through the shared trainer, then a checkpoint and the step."""
         preflight_rl(self.backend, self.capabilities, config, groups)
         client = self.client(model)
+        batch = prepare_batch(groups, config)  # bad input fails here, before any update
         client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
-        metrics = await train_rl_step(client, groups, config, recorder=recorder)
         step = model.step + 1
-        model.set_step(step)
-        if recorder is not None:
-            recorder.save(model.directory / "plots" / f"step_{step:05d}.png")
-        path = await self.checkpoint(model) if config.save_checkpoint else None
-        return TrainResult(step=step, metrics=metrics.as_dict(), checkpoint_path=path)
+        plot = model.directory / "plots" / f"step_{step:05d}.png"
+
+        async def run() -> StepMetrics:
+            metrics = await train_rl_batch(client, batch, config, recorder=recorder)
+            if recorder is not None:
+                recorder.save(plot)
+            return metrics
+
+        return await self._step(model, step, run, config.save_checkpoint, leftovers=[plot])
 
     async def train_sft(
         self, model: TrainableModel, trajectories: Sequence[Trajectory], config: SFTConfig
     ) -> TrainResult:
         preflight_sft(self.backend, self.capabilities, config)
-        metrics = await train_sft(self.client(model), trajectories, config)
-        step = model.step + 1
+        client = self.client(model)
+        batches = sft_batches(trajectories, config)  # bad input fails here, before any update
+
+        async def run() -> StepMetrics:
+            return await train_sft_batches(
+                client, batches, config, num_trajectories=len(trajectories)
+            )
+
+        return await self._step(model, model.step + 1, run, config.save_checkpoint)
+
+    async def _step(
+        self,
+        model: TrainableModel,
+        step: int,
+        run: Callable[[], Awaitable[StepMetrics]],
+        save: bool,
+        leftovers: Sequence[Path] = (),
+    ) -> TrainResult:
+        """Run the updates of `step`, checkpoint it, then (only then) advance the model's step."""
+        path: str | None = None
+        try:
+            metrics = await run()
+            if save:
+                path = await self._save(model, step)
+                prune_checkpoints(model.directory / "checkpoints", self.keep_checkpoints)
+        except Exception as exc:
+            for leftover in leftovers:
+                leftover.unlink(missing_ok=True)
+            if path is not None:  # saved, then pruning failed: the step is not done after all
+                shutil.rmtree(path, ignore_errors=True)
+            await self._restore(model, exc)
+            raise
         model.set_step(step)
-        path = await self.checkpoint(model) if config.save_checkpoint else None
         return TrainResult(step=step, metrics=metrics.as_dict(), checkpoint_path=path)
 
+    async def _restore(self, model: TrainableModel, error: Exception) -> None:
+        """After a failed step: reload the checkpoint of the model's (unchanged) step."""
+        last_good = model.directory / "checkpoints" / str(model.step)
+        if not is_complete_checkpoint(last_good):
+            error.add_note(
+                f"model {model.name!r} stays at step {model.step}, but no checkpoint of that step "
+                "exists to reload, so its weights in memory may include part of the failed step; "
+                "register the model again to start from its latest checkpoint or base model"
+            )
+            return
+        try:
+            await self.client(model).load_state(str(last_good), with_optimizer=True)
+        except Exception as reload_error:
+            error.add_note(f"reloading {last_good} after the failure failed too: {reload_error!r}")
+
     async def checkpoint(self, model: TrainableModel) -> str:
-        """Save under `checkpoints/<step>` with the trainer state, keep the newest few."""
-        client = self.client(model)
-        state = {"step": model.step, "run_state": model.run_state, "model": model.config_dict()}
-        saved = await client.save_state(str(model.step), trainer_state=state)
+        """Save the model's current state as `checkpoints/<step>`; keep the newest few."""
+        path = await self._save(model, model.step)
         prune_checkpoints(model.directory / "checkpoints", self.keep_checkpoints)
+        return path
+
+    async def _save(self, model: TrainableModel, step: int) -> str:
+        state = {"step": step, "run_state": model.run_state, "model": model.config_dict()}
+        saved = await self.client(model).save_state(str(step), trainer_state=state)
         return saved.path
 
     def close(self) -> None:
@@ -121,19 +191,46 @@ class ModelClients(Generic[ClientT]):
         self._clients.clear()
 
 
-def write_model_json(directory: Path, model: TrainableModel) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+def read_trainer_state(checkpoint: Path) -> tuple[int, RunState]:
+    """(step, run_state) saved with a checkpoint by `ModelClients`."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    missing = [key for key in ("step", "run_state") if key not in state]
+    if missing:
+        raise ValueError(
+            f"{checkpoint}/trainer_state.json has no {' or '.join(missing)}: it was not written "
+            "by a posttrain backend; move the checkpoint away or register under another name"
+        )
+    return int(state["step"]), dict(state["run_state"])
+
+
+def missing_base_model(model: TrainableModel, error: FileNotFoundError) -> str:
+    return (
+        f"cannot register model {model.name!r}: base_model={model.base_model!r} is not a model "
+        f"({error}). Pass an existing model directory (one with config.json, e.g. built by "
+        "`posttrain make-tiny-model DIR`) or a Hugging Face hub id such as 'Qwen/Qwen3-0.6B'"
+    )
+
+
+def check_model_json(directory: Path, model: TrainableModel) -> None:
+    """Refuse a directory that already holds a different model (another base or LoRA rank)."""
     path = directory / "model.json"
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
     config = model.config_dict()
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if (
-            saved.get("base_model") != config["base_model"]
-            or saved.get("lora_rank") != config["lora_rank"]
-        ):
-            raise ValueError(
-                f"{directory} already holds model {model.name!r} with base_model="
-                f"{saved.get('base_model')!r}, lora_rank={saved.get('lora_rank')!r}; use another "
-                "name or the same settings"
-            )
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    missing = [key for key in IDENTITY_KEYS if key not in saved]
+    if missing:
+        raise ValueError(f"{path} has no {', '.join(missing)}: it is not a posttrain model.json")
+    if any(saved[key] != config[key] for key in IDENTITY_KEYS):
+        raise ValueError(
+            f"{directory} already holds model {model.name!r} with base_model="
+            f"{saved['base_model']!r}, lora_rank={saved['lora_rank']!r}; use another "
+            "name or the same settings"
+        )
+
+
+def write_model_json(directory: Path, model: TrainableModel) -> None:
+    """Check (as `check_model_json`), then write the model's settings to `model.json`."""
+    check_model_json(directory, model)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "model.json").write_text(json.dumps(model.config_dict(), indent=2) + "\n")

@@ -94,6 +94,14 @@ class LocalBackend:
         config = resolve_sft(options, BACKEND)
         return await self._models.train_sft(model, trajectories, config)
 
+    async def checkpoint(self, model: TrainableModel) -> str:
+        """Save the model's weights, optimizer, RNG and run_state now, as `checkpoints/<step>`.
+
+        For a loop that logs a step before checkpointing it: `train(..., save_checkpoint=False)`,
+        `model.log(...)`, then `checkpoint(model)`; a crash in between redoes the whole step.
+        """
+        return await self._models.checkpoint(model)
+
     def sampling_client(self, model: TrainableModel) -> SamplingClient:
         client = self.client(model)
         return SamplingClient(client, client.get_tokenizer())

@@ -36,3 +36,11 @@ class TrainableBackend(Protocol):
     def sampling_client(self, model: TrainableModel) -> SamplingClient: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class CheckpointsOnDemand(Protocol):
+    """A backend that can checkpoint a model now, outside `train` (LocalBackend, RayBackend,
+    TinkerBackend): a loop can then log a step before making it durable."""
+
+    async def checkpoint(self, model: TrainableModel) -> str: ...

@@ -8,7 +8,7 @@ on a multi-node cluster must be storage every node sees.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Unpack
 
@@ -27,6 +27,7 @@ from posttrain.backends.options import (
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.ray import RayTrainingClient
+from posttrain.engine.ray_actor import Sharding
 from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
 from posttrain.model import TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
@@ -69,6 +70,9 @@ class RayBackend:
     `address=None` starts a local Ray on 127.0.0.1 (shut down by `close()`); otherwise joins
     that cluster ("auto" for the one `ray start` made). `resources_per_worker` and
     `ray_config` (timeouts, threads, collective backend) are passed to the executor.
+    `sharding="fsdp2"` shards each model's decoder across the workers with FSDP2 instead of
+    holding a full replica on each (same results; see `engine.fsdp`), overriding
+    `ray_config.sharding`.
     """
 
     capabilities = RAY
@@ -88,6 +92,7 @@ class RayBackend:
         micro_batch_tokens: int = 8192,
         keep_checkpoints: int = 3,
         ray_config: RayConfig | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -100,6 +105,8 @@ class RayBackend:
         self.resources_per_worker = resources_per_worker
         self.device = device
         self.micro_batch_tokens = micro_batch_tokens
+        if sharding is not None:
+            ray_config = replace(ray_config or RayConfig(), sharding=sharding)
         self.ray_config = ray_config
 
     def model_dir(self, model: TrainableModel) -> Path:
@@ -155,8 +162,13 @@ class RayBackend:
         config = resolve_sft(options, BACKEND)
         return await self._models.train_sft(model, trajectories, config)
 
+    async def checkpoint(self, model: TrainableModel) -> str:
+        """Save the model's state now as `checkpoints/<step>` (see LocalBackend.checkpoint)."""
+        return await self._models.checkpoint(model)
+
     async def check_weights_in_sync(self, model: TrainableModel) -> None:
-        """Raise WorkerGroupError unless every replica holds bit-identical trainable weights."""
+        """Raise WorkerGroupError unless every replica holds bit-identical trainable weights
+        (under FSDP each rank digests the gathered weights, so this checks the ranks agree)."""
         digests = await self.client(model).weight_digests()
         if len(set(digests)) != 1:
             raise WorkerGroupError(

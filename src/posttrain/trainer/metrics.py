@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ class StepMetrics:
     num_skipped_updates: int = 0
     num_tokens: int = 0
     nothing_to_train: bool = False
-    _sums: dict[str, float] = field(default_factory=dict[str, float])
+    _sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict[str, float](float))
 
     @classmethod
     def for_batch(
@@ -46,21 +47,33 @@ class StepMetrics:
     def add_update(
         self, forward: Mapping[str, float], optim: Mapping[str, float], *, num_tokens: int
     ) -> None:
-        """Fold in one mini-batch: token-weighted for per-token means, plain sums otherwise."""
+        """Fold in one mini-batch: token-weighted for per-token means, plain sums otherwise.
+
+        `forward` must report `loss:sum` (every TrainingClient does). The optimizer's metrics
+        are optional: a remote service may report none, and then none is aggregated.
+        """
+        if "loss:sum" not in forward:
+            raise ValueError(
+                f"forward_backward reported no 'loss:sum' (got {sorted(forward)}); the "
+                "TrainingClient must report the summed loss"
+            )
         self.num_updates += 1
         self.num_tokens += num_tokens
-        self.num_skipped_updates += int(optim.get("skipped:sum", 0.0))
-        self._add("loss", forward.get("loss:sum", 0.0), 1.0)
+        self._add("loss", forward["loss:sum"], 1.0)
         for key, value in forward.items():
             name, _, reduction = key.partition(":")
             if reduction == "mean":
                 self._add(name, value, float(num_tokens))
-        if "grad_norm:mean" in optim:
-            self._add("grad_norm", optim["grad_norm:mean"], 1.0)
+        if "skipped:sum" in optim:
+            self.num_skipped_updates += int(optim["skipped:sum"])
+        # Plain means over the updates: one gradient norm and one learning rate per update.
+        for name in ("grad_norm", "learning_rate"):
+            if f"{name}:mean" in optim:
+                self._add(name, optim[f"{name}:mean"], 1.0)
 
     def _add(self, name: str, value: float, weight: float) -> None:
-        self._sums[name] = self._sums.get(name, 0.0) + value * weight
-        self._sums[f"{name}.weight"] = self._sums.get(f"{name}.weight", 0.0) + weight
+        self._sums[name] += value * weight
+        self._sums[f"{name}.weight"] += weight
 
     def as_dict(self) -> dict[str, float]:
         out = {

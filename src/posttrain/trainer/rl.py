@@ -145,7 +145,17 @@ async def train_rl_step(
     recorder: TensorRecorder | None = None,
 ) -> StepMetrics:
     """One call of `backend.train`: as many optimizer steps as mini-batches."""
-    batch = prepare_batch(groups, config)
+    return await train_rl_batch(client, prepare_batch(groups, config), config, recorder=recorder)
+
+
+async def train_rl_batch(
+    client: TrainingClient,
+    batch: PreparedBatch,
+    config: RLConfig,
+    *,
+    recorder: TensorRecorder | None = None,
+) -> StepMetrics:
+    """The updates of one step on an already prepared (and so already validated) batch."""
     metrics = StepMetrics.for_batch(
         batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups
     )

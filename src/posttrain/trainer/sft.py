@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from posttrain.algo.advantages import reduction_weights
@@ -13,6 +13,9 @@ from posttrain.trainer.config import SFTConfig
 from posttrain.trainer.datums import pad_masks, sft_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.types import AdamParams, TokenSegment, Trajectory
+
+# Called after each update with its index and {"loss": ..., "learning_rate": ...}.
+OnUpdate = Callable[[int, Mapping[str, float]], None]
 
 
 def last_turn_only(trajectory: Trajectory) -> Trajectory:
@@ -26,7 +29,10 @@ def last_turn_only(trajectory: Trajectory) -> Trajectory:
 
 
 def sft_batches(trajectories: Sequence[Trajectory], config: SFTConfig) -> list[list[Trajectory]]:
-    """Shuffled (seeded) batches of `batch_size` for every epoch, in training order."""
+    """Shuffled (seeded) batches of `batch_size` for every epoch, in training order.
+
+    Also checks that the schedule fits them, so every input error surfaces before an update.
+    """
     usable = [t for t in trajectories if t.num_trainable_tokens > 0]
     if not usable:
         raise ValueError(
@@ -42,7 +48,24 @@ def sft_batches(trajectories: Sequence[Trajectory], config: SFTConfig) -> list[l
         rng.shuffle(order)
         for start in range(0, len(order), config.batch_size):
             batches.append([usable[i] for i in order[start : start + config.batch_size]])
+    if config.warmup_steps > len(batches):
+        raise ValueError(
+            f"warmup_steps={config.warmup_steps} is more than the {len(batches)} updates of this "
+            f"call ({len(usable)} trajectories, batch_size={config.batch_size}, "
+            f"epochs={config.epochs}); lower warmup_steps"
+        )
     return batches
+
+
+def learning_rate(config: SFTConfig, index: int, total: int) -> float:
+    """The learning rate of update `index` (0-based) of `total`: engine.optim's schedule."""
+    return config.learning_rate * lr_multiplier(
+        index,
+        warmup_steps=config.warmup_steps,
+        total_steps=total,
+        decay=config.lr_schedule,
+        min_lr_ratio=config.min_lr_ratio,
+    )
 
 
 async def train_sft(
@@ -50,33 +73,41 @@ async def train_sft(
     trajectories: Sequence[Trajectory],
     config: SFTConfig,
     *,
-    on_step: Callable[[int, float], None] | None = None,
+    on_update: OnUpdate | None = None,
 ) -> StepMetrics:
     """Token-mean cross-entropy over each batch, with the configured learning-rate schedule."""
     batches = sft_batches(trajectories, config)
-    metrics = StepMetrics(num_trajectories=len(trajectories))
+    return await train_sft_batches(
+        client, batches, config, num_trajectories=len(trajectories), on_update=on_update
+    )
+
+
+async def train_sft_batches(
+    client: TrainingClient,
+    batches: Sequence[Sequence[Trajectory]],
+    config: SFTConfig,
+    *,
+    num_trajectories: int,
+    on_update: OnUpdate | None = None,
+) -> StepMetrics:
+    """The updates of `train_sft` on batches from `sft_batches` (already validated)."""
+    metrics = StepMetrics(num_trajectories=num_trajectories)
     for index, batch in enumerate(batches):
         pairs = [sft_datum(t) for t in batch]
         masks = [m for _, m in pairs]
         weights_BT = reduction_weights(pad_masks(masks), "token_mean")
         datums = [with_weights(d, weights_BT[i, : m.numel()]) for i, (d, m) in enumerate(pairs)]
-        scale = lr_multiplier(
-            index,
-            warmup_steps=config.warmup_steps,
-            total_steps=len(batches),
-            decay=config.lr_schedule,
-            min_lr_ratio=config.min_lr_ratio,
-        )
         adam = AdamParams(
-            learning_rate=config.learning_rate * scale,
+            learning_rate=learning_rate(config, index, len(batches)),
             weight_decay=config.weight_decay,
             grad_clip_norm=config.grad_clip,
         )
         out = await client.forward_backward(datums, "cross_entropy", {})
         step = await client.optim_step(adam)
-        metrics.add_update(
-            out.metrics, step.metrics or {}, num_tokens=int(sum(m.sum() for m in masks))
-        )
-        if on_step is not None:
-            on_step(index, out.metrics["loss:sum"])
+        optim = step.metrics or {}
+        metrics.add_update(out.metrics, optim, num_tokens=int(sum(m.sum() for m in masks)))
+        if on_update is not None:
+            # The rate the optimizer reports it applied (a remote one may not: the rate sent).
+            lr = optim.get("learning_rate:mean", adam.learning_rate)
+            on_update(index, {"loss": out.metrics["loss:sum"], "learning_rate": lr})
     return metrics
