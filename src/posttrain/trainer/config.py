@@ -6,7 +6,9 @@ them, so the trainer never imports a backend module.
 
 from __future__ import annotations
 
+import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
@@ -55,20 +57,30 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if not self.learning_rate >= 0:
-            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
-        if self.num_minibatches < 1:
-            raise ValueError(f"num_minibatches must be >= 1, got {self.num_minibatches}")
-        if not -1.0 <= self.advantage_balance <= 1.0:
-            raise ValueError(f"advantage_balance must be in [-1, 1], got {self.advantage_balance}")
-        if self.loss_reduction == "constant" and not (self.loss_reduction_constant or 0) > 0:
-            raise ValueError("loss_reduction='constant' needs loss_reduction_constant > 0")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
-        if self.kl_penalty_coef < 0:
-            raise ValueError(f"kl_penalty_coef must be >= 0, got {self.kl_penalty_coef}")
-        if self.logprob_calculation_chunk_size < 1:
-            raise ValueError("logprob_calculation_chunk_size must be >= 1")
+        check_range(self, "learning_rate", "a finite number >= 0", lambda v: 0 <= v < math.inf)
+        check_range(
+            self, "epsilon", "in [0, 1] (the clip floor is 1 - epsilon)", lambda v: 0 <= v <= 1
+        )
+        check_range(
+            self, "epsilon_high", ">= 0 (the clip ceiling is 1 + epsilon_high)", lambda v: v >= 0
+        )
+        check_range(self, "dro_beta", ">= 0", lambda v: v >= 0)
+        check_range(self, "advantage_balance", "in [-1, 1]", lambda v: -1 <= v <= 1)
+        check_range(
+            self, "loss_reduction_constant", "a finite number > 0", lambda v: 0 < v < math.inf
+        )
+        if self.loss_reduction == "constant" and self.loss_reduction_constant is None:
+            raise ValueError(
+                "option loss_reduction_constant is needed by loss_reduction='constant': "
+                "pass loss_reduction_constant > 0"
+            )
+        check_range(self, "truncated_importance_sampling", "a cap > 0", lambda v: v > 0)
+        check_range(self, "kimi_k2_tau", "a finite number >= 0", lambda v: 0 <= v < math.inf)
+        check_range(self, "num_minibatches", ">= 1", lambda v: v >= 1)
+        check_range(self, "grad_clip", ">= 0 (0 turns clipping off)", lambda v: v >= 0)
+        check_range(self, "weight_decay", "a finite number >= 0", lambda v: 0 <= v < math.inf)
+        check_range(self, "kl_penalty_coef", "a finite number >= 0", lambda v: 0 <= v < math.inf)
+        check_range(self, "logprob_calculation_chunk_size", ">= 1", lambda v: v >= 1)
 
 
 @dataclass(frozen=True)
@@ -89,16 +101,23 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not self.learning_rate >= 0:
-            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+        check_range(self, "learning_rate", "a finite number >= 0", lambda v: 0 <= v < math.inf)
+        check_range(self, "warmup_steps", ">= 0", lambda v: v >= 0)
+        check_range(self, "min_lr_ratio", "in [0, 1]", lambda v: 0 <= v <= 1)
+        check_range(self, "batch_size", ">= 1", lambda v: v >= 1)
+        check_range(self, "epochs", ">= 1", lambda v: v >= 1)
+        check_range(self, "grad_clip", ">= 0 (0 turns clipping off)", lambda v: v >= 0)
+        check_range(self, "weight_decay", "a finite number >= 0", lambda v: 0 <= v < math.inf)
+
+
+def check_range(config: object, name: str, expected: str, ok: Callable[[float], bool]) -> None:
+    """Raise ValueError naming option `name` unless its value (if not None) passes `ok`.
+
+    `ok` is False for NaN whatever the bound, since every comparison with NaN is.
+    """
+    value = getattr(config, name)
+    if value is not None and not ok(value):
+        raise ValueError(f"option {name}={value!r} is invalid: expected {expected}")
 
 
 def _accepts(annotation: object, value: object) -> bool:

@@ -20,19 +20,18 @@ class TensorRecorder:
     def record(self, datums: Sequence[Datum], output: ForwardBackwardOutput) -> None:
         for datum, out in zip(datums, output.loss_fn_outputs, strict=True):
             inputs = datum.loss_fn_inputs
-            mask = inputs.get("mask", torch.ones(datum.length))
+            mask = inputs["mask"]  # every RL datum has one (trainer.datums.rl_datum)
             learner = out["logprobs"]
             self.rows["advantages"].append(inputs["advantages"] * mask)
             self.rows["ratio"].append(torch.exp(learner - inputs["logprobs"]) * mask)
             self.rows["logprobs"].append(learner * mask)
 
     def save(self, path: Path) -> Path:
-        import matplotlib
+        # A bare Agg Figure: no pyplot, so the caller's matplotlib backend is left alone.
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        fig = Figure(figsize=(15, 4))
+        axes = fig.subplots(1, 3)
         for ax, (name, rows) in zip(axes, self.rows.items(), strict=True):
             image = pad_masks(rows).numpy() if rows else [[0.0]]
             shown = ax.imshow(image, aspect="auto", interpolation="nearest", cmap="coolwarm")
@@ -43,5 +42,4 @@ class TensorRecorder:
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=80)
-        plt.close(fig)
         return path
