@@ -21,13 +21,21 @@ Message = Mapping[str, str]
 
 
 class TrajectoryBuilder:
-    """Builds one trajectory turn by turn: `prompt(...)`, `completion(...)`, repeat, `build()`."""
+    """Builds one trajectory turn by turn: `prompt(...)`, `completion(...)`, repeat, `build()`.
+
+    The tokens are the conversation's real ones: each sampled turn exactly as sampled, then
+    the template's closing tokens of an assistant turn that the sampled tokens lack (the
+    end-of-turn token after a completion cut by max_tokens; a newline some templates put after
+    it), then the template's rendering of the next messages.
+    """
 
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
         self.messages: list[dict[str, str]] = []
         self.segments: list[TokenSegment] = []
-        self._rendered_upto = 0  # messages whose rendering the tokens already contain
+        self._closing: tuple[int, ...] | None = None  # the template's assistant-turn ending
+        self._last: SampledSequence | None = None  # the completion the tokens end with, if any
+        self._generation_prompt: tuple[int, ...] = ()  # what the tokens end with after prompt()
 
     @property
     def tokens(self) -> list[int]:
@@ -38,16 +46,18 @@ class TrajectoryBuilder:
         other = TrajectoryBuilder(self.tokenizer)
         other.messages = [dict(m) for m in self.messages]
         other.segments = list(self.segments)
+        other._closing, other._last = self._closing, self._last
+        other._generation_prompt = self._generation_prompt
         return other
 
     def _render(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [dict(m) for m in messages],
-            add_generation_prompt=generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
-        return list(out)
+        return render_chat(self.tokenizer, messages, generation_prompt)
+
+    def closing_tokens(self) -> tuple[int, ...]:
+        """What the chat template puts after an assistant message's content (cached)."""
+        if self._closing is None:
+            self._closing = assistant_closing(self.tokenizer)
+        return self._closing
 
     def prompt(self, *messages: Message) -> list[int]:
         """Add user/system/tool messages; returns the tokens to sample the next turn from."""
@@ -61,8 +71,25 @@ class TrajectoryBuilder:
                 "the chat template's rendering of the conversation so far is not a prefix of its "
                 "rendering with the new messages; this template cannot be extended turn by turn"
             )
-        self.segments.append(TokenSegment(tuple(after[len(before) :]), trainable=False))
+        lead: tuple[int, ...] = ()
+        if self._last is not None:
+            lead = missing_closing(self._last, self.closing_tokens())
+        elif self._generation_prompt:
+            self._drop_generation_prompt()
+        self.segments.append(TokenSegment(lead + tuple(after[len(before) :]), trainable=False))
+        self._last = None
+        self._generation_prompt = tuple(after[len(self._render(self.messages, False)) :])
         return self.tokens
+
+    def _drop_generation_prompt(self) -> None:
+        """Two prompts in a row: the first one's generation prompt is not part of the text."""
+        last = self.segments[-1]
+        cut = len(last.tokens) - len(self._generation_prompt)
+        if last.trainable or last.tokens[cut:] != self._generation_prompt:
+            raise ValueError("cannot extend the conversation: its generation prompt is not last")
+        self.segments[-1] = TokenSegment(last.tokens[:cut], trainable=False)
+        if not self.segments[-1].tokens:
+            self.segments.pop()
 
     def completion(self, sequence: SampledSequence, *, trainable: bool = True) -> str:
         """Add a sampled assistant turn with its exact tokens and logprobs; returns its text."""
@@ -71,6 +98,8 @@ class TrajectoryBuilder:
                 "a trainable completion needs the sampler's logprobs; sample with logprobs or "
                 "pass trainable=False"
             )
+        if not self.segments:
+            raise ValueError("completion() needs a prompt() first")
         self.segments.append(
             TokenSegment(
                 tuple(sequence.tokens),
@@ -80,6 +109,7 @@ class TrajectoryBuilder:
         )
         text = self.tokenizer.decode(sequence.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
         self.messages.append({"role": "assistant", "content": text})
+        self._last, self._generation_prompt = sequence, ()
         return text
 
     def build(
@@ -96,6 +126,53 @@ class TrajectoryBuilder:
             metadata=dict(metadata or {}),
             messages=tuple(self.messages),
         )
+
+
+def render_chat(
+    tokenizer: object, messages: Sequence[Message], generation_prompt: bool
+) -> list[int]:
+    """The chat template's token ids for `messages`."""
+    out = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        [dict(m) for m in messages],
+        add_generation_prompt=generation_prompt,
+        tokenize=True,
+        return_dict=False,
+    )
+    return [int(t) for t in out]
+
+
+def assistant_closing(tokenizer: object) -> tuple[int, ...]:
+    """The tokens a chat template puts after an assistant message's content.
+
+    Found as the common ending of two renderings that differ only in a one-letter content:
+    `<|eos|>` for posttrain's tiny template, `<|im_end|>`, `\\n` for Qwen's.
+    """
+    renders = [
+        render_chat(
+            tokenizer,
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": c}],
+            False,
+        )
+        for c in ("a", "b")
+    ]
+    common = 0
+    while common < min(map(len, renders)) and renders[0][-1 - common] == renders[1][-1 - common]:
+        common += 1
+    return tuple(renders[0][len(renders[0]) - common :])
+
+
+def missing_closing(sequence: SampledSequence, closing: Sequence[int]) -> tuple[int, ...]:
+    """The part of `closing` a sampled turn lacks before the next message.
+
+    A completion that stopped ("stop") ends with the end-of-turn token, closing[0] (with a
+    template like posttrain's tiny one, all of it); a completion cut by max_tokens has none.
+    """
+    tokens = list(sequence.tokens)
+    if sequence.stop_reason == "stop":
+        for have in range(min(len(closing), len(tokens)), 0, -1):
+            if tokens[-have:] == list(closing[:have]):
+                return tuple(closing[have:])
+    return tuple(closing)
 
 
 async def gather_groups(

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.engine.tiny import CHAT_TEMPLATE, build_tokenizer
 from posttrain.jobs.sft_data import conversation_to_trajectory, load_sft_dataset
 
 
@@ -117,6 +117,47 @@ def test_missing_or_empty_file(tokenizer, tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="has no conversations"):
         load_sft_dataset(tmp_path / "empty.jsonl", tokenizer)
+
+
+def test_path_only_gives_the_checked_conversations(tokenizer, tmp_path):
+    first = [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
+    second = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+    ]
+    path = _write(tmp_path / "d.jsonl", [{"messages": first}, {"messages": second}])
+    assert load_sft_dataset(path) == [first, second]
+    # With a tokenizer: the same conversations, as trajectories for backend.train_sft.
+    trajectories = load_sft_dataset(path, tokenizer)
+    assert [t.messages for t in trajectories] == [tuple(first), tuple(second)]
+    assert trajectories == [conversation_to_trajectory(m, tokenizer) for m in (first, second)]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: messages\[0\] must be"):
+        load_sft_dataset(tmp_path / "bad.jsonl")  # checked without a tokenizer too
+
+
+def test_template_tokens_after_the_end_of_turn_are_context():
+    # Qwen-style: a newline after each turn's end-of-turn token. A sampler stops at the EOS and
+    # never produces that newline, so only content + EOS is trained.
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("eos_token -}}", "eos_token + '\\n' -}}")
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    trajectory = conversation_to_trajectory(messages, tokenizer)
+    eos = tokenizer.eos_token_id
+    assert [list(s.tokens) for s in trajectory.segments if s.trainable] == [
+        [ord("b"), eos],
+        [ord("d"), eos],
+    ]
+    assert [s.trainable for s in trajectory.segments] == [False, True, False, True]
+    assert trajectory.segments[2].tokens[0] == ord("\n")  # the first turn's newline: context
+    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert trajectory.tokens == list(full)[:-1]  # all but the newline after the last turn
 
 
 def test_exported_at_top_level():

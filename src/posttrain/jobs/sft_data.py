@@ -1,8 +1,14 @@
 """Chat conversations -> SFT trajectories: assistant turns trainable, everything else context.
 
-Each assistant turn's tokens are what the chat template appends to the conversation rendered
-up to that turn with the generation prompt: the same tokens a sampler would produce (content,
-then EOS). The template must render each prefix of a conversation as a token prefix.
+`load_sft_dataset(path)` reads a JSONL file of `{"messages": [...]}` lines and returns the
+checked conversations; `load_sft_dataset(path, tokenizer)` returns them as trajectories ready
+for `backend.train_sft` (`conversation_to_trajectory` on each).
+
+Each assistant turn's trainable tokens are what a sampler would produce for it: the content
+and the end-of-turn token it stops on. Whatever the template puts after that token (Qwen's
+newline, say) is context, as are all other messages. The template must render each prefix of
+a conversation as a token prefix. Nothing after the last assistant turn is kept: there is
+nothing to train on there.
 """
 
 from __future__ import annotations
@@ -10,26 +16,15 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TypeAlias, overload
 
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.rollout import assistant_closing, render_chat
 from posttrain.types import TokenSegment, Trajectory
 
 ROLES = ("system", "user", "assistant", "tool")
-
-
-def render(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, str]],
-    generation_prompt: bool,
-) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        add_generation_prompt=generation_prompt,
-        tokenize=True,
-        return_dict=False,
-    )
-    return [int(t) for t in out]  # type: ignore[union-attr]
+Conversation: TypeAlias = list[dict[str, str]]
 
 
 def conversation_to_trajectory(
@@ -37,13 +32,15 @@ def conversation_to_trajectory(
 ) -> Trajectory:
     """One trajectory with every assistant turn trainable (reward 0: SFT ignores it)."""
     check_messages(messages)
+    # The template's tokens after the end-of-turn token are context, not something to learn.
+    after_end = len(assistant_closing(tokenizer)) - 1
     segments: list[TokenSegment] = []
     done: list[int] = []  # tokens already in segments
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        context = render(tokenizer, messages[:i], True)
-        turn = render(tokenizer, messages[: i + 1], False)
+        context = render_chat(tokenizer, messages[:i], True)
+        turn = render_chat(tokenizer, messages[: i + 1], False)
         if context[: len(done)] != done or turn[: len(context)] != context:
             raise ValueError(
                 "the chat template does not render this conversation's prefixes as token "
@@ -51,8 +48,9 @@ def conversation_to_trajectory(
             )
         if len(context) > len(done):
             segments.append(TokenSegment(tuple(context[len(done) :]), trainable=False))
-        segments.append(TokenSegment(tuple(turn[len(context) :]), trainable=True))
-        done = turn
+        end = len(turn) - after_end  # the rest goes with the next context (or is dropped)
+        segments.append(TokenSegment(tuple(turn[len(context) : end]), trainable=True))
+        done = turn[:end]
     return Trajectory(
         segments=tuple(segments), reward=0.0, messages=tuple(dict(m) for m in messages)
     )
@@ -75,12 +73,39 @@ def check_messages(messages: object) -> None:
         raise ValueError("messages has no assistant turn: nothing to train on")
 
 
-def load_sft_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
-    """A JSONL file of `{"messages": [...]}` lines -> one SFT trajectory per line."""
-    path = Path(path)
+@overload
+def load_sft_dataset(path: str | Path, tokenizer: None = None) -> list[Conversation]: ...
+
+
+@overload
+def load_sft_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]: ...
+
+
+def load_sft_dataset(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
+) -> list[Conversation] | list[Trajectory]:
+    """A JSONL file of `{"messages": [...]}` lines -> its conversations, checked.
+
+    With a `tokenizer` (e.g. `backend.sampling_client(model).tokenizer`), one SFT trajectory
+    per conversation instead, for `backend.train_sft`. Errors name the file and line.
+    """
+    conversations = read_conversations(Path(path))
+    if tokenizer is None:
+        return [c for _, c in conversations]
+    trajectories: list[Trajectory] = []
+    for number, messages in conversations:
+        try:
+            trajectories.append(conversation_to_trajectory(messages, tokenizer))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: {exc}") from None
+    return trajectories
+
+
+def read_conversations(path: Path) -> list[tuple[int, Conversation]]:
+    """(line number, messages) of each non-blank line, each checked by `check_messages`."""
     if not path.is_file():
         raise FileNotFoundError(f"SFT dataset {str(path)!r} does not exist")
-    trajectories: list[Trajectory] = []
+    conversations: list[tuple[int, Conversation]] = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -88,9 +113,10 @@ def load_sft_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> li
             record = json.loads(line)
             if not isinstance(record, dict) or "messages" not in record:
                 raise ValueError('each line must be a JSON object with a "messages" list')
-            trajectories.append(conversation_to_trajectory(record["messages"], tokenizer))
+            check_messages(record["messages"])
         except ValueError as exc:  # json.JSONDecodeError is a ValueError too
             raise ValueError(f"{path}:{number}: {exc}") from None
-    if not trajectories:
+        conversations.append((number, [dict(m) for m in record["messages"]]))
+    if not conversations:
         raise ValueError(f"SFT dataset {str(path)!r} has no conversations")
-    return trajectories
+    return conversations
