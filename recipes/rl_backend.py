@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import string
 import tempfile
 
 import posttrain
@@ -18,7 +19,8 @@ from posttrain.rollout import TrajectoryBuilder, gather_groups
 
 
 async def rollout(sampler, word: str, group_size: int) -> posttrain.TrajectoryGroup:
-    """One prompt, `group_size` completions, reward 1 for the exact reversal."""
+    """One prompt, `group_size` completions: reward 1 for the exact reversal, else 0.5 x the
+    share of lowercase letters (so an untrained model's samples differ in reward)."""
     builder = TrajectoryBuilder(sampler.tokenizer)
     prompt = builder.prompt({"role": "user", "content": f"reverse: {word}"})
     params = posttrain.SamplingParams(max_tokens=12, temperature=1.0)
@@ -28,11 +30,12 @@ async def rollout(sampler, word: str, group_size: int) -> posttrain.TrajectoryGr
         turn = builder.fork()
         text = turn.completion(sequence)
         correct = sequence.stop_reason == "stop" and text.strip() == word[::-1]
-        trajectories.append(turn.build(reward=float(correct)))
+        letters = sum(c in string.ascii_lowercase for c in text) / max(1, len(text))
+        trajectories.append(turn.build(reward=1.0 if correct else 0.5 * letters))
     return posttrain.TrajectoryGroup(tuple(trajectories))
 
 
-async def main(argv: list[str] | None = None) -> list[float]:
+async def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base-model")
     parser.add_argument("--steps", type=int, default=20)
@@ -43,17 +46,17 @@ async def main(argv: list[str] | None = None) -> list[float]:
     model = TrainableModel(name="reverser", project="recipes", base_model=base, lora_rank=None)
     await model.register(backend)
     rng = random.Random(0)
-    rewards = []
+    metrics = []
     for _ in range(args.steps):
         words = ["".join(rng.choices("abcdefgh", k=rng.randint(3, 5))) for _ in range(8)]
         sampler = backend.sampling_client(model)
         groups = await gather_groups(rollout(sampler, w, 8) for w in words)
         result = await backend.train(model, groups, learning_rate=2e-4, loss="ppo")
         await model.log(groups, metrics=result.metrics, step=result.step)
-        rewards.append(result.metrics["reward"])
+        metrics.append(dict(result.metrics))
         print(f"step {result.step:3d}  reward {result.metrics['reward']:.3f}")
     await backend.close()
-    return rewards
+    return metrics
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """RL on the raw TrainingClient primitives (Tinker-style): sample, score, forward_backward, step.
 
-Task: reverse a short lowercase string. Reward 1 for the exact reversal followed by EOS.
+Task: reverse a short lowercase string. Reward 1 for the exact reversal followed by EOS, else
+partial credit for answering in lowercase letters (see `reward`).
 Run: python recipes/rl_primitives.py --steps 20 [--base-model DIR]
 """
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import string
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
@@ -39,8 +42,13 @@ def render_prompt(tokenizer, word: str) -> list[int]:
 
 
 def reward(tokenizer, tokens: list[int], stop_reason: str, word: str) -> float:
+    """1 for the exact reversal then EOS; otherwise 0.5 x the share of lowercase letters in the
+    answer. The partial credit tells samples of an untrained model apart, so a group's rewards
+    vary and even the first steps have a gradient."""
     text = tokenizer.decode(tokens, skip_special_tokens=True)
-    return float(stop_reason == "stop" and text.strip() == word[::-1])
+    if stop_reason == "stop" and text.strip() == word[::-1]:
+        return 1.0
+    return 0.5 * sum(c in string.ascii_lowercase for c in text) / max(1, len(text))
 
 
 def make_datum(prompt: list[int], tokens: list[int], logprobs: list[float], adv: float) -> Datum:
@@ -58,48 +66,61 @@ def make_datum(prompt: list[int], tokens: list[int], logprobs: list[float], adv:
     )
 
 
-def main(argv: list[str] | None = None) -> list[float]:
+@dataclass
+class Step:
+    reward: float  # mean over every sample of the step
+    datums: list[Datum]  # what forward_backward got (empty: no group had reward variance)
+    loss: float | None  # forward_backward's summed loss, None when nothing was trained
+
+
+def rl_step(client, tokenizer, rng: random.Random, args: argparse.Namespace) -> Step:
+    """Sample a group per prompt, GRPO advantages, one token-mean PPO update."""
+    words = ["".join(rng.choices("abcdefgh", k=rng.randint(3, 5))) for _ in range(args.prompts)]
+    prompts = [render_prompt(tokenizer, w) for w in words]
+    params = SamplingParams(max_tokens=12, temperature=1.0)
+    futures = [client.sample(ModelInput.from_ints(p), args.group_size, params) for p in prompts]
+    datums, all_rewards = [], []
+    for prompt, word, future in zip(prompts, words, futures, strict=True):
+        sequences = future.result().sequences
+        rewards_G = torch.tensor(
+            [reward(tokenizer, s.tokens, s.stop_reason, word) for s in sequences]
+        )
+        all_rewards += rewards_G.tolist()
+        adv_G = group_advantages(rewards_G)
+        for seq, adv in zip(sequences, adv_G.tolist(), strict=True):
+            if adv != 0.0:
+                datums.append(make_datum(prompt, seq.tokens, seq.logprobs or [], adv))
+    mean_reward = sum(all_rewards) / len(all_rewards)
+    if not datums:
+        return Step(mean_reward, [], None)
+    # Token-mean reduction: scale advantages by 1 / (trainable tokens in the batch).
+    total = sum(float(d.loss_fn_inputs["mask"].sum()) for d in datums)
+    datums = [
+        Datum(
+            d.model_input,
+            {**d.loss_fn_inputs, "advantages": d.loss_fn_inputs["advantages"] / total},
+        )
+        for d in datums
+    ]
+    out = client.forward_backward(datums, "ppo").result()
+    client.optim_step(AdamParams(learning_rate=args.learning_rate, grad_clip_norm=1.0)).result()
+    return Step(mean_reward, datums, out.metrics["loss:sum"])
+
+
+def main(argv: list[str] | None = None) -> list[Step]:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     base = args.base_model or make_tiny_model(tempfile.mkdtemp(), seed=args.seed)
     client = create_training_client(base, lora_rank=None, seed=args.seed)
     tokenizer = client.get_tokenizer()
-    params = SamplingParams(max_tokens=12, temperature=1.0)
-    rewards_per_step = []
-    for step in range(args.steps):
-        words = ["".join(rng.choices("abcdefgh", k=rng.randint(3, 5))) for _ in range(args.prompts)]
-        prompts = [render_prompt(tokenizer, w) for w in words]
-        futures = [client.sample(ModelInput.from_ints(p), args.group_size, params) for p in prompts]
-        datums, all_rewards = [], []
-        for prompt, word, future in zip(prompts, words, futures, strict=True):
-            sequences = future.result().sequences
-            rewards_G = torch.tensor(
-                [reward(tokenizer, s.tokens, s.stop_reason, word) for s in sequences]
-            )
-            all_rewards += rewards_G.tolist()
-            adv_G = group_advantages(rewards_G)
-            for seq, adv in zip(sequences, adv_G.tolist(), strict=True):
-                if adv != 0.0:
-                    datums.append(make_datum(prompt, seq.tokens, seq.logprobs or [], adv))
-        if datums:
-            # Token-mean reduction: scale advantages by 1 / (trainable tokens in the batch).
-            total = sum(float(d.loss_fn_inputs["mask"].sum()) for d in datums)
-            datums = [
-                Datum(
-                    d.model_input,
-                    {**d.loss_fn_inputs, "advantages": d.loss_fn_inputs["advantages"] / total},
-                )
-                for d in datums
-            ]
-            client.forward_backward(datums, "ppo").result()
-            client.optim_step(
-                AdamParams(learning_rate=args.learning_rate, grad_clip_norm=1.0)
-            ).result()
-        mean_reward = sum(all_rewards) / len(all_rewards)
-        rewards_per_step.append(mean_reward)
-        print(f"step {step + 1:3d}  reward {mean_reward:.3f}  datums {len(datums)}")
+    steps = []
+    for number in range(1, args.steps + 1):
+        step = rl_step(client, tokenizer, rng, args)
+        steps.append(step)
+        loss = "n/a" if step.loss is None else f"{step.loss:+.4f}"
+        print(f"step {number:3d}  reward {step.reward:.3f}  datums {len(step.datums)}  loss {loss}")
     client.close()
-    return rewards_per_step
+    return steps
 
 
 if __name__ == "__main__":
