@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from posttrain.cli.main import main
@@ -147,3 +154,65 @@ def test_cli_train_and_its_errors(tmp_path, capsys, monkeypatch):
 def test_cli_demo_prints_its_config(capsys):
     assert main(["demo", "--print-config"]) == 0
     assert 'task = "reverse"' in capsys.readouterr().out
+
+
+def _toml(config: dict[str, dict[str, object]]) -> str:
+    lines = []
+    for table, values in config.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.slow
+def test_a_sigkilled_train_process_resumes_bit_for_bit(tmp_path):
+    """`posttrain train` in a subprocess, SIGKILLed as soon as the checkpoint of RL step 2 is
+    on disk, then `posttrain train --resume` to the end: the same weights and metrics.jsonl (and
+    history.jsonl) as an uninterrupted run, bit for bit, timing columns aside."""
+    data: dict[str, dict[str, object]] = {
+        "run": {"task": "reverse", "name": "job", "project": "t", "seed": 5},
+        "model": {"base_model": "tiny:qwen2:tiny"},
+        "sft": {"examples": 8, "batch_size": 4, "epochs": 2, "learning_rate": 1e-3},
+        "rl": {"steps": 5, "prompts_per_step": 4, "group_size": 4, "max_tokens": 6,
+               "learning_rate": 1e-3},
+        "eval": {"held_out": 8, "every": 2},
+    }  # fmt: skip
+    whole = asyncio.run(
+        run_job(
+            parse_config({**data, "run": {**data["run"], "output_dir": str(tmp_path / "a")}}),
+            echo=lambda _: None,
+        )
+    )
+    config = tmp_path / "job.toml"
+    config.write_text(_toml({**data, "run": {**data["run"], "output_dir": str(tmp_path / "b")}}))
+    run_dir = tmp_path / "b" / "t" / "models" / "job"
+    # Same threads as this process: CPU kernels then sum in the same order in all three runs.
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    command = [sys.executable, "-m", "posttrain.cli.main", "train", str(config)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    checkpoint = run_dir / "checkpoints" / "3"  # SFT is model step 1, RL step 2 is step 3
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    steps_on_disk = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert 3 <= max(steps_on_disk) < 6  # killed mid-run, after RL step 2's checkpoint
+    resumed = subprocess.run(
+        [*command, "--resume", str(run_dir)], env=env, capture_output=True, text=True, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    done = max(steps_on_disk) - 1
+    assert f"resuming after RL step {done}/5" in resumed.stdout
+    a, b = _weights(whole.run_dir), _weights(run_dir)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].equal(b[key]), key
+    assert _rows(run_dir) == _rows(whole.run_dir)
+
+    def history(path: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (path / "history.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+    assert history(run_dir) == history(whole.run_dir)

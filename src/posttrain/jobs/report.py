@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 # Keys whose values depend on the machine, not on the run (left out when comparing runs).
-TIMING_KEYS = frozenset({"elapsed_s", "step_s", "tokens_per_s"})
+TIMING_KEYS = frozenset({"elapsed_s", "step_s", "tokens_per_s", "sample_tokens_per_s"})
 
 
 class MetricsLog:
@@ -18,27 +18,54 @@ class MetricsLog:
         self.path = path
 
     def rows(self) -> list[dict[str, object]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.path)
 
-    def rewind(self, rl_steps_done: int) -> None:
-        """Keep what a checkpoint after `rl_steps_done` RL steps covers; the job redoes the rest
-        (an evaluation at that step included, since it ran after the checkpoint)."""
+    def rewind(self, rl_steps_done: int, *, sft_done: bool) -> None:
+        """Keep the rows the resumed checkpoint covers; the job redoes the rest.
+
+        The job writes a step's row before checkpointing the step, and evaluates after: so the
+        checkpoint after `rl_steps_done` RL steps covers the SFT row (if the warm-up is done),
+        RL rows up to that step and evaluations before it.
+        """
         kept = [
             row
             for row in self.rows()
-            if row["phase"] == "sft"
+            if (row["phase"] == "sft" and sft_done)
             or (row["phase"] == "rl" and _step(row) <= rl_steps_done)
             or (row["phase"] == "eval" and _step(row) < rl_steps_done)
         ]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_jsonl(self.path, kept)
 
     def write(self, phase: str, step: int, metrics: Mapping[str, float]) -> None:
-        row = {"phase": phase, "step": step}
-        row.update({k: (v if math.isfinite(v) else None) for k, v in metrics.items()})  # type: ignore[misc]
+        row: dict[str, object] = {"phase": phase, "step": step}
+        row.update({k: (v if math.isfinite(v) else None) for k, v in metrics.items()})
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def rewind_history(path: Path, model_step: int) -> None:
+    """Keep the `model.log` rows of `history.jsonl` that a checkpoint at `model_step` covers.
+
+    The job logs a training step before checkpointing it, and evaluations (split "val") after
+    the checkpoint of the step they evaluate.
+    """
+    kept = [
+        row
+        for row in read_jsonl(path)
+        if _step(row) < model_step or (_step(row) == model_step and row["split"] == "train")
+    ]
+    write_jsonl(path, kept)
+
+
+def read_jsonl(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
+    if path.exists() or rows:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _step(row: Mapping[str, object]) -> int:
@@ -47,7 +74,12 @@ def _step(row: Mapping[str, object]) -> int:
 
 
 def progress_line(step: int, steps: int, metrics: Mapping[str, float]) -> str:
-    """One line per RL step: step, reward, accuracy, loss, tokens/s, elapsed."""
+    """One line per RL step: step, reward, accuracy, loss, throughput, elapsed.
+
+    `tok/s` is the whole step's: sampled tokens over the step's wall time (sampling, training
+    and logging; the checkpoint save after them is not counted), not the sampler's speed alone,
+    which is `sample_tokens_per_s` in metrics.jsonl.
+    """
     # No loss when every group had zero reward variance (nothing to train on this step).
     loss = f"{metrics['loss']:+.4f}" if math.isfinite(metrics["loss"]) else "    n/a"
     return (
@@ -58,9 +90,8 @@ def progress_line(step: int, steps: int, metrics: Mapping[str, float]) -> str:
 
 
 def _series(rows: list[dict[str, object]], key: str) -> list[float]:
-    return [
-        float(v) if isinstance(v, int | float) else math.nan for v in (r.get(key) for r in rows)
-    ]
+    values = [row.get(key) for row in rows]  # absent is real: eval rows have no reward
+    return [float(v) if isinstance(v, int | float) else math.nan for v in values]
 
 
 def plot_curves(rows: list[dict[str, object]], path: Path, title: str) -> Path:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from posttrain.engine.checkpoint import list_checkpoints
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig, parse_tiny_spec
+from posttrain.model import RunState
 
 # Settings a resumed run may change: where the run is, how long it goes on, how it is evaluated.
 RESUMABLE_CHANGES = frozenset(
@@ -36,24 +38,38 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
     record: dict[str, dict[str, object]] = {}
     for table in ("run", "model", "sft", "rl", "eval"):
         values = asdict(getattr(config, table))
-        values.update(values.pop("trainer", {}))
+        if "trainer" in values:  # [sft] and [rl]: their train options are keys of the table
+            values.update(values.pop("trainer"))
         record[table] = values
     return record
+
+
+def config_changes(saved: Mapping[str, object], record: dict[str, dict[str, object]]) -> list[str]:
+    """How `record` differs from the run's saved job.json, in the settings a resume keeps."""
+    changed: list[str] = []
+    for table, values in record.items():
+        if table == "eval":
+            continue
+        if table not in saved:
+            changed.append(f"[{table}]: not in the run's {JOB_FILE}")
+            continue
+        saved_table = saved[table]
+        assert isinstance(saved_table, dict)
+        for key, value in values.items():
+            if f"{table}.{key}" in RESUMABLE_CHANGES:
+                continue
+            if key not in saved_table:
+                changed.append(f"[{table}] {key}: not in the run's {JOB_FILE}, {value!r} now")
+            elif saved_table[key] != value:
+                changed.append(f"[{table}] {key}: {saved_table[key]!r} in the run, {value!r} now")
+    return changed
 
 
 def prepare_run_dir(run_dir: Path, config: JobConfig, *, resume: bool) -> Path:
     """A fresh run needs a directory without checkpoints; a resumed one the same settings."""
     record = config_record(config)
     if resume:
-        saved = json.loads((run_dir / JOB_FILE).read_text())
-        changed = [
-            f"[{table}] {key}: {saved.get(table, {}).get(key)!r} in the run, {value!r} now"
-            for table, values in record.items()
-            for key, value in values.items()
-            if f"{table}.{key}" not in RESUMABLE_CHANGES
-            and table != "eval"
-            and saved.get(table, {}).get(key) != value
-        ]
+        changed = config_changes(json.loads((run_dir / JOB_FILE).read_text()), record)
         if changed:
             raise ValueError(
                 f"cannot resume {run_dir} with a different config (only [rl] steps, [eval] and "
@@ -88,3 +104,32 @@ def resolve_base_model(spec: str, run_dir: Path) -> Path | str:
         partial.rename(path)
     # Absolute, so model.json names the same base model whatever directory a resume runs from.
     return path.resolve()
+
+
+@dataclass
+class JobState:
+    """What the job keeps in `model.run_state`, saved with every checkpoint: its data cursor.
+
+    The prompts and sampling seed of RL step k derive from (seed, k), so the number of RL
+    steps done is the whole cursor.
+    """
+
+    sft_done: bool = False
+    accuracy_before: float | None = None  # held-out accuracy before RL, once measured
+    rl_steps_done: int = 0
+
+    @classmethod
+    def load(cls, run_state: Mapping[str, object]) -> JobState:
+        """From a checkpoint's run_state (empty for a fresh run)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(run_state) - known)
+        if unknown:
+            raise ValueError(
+                f"the checkpoint's run_state has keys this job does not know: {unknown}; it was "
+                "not written by `posttrain train`"
+            )
+        return cls(**run_state)  # type: ignore[arg-type]
+
+    def save(self, run_state: RunState) -> None:
+        """Into `model.run_state`, to go with the next checkpoint."""
+        run_state.update(asdict(self))

@@ -7,13 +7,15 @@ Phases: optional SFT warm-up (one `train_sft` call), greedy held-out evaluation,
 `curve.png`, `job.json`.
 
 Resume is exact: the prompts and the sampling seed of RL step k derive from (seed, k) alone,
-so the only data cursor is the number of steps done, kept in `model.run_state` with every
-checkpoint together with weights, optimizer and RNG.
+so the only data cursor is the number of steps done (`JobState`, in `model.run_state`), saved
+with every checkpoint together with weights, optimizer and RNG. Each step is trained, logged,
+then checkpointed; resuming drops the log rows of steps after the checkpoint and redoes them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable
@@ -22,14 +24,14 @@ from pathlib import Path
 from typing import cast
 
 from posttrain.backends.options import RLOptions, SFTOptions
-from posttrain.backends.protocol import TrainableBackend
+from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
 from posttrain.backends.registry import BackendInfo
 from posttrain.backends.sampling import SamplingClient
 from posttrain.jobs.backend import JobPreflightError, call_options, create_backend, job_problems
 from posttrain.jobs.config import JobConfig, load_config
-from posttrain.jobs.report import MetricsLog, plot_curves, progress_line
+from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
 from posttrain.jobs.rollouts import derive_seed, evaluate, sample_groups, sft_examples
-from posttrain.jobs.run_dir import locate_run, prepare_run_dir, resolve_base_model
+from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.sft_data import load_sft_dataset
 from posttrain.model import TrainableModel
 from posttrain.tasks import Problem, Task, get_task
@@ -118,21 +120,24 @@ async def run_job(
 
 
 async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobResult:
-    config, state = run.config, run.model.run_state
-    done = int(state.get("rl_steps_done") or 0)  # type: ignore[arg-type]
+    config = run.config
+    state = JobState.load(run.model.run_state)
+    done = state.rl_steps_done
     run.echo(f"run directory: {run.model.directory}")
     if done:
         run.echo(f"resuming after RL step {done}/{config.rl.steps} (model step {run.model.step})")
-    run.metrics.rewind(done)
-    if config.sft.enabled and not state.get("sft_done"):
-        await _warm_up(run)
-    if "accuracy_before" not in state:
-        state["accuracy_before"] = await _evaluate(run, 0, "before RL")
+    run.metrics.rewind(done, sft_done=state.sft_done)
+    rewind_history(run.model.directory / "history.jsonl", run.model.step)
+    if config.sft.enabled and not state.sft_done:
+        await _warm_up(run, state)
+    if state.accuracy_before is None:
+        state.accuracy_before = await _evaluate(run, 0, "before RL")
+        state.save(run.model.run_state)  # goes with the next checkpoint
     elif done and done < config.rl.steps and config.eval.every and done % config.eval.every == 0:
         await _evaluate(run, done, f"after step {done}")
-    before = float(state["accuracy_before"])  # type: ignore[arg-type]
+    before = state.accuracy_before
     for k in range(done, config.rl.steps):
-        await _rl_step(run, k)
+        await _rl_step(run, state, k)
         if on_step is not None:
             on_step(k + 1)
         if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
@@ -156,7 +161,7 @@ async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobRe
     )
 
 
-async def _warm_up(run: _Run) -> None:
+async def _warm_up(run: _Run, state: JobState) -> None:
     """One `train_sft` call on task solutions and/or the configured dataset."""
     config, tokenizer = run.config, run.sampler.tokenizer
     examples: list[Trajectory] = []
@@ -168,24 +173,41 @@ async def _warm_up(run: _Run) -> None:
     if dataset is not None:
         examples += load_sft_dataset(dataset, tokenizer)  # type: ignore[arg-type]
     run.echo(f"sft warm-up: {len(examples)} examples, {config.sft.trainer.epochs} epochs")
-    run.model.run_state["sft_done"] = True  # saved with the checkpoint train_sft writes
     began = time.perf_counter()
     options = cast(SFTOptions, call_options(config.sft.trainer, run.info.train_sft_options))
+    state.sft_done = True
+    state.save(run.model.run_state)
+    options["save_checkpoint"] = not _checkpoints_on_demand(run)
     result = await run.backend.train_sft(run.model, examples, **options)
     seconds = time.perf_counter() - began
+    loss = result.metrics["loss"]  # train_sft always makes at least one update
     metrics = {**result.metrics, "examples": float(len(examples)), "step_s": seconds}
     await run.model.log(split="train", metrics=metrics, step=result.step)
-    run.metrics.write(
-        "sft", result.step, {"loss": result.metrics.get("loss", float("nan")), "step_s": seconds}
-    )
-    updates = int(result.metrics.get("num_updates", 0))
-    run.echo(
-        f"sft warm-up done in {seconds:.1f}s: {updates} updates, mean loss {result.metrics.get('loss', float('nan')):.4f}"
-    )
+    run.metrics.write("sft", result.step, {"loss": loss, "step_s": seconds})
+    await _checkpoint(run)
+    updates = int(result.metrics["num_updates"])
+    run.echo(f"sft warm-up done in {seconds:.1f}s: {updates} updates, mean loss {loss:.4f}")
 
 
-async def _rl_step(run: _Run, k: int) -> None:
-    """RL step k (0-based): sample, reward, train, log."""
+def _checkpoints_on_demand(run: _Run) -> bool:
+    """Whether the job can log a step before checkpointing it (see `_checkpoint`)."""
+    return isinstance(run.backend, CheckpointsOnDemand)
+
+
+async def _checkpoint(run: _Run) -> None:
+    """Make the step just trained and logged durable, with the job's state.
+
+    Logging first, then checkpointing, makes resume exact: a crash before the checkpoint redoes
+    the whole step, and `MetricsLog.rewind`/`rewind_history` drop its rows. A backend that only
+    checkpoints inside `train` (a plugin) checkpoints before the logs instead, so a crash right
+    after its checkpoint loses that step's log rows.
+    """
+    if isinstance(run.backend, CheckpointsOnDemand):
+        await run.backend.checkpoint(run.model)
+
+
+async def _rl_step(run: _Run, state: JobState, k: int) -> None:
+    """RL step k (0-based): sample, reward, train, log, checkpoint."""
     config = run.config.rl
     began = time.perf_counter()
     problems = run.task.make_prompts(
@@ -204,20 +226,25 @@ async def _rl_step(run: _Run, k: int) -> None:
     learning_rate = config.trainer.learning_rate * warmup
     trainer = replace(config.trainer, learning_rate=learning_rate)
     options = cast(RLOptions, call_options(trainer, run.info.train_options))
-    run.model.run_state["rl_steps_done"] = k + 1  # saved with the checkpoint train writes
+    options["save_checkpoint"] = not _checkpoints_on_demand(run)
+    state.rl_steps_done = k + 1
+    state.save(run.model.run_state)
     result = await run.backend.train(run.model, groups, **options)
     logged = await run.model.log(groups, metrics=result.metrics, step=result.step)
+    # No loss when every group had zero reward variance: nothing was trained this step.
+    loss = result.metrics.get("loss", math.nan)
     row = {
         "reward": logged["reward"],
         "accuracy": logged["accuracy"],
-        "loss": result.metrics.get("loss", float("nan")),
+        "loss": loss,
         "learning_rate": learning_rate,
         "sampled_tokens": float(sampled),
-        "tokens_per_s": sampled / sample_s if sample_s > 0 else 0.0,
-        "step_s": time.perf_counter() - began,
-        "elapsed_s": run.elapsed(),
+        "sample_tokens_per_s": sampled / sample_s if sample_s > 0 else 0.0,
     }
+    step_s = time.perf_counter() - began  # sampling, training and logging; not the checkpoint
+    row.update(tokens_per_s=sampled / step_s, step_s=step_s, elapsed_s=run.elapsed())
     run.metrics.write("rl", k + 1, row)
+    await _checkpoint(run)
     run.echo(progress_line(k + 1, config.steps, row))
 
 
