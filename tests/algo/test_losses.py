@@ -1,9 +1,12 @@
-"""Tests of algo.losses: hand-derived values, a naive per-token reference, gradients,
-invariance to the micro-batch split and to padding, metrics, and bad input."""
+"""Tests of algo.losses: hand-derived values (a), invariance to the micro-batch split and to
+padding (d), metrics, and bad input. The naive reference (b) is in test_loss_reference.py, the
+closed-form gradients (c) in test_loss_gradients.py.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,8 +14,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
+from loss_helpers import (
+    LN2,
+    NAN,
+    POLICY,
+    SPEC_THRESHOLDS,
+    Row,
+    W,
+    make_batch,
+    row_lists,
+    run,
+    seeded_rows,
+)
 
+from posttrain.algo.loss_checks import PER_TOKEN_INPUTS
 from posttrain.algo.loss_metrics import summarize
 from posttrain.algo.losses import (
     DEFAULT_THRESHOLDS,
@@ -25,51 +40,6 @@ from posttrain.algo.losses import (
     get_loss,
     resolved_thresholds,
 )
-
-Row = dict[str, list[float]]
-LN2 = math.log(2.0)
-NAN = float("nan")
-# Defaults pinned by the spec (Tinker for ppo/cispo, the GSPO paper for gspo), written out here
-# so that a change of DEFAULT_THRESHOLDS fails a test instead of passing silently.
-SPEC_THRESHOLDS = {
-    "importance_sampling": (0.8, 1.2),
-    "ppo": (0.8, 1.2),
-    "cispo": (0.0, 4.0),
-    "gspo": (1 - 3e-4, 1 + 4e-4),
-}
-
-
-def make_batch(
-    rows: Sequence[Row],
-    keys: Sequence[str],
-    dtype: torch.dtype = torch.float64,
-    extra_pad: int = 0,
-    pad_fill: float = 0.0,
-) -> tuple[LossBatch, torch.Tensor]:
-    """Pad rows (each {"lp": [...], key: [...]}) to a LossBatch; returns it and the lp leaf."""
-    width = max(len(row["lp"]) for row in rows) + extra_pad
-    logp = torch.full((len(rows), width), -3.0, dtype=dtype)  # the learner's value on padding
-    pad = torch.zeros(len(rows), width)
-    inputs = {key: torch.full((len(rows), width), pad_fill, dtype=dtype) for key in keys}
-    for b, row in enumerate(rows):
-        n = len(row["lp"])
-        logp[b, :n] = torch.tensor(row["lp"], dtype=dtype)
-        pad[b, :n] = 1.0
-        for key in keys:
-            inputs[key][b, :n] = torch.tensor(row[key], dtype=dtype)
-    inputs["target_tokens"] = torch.zeros(len(rows), width, dtype=torch.long)
-    logp.requires_grad_(True)
-    return LossBatch(logp, inputs, pad), logp
-
-
-def run(name: str, rows: Sequence[Row], keys: Sequence[str], config: LossConfig | None = None):
-    """(loss, d loss / d lp) of loss `name` on float64 rows."""
-    batch, logp = make_batch(rows, keys)
-    out = get_loss(name)(batch, config or LossConfig())
-    out.loss.backward()
-    assert logp.grad is not None
-    return out.loss.item(), logp.grad, out
-
 
 # ------------------------------------------------------------------ (a) hand-derived values
 
@@ -241,290 +211,6 @@ def test_explicit_mask_gates_the_loss_and_the_sequence_mean():
     config = LossConfig(importance_sampling_level="sequence")
     keys = ["logprobs", "advantages", "mask"]
     assert run("importance_sampling", [row], keys, config)[0] == pytest.approx(-2.0, rel=1e-12)
-
-
-# ------------------------------------------------------- (b) naive per-token reference
-
-
-def _kl(lp: float, ref: float, estimator: str) -> float:
-    if estimator == "k1":
-        return lp - ref
-    x = max(-20.0, min(20.0, ref - lp))
-    return math.exp(x) - x - 1
-
-
-def _policy_term(name: str, r: float, adv: float, lp: float, lo: float, hi: float) -> float:
-    if name == "importance_sampling":
-        return -r * adv
-    if name in ("ppo", "gspo"):
-        return -min(r * adv, min(max(r, lo), hi) * adv)
-    return -min(max(r, lo), hi) * adv * lp  # cispo
-
-
-def naive_loss(name: str, rows: Sequence[Row], keys: Sequence[str], config: LossConfig):
-    """(Σ w·ℓ, Σ |w·ℓ|) by loops over Python floats, written from the spec, not the code."""
-    total, scale = 0.0, 0.0
-    for row in rows:
-        lp, n = row["lp"], len(row["lp"])
-        w = row["weights"] if "weights" in keys else [1.0] * n
-        if "mask" in keys:
-            m = [x != 0 for x in row["mask"]]
-        else:
-            m = [x != 0 for x in w] if "weights" in keys else [True] * n
-        terms = (
-            _naive_row_terms(name, row, keys, config, m)
-            if name != "cross_entropy"
-            else [-x for x in lp]
-        )
-        for t in range(n):
-            if m[t] and w[t] != 0:
-                total += w[t] * terms[t]
-                scale += abs(w[t] * terms[t])
-    return total, scale
-
-
-def _naive_row_terms(name: str, row: Row, keys: Sequence[str], config: LossConfig, m: list[bool]):
-    lp, n = row["lp"], len(row["lp"])
-    q = [lp[t] if math.isnan(row["logprobs"][t]) else row["logprobs"][t] for t in range(n)]
-    delta = [max(-20.0, min(20.0, lp[t] - q[t])) for t in range(n)]
-    count = max(sum(m), 1)
-    seq_m = [x != 0 for x in row["sequence_ratio_mask"]] if "sequence_ratio_mask" in keys else m
-    seq = sum(d for d, mt in zip(delta, seq_m, strict=True) if mt) / max(sum(seq_m), 1)
-    adv = list(row["advantages"])
-    if config.kimi_k2_tau is not None:
-        adv = [adv[t] - config.kimi_k2_tau * delta[t] for t in range(n)]
-    kl = [_kl(lp[t], row["ref_logprobs"][t], config.kl_estimator) for t in range(n)]
-    if config.kl_penalty_coef > 0 and config.kl_mode == "advantage":
-        kl_mean = sum(k for k, mt in zip(kl, m, strict=True) if mt) / count
-        adv = [adv[t] + config.kl_penalty_coef * (kl_mean - kl[t]) * m[t] for t in range(n)]
-    if name == "dro":
-        return [-(lp[t] * adv[t] - 0.5 * config.beta * (lp[t] - q[t]) ** 2) for t in range(n)]
-    lo, hi = SPEC_THRESHOLDS[name]
-    lo = lo if config.clip_low_threshold is None else config.clip_low_threshold
-    hi = hi if config.clip_high_threshold is None else config.clip_high_threshold
-    level = "sequence" if name == "gspo" else config.importance_sampling_level
-    terms = []
-    for t in range(n):
-        lo_t = row["clip_low_threshold"][t] if "clip_low_threshold" in keys else lo
-        hi_t = row["clip_high_threshold"][t] if "clip_high_threshold" in keys else hi
-        token, s = math.exp(delta[t]), math.exp(seq)
-        r = {"token": token, "sequence": s, "average": (token + s) / 2}.get(
-            level, math.sqrt(token * s)
-        )
-        term = _policy_term(name, r, adv[t], lp[t], lo_t, hi_t)
-        if config.mask_prob_ratio and not lo_t < r < hi_t:
-            term = 0.0
-        if config.truncated_importance_sampling is not None:
-            is_weight = math.exp(q[t] - row["sampler_logprobs"][t])
-            term *= min(is_weight, config.truncated_importance_sampling)
-        if config.kl_penalty_coef > 0 and config.kl_mode == "loss":
-            term += config.kl_penalty_coef * kl[t]
-        terms.append(term)
-    return terms
-
-
-def _f32(x: np.ndarray) -> list[float]:
-    # Inputs exact in float32, so the fp32 and fp64 runs and the reference see the same values.
-    return [float(v) for v in x.astype(np.float32)]
-
-
-_COLUMNS = ("lp", "dq", "missing", "adv", "w", "mask", "seq_mask", "ds", "dref", "lo", "hi")
-
-
-@st.composite
-def row_lists(draw: st.DrawFn, max_rows: int = 3, max_len: int = 5) -> list[Row]:
-    """1-3 rows of 1-5 tokens: logprobs in [-4, 0), ratios in e^±0.6 (across the clip bounds),
-    some zero weights, masked-out tokens and NaN holes. One uniform array is drawn and mapped to
-    each column's range (drawing column by column is ~7x slower in hypothesis).
-    """
-    lengths = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_rows))
-    shape = (len(_COLUMNS), len(lengths), max(lengths))
-    return rows_from_uniform(lengths, draw(hnp.arrays(np.float64, shape, elements=st.floats(0, 1))))
-
-
-def rows_from_uniform(lengths: Sequence[int], u: np.ndarray) -> list[Row]:
-    """Rows from uniform [0, 1] draws u[column, row, token], mapped to each column's range."""
-    rows: list[Row] = []
-    for b, n in enumerate(lengths):
-        c = {name: u[i, b, :n] for i, name in enumerate(_COLUMNS)}
-        lp = np.array(_f32(-4.0 + 3.99 * c["lp"]))
-        q = np.array(_f32(lp + 1.2 * c["dq"] - 0.6))
-        rows.append(
-            {
-                "lp": _f32(lp),
-                "logprobs": _f32(q),
-                "q_with_nan": _f32(np.where(c["missing"] < 0.3, np.nan, q)),
-                "advantages": _f32(4.0 * c["adv"] - 2.0),
-                "weights": _f32(np.where(c["w"] < 0.2, 0.0, 0.1 + 1.9 * c["w"])),
-                "mask": _f32(c["mask"] < 0.7),
-                "sequence_ratio_mask": _f32(c["seq_mask"] < 0.7),
-                "sampler_logprobs": _f32(q + c["ds"] - 0.5),
-                "ref_logprobs": _f32(lp + 2.0 * c["dref"] - 1.0),
-                "clip_low_threshold": _f32(0.5 + 0.45 * c["lo"]),
-                "clip_high_threshold": _f32(1.05 + 0.45 * c["hi"]),
-            }
-        )
-    return rows
-
-
-def seeded_rows(seed: int, lengths: Sequence[int] = (4, 1, 6)) -> list[Row]:
-    rng = np.random.default_rng(seed)
-    return rows_from_uniform(lengths, rng.random((len(_COLUMNS), len(lengths), max(lengths))))
-
-
-POLICY = ["logprobs", "advantages"]
-W = [*POLICY, "weights"]
-# (loss, config, loss_fn_inputs passed, logprobs with NaN holes): every loss and every option.
-CASES: list[tuple[str, LossConfig, list[str], bool]] = [
-    ("cross_entropy", LossConfig(), ["weights"], False),
-    ("cross_entropy", LossConfig(), ["weights", "mask"], False),
-    ("importance_sampling", LossConfig(), POLICY, False),
-    ("ppo", LossConfig(), W, False),
-    ("ppo", LossConfig(), [*W, "mask"], False),
-    ("ppo", LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1), W, False),
-    ("ppo", LossConfig(), [*W, "clip_low_threshold", "clip_high_threshold"], False),
-    ("cispo", LossConfig(), W, False),
-    ("cispo", LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1), W, False),
-    ("dro", LossConfig(beta=0.3), W, False),
-    ("dro", LossConfig(allow_missing_logprobs=True), W, True),
-    ("gspo", LossConfig(), W, False),
-    ("gspo", LossConfig(clip_low_threshold=0.8, clip_high_threshold=1.2), W, False),
-    ("gspo", LossConfig(), [*W, "sequence_ratio_mask"], False),
-    ("ppo", LossConfig(mask_prob_ratio=True), W, False),
-    (
-        "cispo",
-        LossConfig(mask_prob_ratio=True, clip_low_threshold=0.9, clip_high_threshold=1.1),
-        W,
-        False,
-    ),
-    ("importance_sampling", LossConfig(mask_prob_ratio=True), W, False),
-    ("ppo", LossConfig(kimi_k2_tau=0.3), W, False),
-    ("cispo", LossConfig(kimi_k2_tau=0.3), W, False),
-    ("ppo", LossConfig(truncated_importance_sampling=1.2), [*W, "sampler_logprobs"], False),
-    ("cispo", LossConfig(truncated_importance_sampling=1.2), [*W, "sampler_logprobs"], False),
-    ("gspo", LossConfig(truncated_importance_sampling=1.2), [*W, "sampler_logprobs"], False),
-    ("ppo", LossConfig(allow_missing_logprobs=True), W, True),
-    ("gspo", LossConfig(allow_missing_logprobs=True), W, True),
-    *[
-        (name, LossConfig(importance_sampling_level=level), W, False)
-        for name in ("importance_sampling", "ppo", "cispo")
-        for level in ("sequence", "average", "geometric_average")
-    ],
-    *[
-        (
-            name,
-            LossConfig(kl_penalty_coef=0.2, kl_estimator=est, kl_mode=mode),
-            [*W, "ref_logprobs"],
-            False,
-        )
-        for name in ("ppo", "gspo")
-        for est in ("k1", "k3")
-        for mode in ("loss", "advantage")
-    ],
-]
-CASE_IDS = [f"{name}-{i}" for i, (name, *_) in enumerate(CASES)]
-
-
-def _with_nan_logprobs(rows: list[Row], nan_holes: bool) -> list[Row]:
-    return [{**row, "logprobs": row["q_with_nan"]} for row in rows] if nan_holes else rows
-
-
-def test_cases_cover_every_loss():
-    assert {name for name, *_ in CASES} == set(LOSSES)
-
-
-@pytest.mark.parametrize(("name", "config", "keys", "nan_holes"), CASES, ids=CASE_IDS)
-@settings(max_examples=20, deadline=None)
-@given(rows=row_lists())
-def test_matches_naive_loop(
-    name: str, config: LossConfig, keys: list[str], nan_holes: bool, rows: list[Row]
-):
-    rows = _with_nan_logprobs(rows, nan_holes)
-    want, scale = naive_loss(name, rows, keys, config)
-    # Relative to Σ|w·ℓ|, since the loss itself may cancel to ~0. fp64 differs from Python
-    # floats only in rounding order (~1e-16 per term). In fp32 the inputs are exact, so only
-    # the arithmetic rounds: a few ulps (~6e-8 each) per term.
-    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
-        batch, _ = make_batch(rows, keys, dtype, extra_pad=1)
-        got = get_loss(name)(batch, config).loss.item()
-        assert abs(got - want) <= rtol * (scale + 1e-30), dtype
-
-
-# ------------------------------------------------------------------------- (c) gradients
-
-
-def _on_policy(rows: list[Row]) -> list[Row]:
-    return [{**row, "logprobs": list(row["lp"])} for row in rows]
-
-
-def _column(rows: Sequence[Row], key: str, width: int) -> torch.Tensor:
-    return torch.tensor(
-        [row[key] + [0.0] * (width - len(row[key])) for row in rows], dtype=torch.float64
-    )
-
-
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "gspo", "cispo"])
-def test_on_policy_gradient_is_minus_weight_times_advantage(name: str, seed: int):
-    # r = exp(0) = 1 exactly, inside every default clip band: d loss/d lp_t = −w_t·A_t, bit-exact.
-    rows = _on_policy(seeded_rows(seed))
-    _, grad, _ = run(name, rows, W)
-    width = grad.shape[1]
-    expected = -_column(rows, "weights", width) * _column(rows, "advantages", width)
-    assert torch.equal(grad, expected)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_cross_entropy_gradient_is_minus_weight(seed: int):
-    rows = seeded_rows(seed)
-    _, grad, _ = run("cross_entropy", rows, ["weights"])
-    assert torch.equal(grad, -_column(rows, "weights", grad.shape[1]))
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_cispo_gradient_is_minus_weight_clipped_ratio_advantage(seed: int):
-    # cispo off-policy: the IS weight is detached, so d/dlp_t = −w·clip(r, lo, hi)·A exactly.
-    rows = seeded_rows(seed)
-    config = LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1)  # binds for e^±0.6
-    _, grad, _ = run("cispo", rows, W, config)
-    width = grad.shape[1]
-    w, adv = _column(rows, "weights", width), _column(rows, "advantages", width)
-    ratio = (_column(rows, "lp", width) - _column(rows, "logprobs", width)).exp()
-    # 1e-12: exp of the same difference, rounding order only
-    torch.testing.assert_close(grad, -w * ratio.clamp(0.9, 1.1) * adv, rtol=1e-12, atol=1e-15)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_dro_gradient(seed: int):
-    # d/dlp −(lp·A − ½β(lp − q)²) = −(A − β(lp − q)), times w.
-    rows = seeded_rows(seed)
-    _, grad, _ = run("dro", rows, W, LossConfig(beta=0.7))
-    width = grad.shape[1]
-    w, adv = _column(rows, "weights", width), _column(rows, "advantages", width)
-    delta = _column(rows, "lp", width) - _column(rows, "logprobs", width)
-    torch.testing.assert_close(grad, -w * (adv - 0.7 * delta), rtol=1e-12, atol=1e-15)
-
-
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("name", ["ppo", "gspo"])
-def test_off_policy_clipped_gradient(name: str, seed: int):
-    # d/dlp_t −min(x_t·A, clip(x_t)·A) = −w·A·x_t where the unclipped term is the min, else 0;
-    # x_t = r_t for ppo, x_t = s_b (the row's sequence ratio) for gspo.
-    rows = seeded_rows(seed)
-    config = LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1)
-    _, grad, _ = run(name, rows, W, config)
-    width = grad.shape[1]
-    w, adv = _column(rows, "weights", width), _column(rows, "advantages", width)
-    delta = _column(rows, "lp", width) - _column(rows, "logprobs", width)
-    if name == "gspo":
-        counted = (w != 0).double()
-        delta = (
-            (delta * counted).sum(1, keepdim=True) / counted.sum(1, keepdim=True).clamp(min=1)
-        ).expand_as(delta)
-    x = delta.exp()
-    active = (x * adv < x.clamp(0.9, 1.1) * adv) | (x == x.clamp(0.9, 1.1))
-    assert bool((~active).any()) and bool(active.any())  # both branches are exercised
-    torch.testing.assert_close(grad, torch.where(active, -w * adv * x, 0.0), rtol=1e-12, atol=1e-15)
 
 
 # -------------------------------------------------------------------------- (d) invariance
@@ -816,3 +502,83 @@ def test_per_token_bounds_must_be_ordered():
     row["clip_low_threshold"], row["clip_high_threshold"] = [1.3], [1.2]
     with pytest.raises(ValueError, match="per-token clip bounds"):
         run("ppo", [row], [*POLICY, "clip_low_threshold", "clip_high_threshold"])
+
+
+# Every per-token loss_fn_input a loss reads (written out: a key added to the losses without a
+# shape check fails test_every_loss_input_key_is_shape_checked).
+LOSS_INPUT_KEYS = [
+    "target_tokens",
+    "weights",
+    "advantages",
+    "logprobs",
+    "mask",
+    "sampler_logprobs",
+    "ref_logprobs",
+    "sequence_ratio_mask",
+    "clip_low_threshold",
+    "clip_high_threshold",
+]
+
+
+def _full_batch_inputs(b: int, t: int) -> dict[str, torch.Tensor]:
+    """Well-shaped [B, T] values for every loss input."""
+    inputs = {key: torch.full((b, t), 0.5) for key in LOSS_INPUT_KEYS}
+    inputs["target_tokens"] = torch.zeros(b, t, dtype=torch.long)
+    return inputs
+
+
+def test_every_loss_input_key_is_shape_checked():
+    assert sorted(PER_TOKEN_INPUTS) == sorted(LOSS_INPUT_KEYS)
+
+
+@pytest.mark.parametrize("key", LOSS_INPUT_KEYS)
+@pytest.mark.parametrize(
+    "bad_shape",
+    [(2, 4), (2, 1), (1, 3), (2, 3, 1), (6,)],
+    ids=["T+1", "broadcast-B1", "broadcast-1T", "extra-dim", "flat"],
+)
+def test_misshaped_loss_input_names_key_and_shapes(key: str, bad_shape: tuple[int, ...]):
+    # [B, T] = [2, 3]. A [B, T+1] input used to fail inside torch without naming the key, and a
+    # broadcastable one ([B, 1] advantages) was silently applied to every token of its row.
+    logp = torch.zeros(2, 3, requires_grad=True)
+    inputs = _full_batch_inputs(2, 3)
+    inputs[key] = torch.zeros(bad_shape, dtype=inputs[key].dtype)
+    expected = rf"LossBatch.inputs\['{key}'\] has shape {re.escape(str(bad_shape))} but logp_BT "
+    expected += r"has shape \(2, 3\): give exactly one value per target token"
+    with pytest.raises(ValueError, match=expected):
+        LossBatch(logp, inputs, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_misshaped_advantages_rejected_before_any_loss(name: str):
+    # The check runs when the batch is built, so no loss (nor the engine) sees a bad shape.
+    inputs = _full_batch_inputs(2, 3)
+    inputs["advantages"] = torch.ones(2, 1)
+    with pytest.raises(ValueError, match=r"inputs\['advantages'\] has shape \(2, 1\)"):
+        get_loss(name)(LossBatch(torch.zeros(2, 3), inputs, torch.ones(2, 3)), LossConfig())
+
+
+def test_well_shaped_batch_and_other_keys_pass():
+    # Keys no loss reads may have any shape (e.g. [B, T, K] extras passed through).
+    inputs = {**_full_batch_inputs(2, 3), "top_k_logprobs": torch.zeros(2, 3, 5)}
+    batch = LossBatch(torch.zeros(2, 3), inputs, torch.ones(2, 3), torch.zeros(2, 3))
+    assert batch.inputs["top_k_logprobs"].shape == (2, 3, 5)
+
+
+@pytest.mark.parametrize(
+    ("logp_shape", "pad_shape", "entropy_shape", "match"),
+    [
+        ((6,), (6,), None, r"logp_BT must be 2-D \[B, T\], got shape \(6,\)"),
+        ((2, 3), (2, 4), None, r"LossBatch.pad_mask_BT has shape \(2, 4\) but logp_BT has shape"),
+        ((2, 3), (2, 3), (2, 1), r"LossBatch.entropy_BT has shape \(2, 1\) but logp_BT has"),
+    ],
+)
+def test_misshaped_batch_tensors(
+    logp_shape: tuple[int, ...],
+    pad_shape: tuple[int, ...],
+    entropy_shape: tuple[int, ...] | None,
+    match: str,
+):
+    entropy = None if entropy_shape is None else torch.zeros(entropy_shape)
+    with pytest.raises(ValueError, match=match):
+        LossBatch(torch.zeros(logp_shape), {}, torch.ones(pad_shape), entropy)

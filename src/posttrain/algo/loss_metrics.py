@@ -38,7 +38,9 @@ def summarize(
     return metrics
 
 
-def counted_values(output: LossOutput, mask_BT: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def counted_values(
+    output: LossOutput, mask_BT: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Each diagnostic's values on the counted tokens, flattened to 1-D (float64, CPU).
 
     Flat values from several micro-batches or ranks concatenate into the whole batch's.

@@ -34,6 +34,7 @@ from posttrain.algo.loss_checks import (
     THRESHOLD_KEYS,
     check_config,
     check_inputs,
+    check_shapes,
     resolved_thresholds,
 )
 from posttrain.algo.loss_inputs import (
@@ -193,6 +194,9 @@ class LossBatch:
     inputs: Mapping[str, torch.Tensor]
     pad_mask_BT: torch.Tensor
     entropy_BT: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_shapes(self.logp_BT, self.inputs, self.pad_mask_BT, self.entropy_BT)
 
 
 @dataclass(frozen=True)
