@@ -146,16 +146,19 @@ def test_matches_naive_loop_float64(rewards, estimator, scale):
         assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-7)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    rewards=st.lists(st.sampled_from([0.0, 0.25, 1.0]), min_size=2, max_size=16),
-    estimator=st.sampled_from(ESTIMATORS),
-)
-def test_float32_is_float64_rounded(rewards, estimator):
-    # Computed in float64 and cast: fp32 output is within one fp32 rounding (6e-8) of the truth.
-    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), estimator=estimator)
-    for got, want in zip(adv.tolist(), naive_advantages(rewards, estimator, True), strict=True):
-        assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12)
+@settings(max_examples=50, deadline=None)
+@given(rewards=reward_lists, estimator=st.sampled_from(ESTIMATORS), scale=st.booleans())
+def test_float32_is_float64_rounded(rewards, estimator, scale):
+    # fp32 rewards are computed on in float64 and cast back, so the output is the float64
+    # result on the fp32-rounded rewards, within one fp32 rounding (6e-8 relative; 1e-6 leaves
+    # margin). Absolute slack as in the float64 test: the float64 rounding of the mean, times
+    # at most 1/eps = 1e6, stays below 1e-7.
+    rewards_G = torch.tensor(rewards, dtype=torch.float32)
+    adv = group_advantages(rewards_G, estimator=estimator, scale_rewards=scale)
+    assert adv.dtype == torch.float32
+    expected = naive_advantages(rewards_G.tolist(), estimator, scale)
+    for got, want in zip(adv.tolist(), expected, strict=True):
+        assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-7)
 
 
 @settings(max_examples=40, deadline=None)
@@ -295,6 +298,107 @@ def test_compute_group_advantages_names_the_bad_group():
     assert (empty.num_groups, empty.num_dropped_groups) == (0, 0)
 
 
+# ------------------------------------------------ naive references for balance and groups
+
+real_rewards = st.floats(-10.0, 10.0, allow_nan=False, allow_infinity=False)
+# Groups as a step sees them: arbitrary real rewards, binary graders, and zero-variance groups
+# (all equal, or a single completion).
+group_lists = st.lists(
+    st.one_of(
+        st.lists(real_rewards, min_size=1, max_size=8),
+        st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=8),
+        st.builds(lambda r, n: [r] * n, real_rewards, st.integers(1, 8)),
+    ),
+    max_size=6,
+)
+advantage_configs = st.builds(
+    AdvantageConfig,
+    estimator=st.sampled_from(ESTIMATORS),
+    scale_rewards=st.booleans(),
+    zero_variance=st.sampled_from(["drop", "keep"]),
+    advantage_balance=st.one_of(st.just(0.0), st.floats(-1.0, 1.0)),
+)
+
+
+def naive_balance(adv: list[float], balance: float) -> list[float]:
+    """ART's advantage_balance, one completion at a time."""
+    out = []
+    for a in adv:
+        if balance > 0 and a < 0:
+            a = a * (1.0 - balance)
+        elif balance < 0 and a > 0:
+            a = a * (1.0 + balance)
+        out.append(a)
+    return out
+
+
+def naive_group_result(
+    groups: list[list[float]], config: AdvantageConfig
+) -> tuple[list[list[float]], list[bool], list[bool]]:
+    """(advantages, kept, zero_variance) of every group, by loops over Python floats."""
+    advantages, kept, zero_variance = [], [], []
+    for rewards in groups:
+        flat = len(rewards) <= 1 or all(abs(r - rewards[0]) <= 1e-12 for r in rewards)
+        adv = naive_advantages(rewards, config.estimator, config.scale_rewards)
+        advantages.append(naive_balance(adv, config.advantage_balance))
+        zero_variance.append(flat)
+        kept.append(not flat or config.zero_variance == "keep")
+    return advantages, kept, zero_variance
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    # exact in fp32, so the fp32 and fp64 runs start from the same values
+    adv=st.lists(st.floats(-100.0, 100.0, width=32), min_size=1, max_size=16),
+    balance=st.one_of(st.sampled_from([-1.0, 0.0, 1.0]), st.floats(-1.0, 1.0)),
+)
+def test_balance_matches_naive_loop(adv, balance):
+    expected = naive_balance(adv, balance)
+    # float64: one multiplication by the same double (1 ∓ b) in both: bit-identical.
+    assert balance_advantages(torch.tensor(adv, dtype=torch.float64), balance).tolist() == expected
+    # float32: the product rounds once (6e-8 relative), so 1e-6 relative; the absolute 1e-37
+    # covers products below fp32's normal range (1.2e-38), which lose relative precision.
+    got32 = balance_advantages(torch.tensor(adv, dtype=torch.float32), balance).tolist()
+    for got, want in zip(got32, expected, strict=True):
+        assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-37)
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=group_lists, config=advantage_configs)
+def test_compute_group_advantages_matches_naive_loop(groups, config):
+    result = compute_group_advantages(groups, config)
+    advantages, kept, zero_variance = naive_group_result(groups, config)
+    assert (result.kept, result.zero_variance) == (kept, zero_variance)
+    assert result.num_dropped_groups == sum(not k for k in kept)
+    assert result.num_zero_variance_groups == sum(zero_variance)
+    for got_G, want_G in zip(result.advantages, advantages, strict=True):
+        assert got_G.dtype == torch.float64
+        # as test_matches_naive_loop_float64; balancing multiplies by <= 1, amplifying nothing
+        for got, want in zip(got_G.tolist(), want_G, strict=True):
+            assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-7)
+
+
+@settings(max_examples=50, deadline=None)
+@given(groups=group_lists, config=advantage_configs, data=st.data())
+def test_any_split_into_batches_gives_the_same_advantages(groups, config, data):
+    # Advantages are per group: computing them batch by batch, for any split of the list of
+    # groups (any sizes, any order of batches), gives bit-identical results to all at once.
+    labels = data.draw(st.lists(st.integers(0, 3), min_size=len(groups), max_size=len(groups)))
+    whole = compute_group_advantages(groups, config)
+    advantages: list = [None] * len(groups)
+    kept: list = [None] * len(groups)
+    zero_variance: list = [None] * len(groups)
+    for label in sorted(set(labels), reverse=True):
+        index = [i for i, x in enumerate(labels) if x == label]
+        part = compute_group_advantages([groups[i] for i in index], config)
+        for j, i in enumerate(index):
+            advantages[i], kept[i] = part.advantages[j], part.kept[j]
+            zero_variance[i] = part.zero_variance[j]
+    assert (kept, zero_variance) == (whole.kept, whole.zero_variance)
+    for got, want in zip(advantages, whole.advantages, strict=True):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- reduction weights
 
 
@@ -423,8 +527,14 @@ def test_weighted_sums_are_the_named_means(batch):
         (
             (torch.ones(2, 2), "sequence_mean"),
             {"num_sequences": 2.5},
-            "num_sequences must be an int",
+            "num_sequences must be an int > 0, got 2.5",
         ),
+        (
+            (torch.ones(2, 2), "sequence_mean"),
+            {"num_sequences": float("nan")},
+            "num_sequences must be an int > 0, got nan",
+        ),
+        ((torch.ones(2, 2), "sequence_mean"), {"num_sequences": 0}, "num_sequences must be"),
     ],
 )
 def test_reduction_weights_rejects_bad_input(args, kwargs, match):

@@ -216,7 +216,10 @@ def _global_count(local: float, override: float | None, name: str) -> float:
         raise ValueError(f"{name} must be a finite number > 0, got {override}")
     # A part of the mini-batch cannot hold more than the whole; the slack absorbs fp32 sums.
     if override < local * (1 - 1e-6):
-        raise ValueError(f"{name}={override} is less than this mask_BT's own count {local}")
+        raise ValueError(
+            f"{name}={override} is less than this mask_BT's own count {local}; it must be the "
+            f"whole mini-batch's count, >= any part's"
+        )
     return override
 
 
@@ -224,8 +227,10 @@ def _sequence_mean_weights(mask: torch.Tensor, num_sequences: int | None) -> tor
     """w_{i,t} = m_{i,t} / (B * sum_t m_{i,t}) with B the number of non-empty sequences."""
     tokens_B = mask.sum(dim=1)
     nonempty_B = tokens_B > 0
-    if num_sequences is not None and int(num_sequences) != num_sequences:
-        raise ValueError(f"num_sequences must be an int, got {num_sequences!r}")
+    if num_sequences is not None and not (
+        math.isfinite(num_sequences) and int(num_sequences) == num_sequences > 0
+    ):
+        raise ValueError(f"num_sequences must be an int > 0, got {num_sequences!r}")
     n_seq = _global_count(int(nonempty_B.sum().item()), num_sequences, "num_sequences")
     if n_seq == 0:
         return torch.zeros_like(mask)
