@@ -350,11 +350,14 @@ def test_bad_inputs() -> None:
         token_logprobs_from_hidden(hidden, weight, targets, bias_V=torch.randn(4))
     with pytest.raises(ValueError, match=r"hidden_BTH dtype torch.bfloat16"):
         token_logprobs_from_hidden(hidden.bfloat16(), weight, targets)
-    with pytest.raises(ValueError, match=r"chunk_size must be >= 1, got 0"):
-        token_logprobs_from_hidden(hidden, weight, targets, chunk_size=0)
-    for bad_temperature in (0.0, -1.0, math.nan):
-        with pytest.raises(ValueError, match=r"temperature must be > 0"):
+    for bad_chunk in (0, 2.0, True):
+        with pytest.raises(ValueError, match=rf"chunk_size must be an int >= 1, got {bad_chunk}"):
+            token_logprobs_from_hidden(hidden, weight, targets, chunk_size=bad_chunk)  # type: ignore[arg-type]
+    for bad_temperature in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"temperature must be a finite number > 0"):
             token_logprobs_from_hidden(hidden, weight, targets, temperature=bad_temperature)
+        with pytest.raises(ValueError, match=r"temperature must be a finite number > 0"):
+            token_logprobs(torch.randn(2, 3, 5), targets, temperature=bad_temperature)
     for bad_id in (5, -1):
         bad_targets = targets.clone()
         bad_targets[1, 2] = bad_id

@@ -11,6 +11,7 @@ Inside this module N = B*T is the flattened token dimension.
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import torch
@@ -290,10 +291,12 @@ def _unflatten(outputs: _Outputs, shape: torch.Size) -> _Outputs:
 
 
 def _check_options(chunk_size: int, temperature: float) -> None:
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # Typed, but also reached from untyped config: a float chunk size or an infinite
+    # temperature (uniform logprobs) would otherwise fail late or silently.
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
 def _check_float(name: str, tensor: torch.Tensor) -> None:
