@@ -30,15 +30,31 @@ def _check_finite_number(name: str, value: float, *, low: float | None = None) -
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
+def _token_ids(name: str, tokens: Sequence[int]) -> tuple[int, ...]:
+    """`tokens` as a tuple of Python ints; ValueError naming `name` for a non-integer or < 0."""
+    ids: list[int] = []
+    for i, token in enumerate(tokens):
+        # bool is an int subclass but never a token id; numpy integers are accepted. Typed int,
+        # but tokens also arrive from untyped JSON and numpy.
+        if isinstance(token, bool) or not isinstance(token, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"{name}[{i}] is {token!r}; token ids must be integers >= 0")
+        if token < 0:
+            raise ValueError(f"{name}[{i}] is {token}; token ids must be integers >= 0")
+        ids.append(int(token))
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class EncodedTextChunk:
-    """A run of token ids."""
+    """A run of token ids (integers >= 0)."""
 
     tokens: tuple[int, ...]
     type: Literal["encoded_text"] = "encoded_text"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "tokens", _token_ids("EncodedTextChunk.tokens", self.tokens))
+        if self.type != "encoded_text":
+            raise ValueError(f"EncodedTextChunk.type must be 'encoded_text', got {self.type!r}")
 
     @property
     def length(self) -> int:
@@ -74,45 +90,106 @@ class ModelInput:
     def length(self) -> int:
         return sum(chunk.length for chunk in self.chunks)
 
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        return ModelInput(chunks=(*self.chunks, chunk))
+
     def append_int(self, token: int) -> ModelInput:
-        return ModelInput.from_ints([*self.to_ints(), token])
+        return self.append(EncodedTextChunk(tokens=(token,)))
 
 
 def to_tensor(key: str, value: TensorLike) -> torch.Tensor:
-    """Coerce a loss_fn_input to torch: int64 for token ids, float32 for everything else."""
-    dtype = torch.int64 if key in INT_KEYS else torch.float32
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device="cpu", dtype=dtype)
-    if isinstance(value, np.ndarray):
-        return torch.as_tensor(value.tolist(), dtype=dtype)
-    return torch.tensor(list(value), dtype=dtype)
+    """Coerce a loss_fn_input to a CPU tensor: int64 for token ids, float32 for everything else.
+
+    ValueError naming `key` if the value is not numeric, or if token ids are not integers.
+    """
+    try:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu()
+        elif isinstance(value, np.ndarray):
+            tensor = torch.as_tensor(value.tolist())
+        else:
+            tensor = torch.tensor(list(value))
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"Datum.loss_fn_inputs[{key!r}] must be numeric (a list, numpy array or tensor), "
+            f"got {type(value).__name__}: {err}"
+        ) from err
+    if tensor.is_complex() or not (tensor.is_floating_point() or _is_integer_dtype(tensor)):
+        raise ValueError(
+            f"Datum.loss_fn_inputs[{key!r}] must hold real numbers, got dtype {tensor.dtype}"
+        )
+    if key in INT_KEYS:
+        # A float token id is either an integer value or a bug: never truncate it silently.
+        if tensor.is_floating_point() and not bool((tensor == tensor.round()).all()):
+            raise ValueError(
+                f"Datum.loss_fn_inputs[{key!r}] holds non-integer values; token ids are integers"
+            )
+        return tensor.to(torch.int64)
+    return tensor.to(torch.float32)
 
 
-@dataclass(frozen=True)
+def _is_integer_dtype(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
+
+
+@dataclass(frozen=True, init=False)
 class Datum:
     """One training example: `model_input` plus per-token `loss_fn_inputs`.
 
     Position i of `model_input` predicts `target_tokens[i]`; every per-token input has the same
     leading length as `model_input`. Lists, numpy arrays and tensors are accepted and stored as
-    CPU tensors (int64 for `target_tokens`, float32 otherwise).
+    CPU tensors (int64 for `target_tokens`, float32 otherwise). Built as Tinker's
+    `Datum(model_input=..., loss_fn_inputs=...)`; the constructor only converts the inputs to
+    tensors, and `__post_init__` validates them (as the dataclasses of this module do).
     """
 
     model_input: ModelInput
-    loss_fn_inputs: Mapping[str, torch.Tensor]
+    loss_fn_inputs: Mapping[str, torch.Tensor] = field(
+        default_factory=lambda: dict[str, torch.Tensor]()
+    )
 
-    def __init__(self, model_input: ModelInput, loss_fn_inputs: Mapping[str, TensorLike]) -> None:
-        tensors = {key: to_tensor(key, value) for key, value in loss_fn_inputs.items()}
-        length = model_input.length
+    def __init__(
+        self, model_input: ModelInput, loss_fn_inputs: Mapping[str, TensorLike] | None = None
+    ) -> None:
+        # A custom __init__ so that callers may pass lists and arrays while the field is typed
+        # as tensors; the checks live in __post_init__, called last.
+        if not isinstance(loss_fn_inputs, Mapping | None):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(
+                f"Datum.loss_fn_inputs must be a mapping of key -> per-token values, got "
+                f"{type(loss_fn_inputs).__name__}"
+            )
+        values = dict(loss_fn_inputs or {})
+        for key in values:
+            if not isinstance(key, str) or not key:  # pyright: ignore[reportUnnecessaryIsInstance]
+                raise ValueError(
+                    f"Datum.loss_fn_inputs keys must be non-empty strings, got {key!r}"
+                )
+        tensors = {key: to_tensor(key, value) for key, value in values.items()}
+        object.__setattr__(self, "model_input", model_input)
+        object.__setattr__(self, "loss_fn_inputs", tensors)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_input, ModelInput):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(
+                f"Datum.model_input must be a posttrain.types.ModelInput (e.g. "
+                f"ModelInput.from_ints(tokens)), got {type(self.model_input).__name__}"
+            )
+        length = self.model_input.length
         if length == 0:
             raise ValueError("Datum.model_input is empty: a datum needs at least one token")
-        for key, tensor in tensors.items():
+        for key, tensor in self.loss_fn_inputs.items():
             if tensor.dim() == 0 or tensor.shape[0] != length:
                 raise ValueError(
                     f"Datum.loss_fn_inputs[{key!r}] has shape {tuple(tensor.shape)}; "
-                    f"its first dimension must equal model_input.length={length}"
+                    f"its first dimension must equal model_input.length={length} "
+                    f"(one value per input position)"
                 )
-        object.__setattr__(self, "model_input", model_input)
-        object.__setattr__(self, "loss_fn_inputs", tensors)
+            if key in INT_KEYS and bool((tensor < 0).any()):
+                token = int(tensor[tensor < 0][0])
+                raise ValueError(
+                    f"Datum.loss_fn_inputs[{key!r}] holds token id {token}; token ids are >= 0"
+                )
 
     @property
     def length(self) -> int:
@@ -280,8 +357,33 @@ class TrajectoryGroup:
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What `backend.train` and `backend.train_sft` return."""
+    """What `backend.train` and `backend.train_sft` return.
+
+    `metrics` values are real numbers but may be NaN or infinite: a step whose gradient was not
+    finite is skipped by the optimizer (the weights stay as they were) and reported, with its
+    `loss` and `grad_norm` carrying the NaN/inf that says why; rejecting them here would turn
+    that report into an exception after the step already ran.
+    """
 
     step: int
     metrics: Mapping[str, float]
     checkpoint_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"TrainResult.step must be an int >= 0, got {self.step!r}")
+        if self.step < 0:
+            raise ValueError(f"TrainResult.step must be an int >= 0, got {self.step}")
+        metrics: dict[str, float] = {}
+        for key, value in self.metrics.items():
+            if not isinstance(key, str) or not key:  # pyright: ignore[reportUnnecessaryIsInstance]
+                raise ValueError(f"TrainResult.metrics keys must be non-empty strings, got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number):  # pyright: ignore[reportUnnecessaryIsInstance]
+                raise ValueError(
+                    f"TrainResult.metrics[{key!r}] must be a number (NaN/inf allowed), got "
+                    f"{value!r}"
+                )
+            metrics[key] = float(value)
+        object.__setattr__(self, "metrics", metrics)
+        if self.checkpoint_path is not None and not self.checkpoint_path:
+            raise ValueError("TrainResult.checkpoint_path must be None or a non-empty path")
