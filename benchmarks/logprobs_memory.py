@@ -116,10 +116,14 @@ def main() -> None:
         print(f"  {variant:<15} peak +{r['peak_mib']:7.0f} MiB   {r['seconds']:6.2f} s   "
               f"(baseline {r['baseline_mib']:.0f} MiB)")  # fmt: skip
     base = results["unchunked"]
+    print("ratios to unchunked (chunked / unchunked; below 1 means less):")
     for variant in ("chunked_logits", "chunked_hidden"):
         r = results[variant]
-        print(f"  {variant}: memory {base['peak_mib'] / r['peak_mib']:.1f}x smaller, "
-              f"time {r['seconds'] / base['seconds']:.2f}x of unchunked")  # fmt: skip
+        # ru_maxrss may not grow at tiny sizes: a zero peak gives no ratio rather than a crash.
+        memory = r["peak_mib"] / base["peak_mib"] if base["peak_mib"] > 0 else float("nan")
+        smaller = f"{1 / memory:.1f}x smaller" if memory > 0 else "n/a"
+        print(f"  {variant:<15} peak memory ratio {memory:.3f} ({smaller})   "
+              f"time ratio {r['seconds'] / base['seconds']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
