@@ -46,7 +46,9 @@ def _rloo(r_G: torch.Tensor, scale_rewards: bool, eps: float) -> torch.Tensor:
 
 
 def _maxrl(r_G: torch.Tensor, scale_rewards: bool, eps: float) -> torch.Tensor:
-    """MaxRL: A_i = (r_i - mean r) / (mean r + eps); all zeros when mean r <= eps."""
+    """MaxRL, as retrain's and SkyRL's `maxrl` estimators: A_i = (r_i - mean r) / (mean r + eps);
+    all zeros when mean r <= eps (retrain's rule).
+    """
     mean = r_G.mean()
     if mean.item() <= eps:
         return torch.zeros_like(r_G)
