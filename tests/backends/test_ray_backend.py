@@ -1,9 +1,14 @@
 """RayBackend end to end on a tiny model: SFT and RL steps, checkpoint, resume, options.
 
-The Ray run (2 actors, gloo, interrupted after step 2 and resumed) must land where one
-uninterrupted LocalBackend run does: the same shared trainer, exact sum semantics and exact
-resume. Tolerance as in tests/clients/test_ray_client.py: only fp32 summation order differs
-(two shards), measured below 1e-7 relative on the weights; we allow 2e-6.
+The Ray run (2 actors, gloo, interrupted after step 2 and resumed), with full replicas and with
+FSDP2, must land where one uninterrupted LocalBackend run does: the same shared trainer, exact
+sum semantics and exact resume. Each step's TrainResult metrics (global token-weighted losses,
+gradient norms, ...) must equal LocalBackend's on the same data.
+
+Tolerance as in tests/clients/test_ray_client.py: only fp32 summation order differs (two
+shards), measured below 1e-7 relative on the weights; we allow 2e-6. Metrics get the same
+relative tolerance plus 1e-6 absolute, for values that sum terms of both signs to near zero
+(a mean advantage or loss; their rounding scales with the terms, ~1).
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from posttrain.backends.ray import RayBackend, RayRLConfig, RayRLOptions
 from posttrain.engine.ray_executor import RayConfig
 from posttrain.engine.ray_session import ray_session
 from posttrain.model import TrainableModel
-from posttrain.types import SamplingParams, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import (
+    SamplingParams,
+    TokenSegment,
+    TrainResult,
+    Trajectory,
+    TrajectoryGroup,
+)
 
 REL_TOL = 2e-6
 TEST_RAY = RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0)
@@ -54,8 +65,8 @@ def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def ray_weights(backend: RayBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
-    params = backend.client(model).executor.run("trainable_parameters", [(), None])[0]
-    return {n: p.detach() for n, p in params.items()}  # type: ignore[union-attr]
+    """Rank 0's whole trainable weights (gathered under FSDP)."""
+    return backend.client(model).executor.full_tensors("weights")[0]  # type: ignore[return-value]
 
 
 def local_weights(backend: LocalBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
@@ -65,41 +76,55 @@ def local_weights(backend: LocalBackend, model: TrainableModel) -> dict[str, tor
 
 async def three_steps(
     backend: TrainableBackend, model: TrainableModel, stop_after: int | None
-) -> None:
+) -> dict[int, TrainResult]:
     """SFT (step 1), then RL steps 2 and 3; returns early once `stop_after` is reached."""
+    results: dict[int, TrainResult] = {}
     while model.step < 3:
         if model.step == 0:
             trajectories = [t for g in synthetic_groups(0) for t in g.trajectories]
-            await backend.train_sft(model, trajectories, batch_size=5, learning_rate=1e-3)
+            result = await backend.train_sft(model, trajectories, batch_size=5, learning_rate=1e-3)
         else:
-            await backend.train(model, synthetic_groups(model.step), learning_rate=1e-3)
+            result = await backend.train(model, synthetic_groups(model.step), learning_rate=1e-3)
+        results[result.step] = result
         if model.step == stop_after:
-            return
+            break
+    return results
+
+
+def assert_same_metrics(got: TrainResult, expected: TrainResult) -> None:
+    assert got.step == expected.step
+    assert got.metrics.keys() == expected.metrics.keys()
+    for key, value in expected.metrics.items():
+        assert got.metrics[key] == pytest.approx(value, rel=REL_TOL, abs=1e-6), key
 
 
 @pytest.mark.slow
-async def test_train_checkpoint_resume_matches_local(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
+async def test_train_checkpoint_resume_matches_local(tiny_model_dir, tmp_path, sharding):
     local = LocalBackend(tmp_path / "local")
     expected = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     await expected.register(local)
-    await three_steps(local, expected, stop_after=None)
+    expected_results = await three_steps(local, expected, stop_after=None)
 
     with ray_session(num_cpus=2):
-        first = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY)
+        first = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY, sharding=sharding)
         model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
         await model.register(first)
-        await three_steps(first, model, stop_after=2)
+        results = await three_steps(first, model, stop_after=2)
         result = await first.train(
             model, synthetic_groups(9), save_checkpoint=False, check_weights_in_sync=True
         )
         assert result.step == 3 and result.checkpoint_path is None
         await first.close()  # "dies" after step 3's update, which was never checkpointed
 
-        second = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY)
+        second = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY, sharding=sharding)
         model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
         await model.register(second)
         assert model.step == 2  # resumed from checkpoint 2, not a fresh start
-        await three_steps(second, model, stop_after=None)
+        results |= await three_steps(second, model, stop_after=None)
+        assert sorted(results) == [1, 2, 3]
+        for step, result in results.items():
+            assert_same_metrics(result, expected_results[step])
         assert sorted(p.name for p in (model.directory / "checkpoints").iterdir()) == [
             "1",
             "2",

@@ -1,9 +1,11 @@
 """RayExecutor pieces that need no running Ray: configuration, the missing-extra error,
-gradient buckets, and the checks `create_training_client` makes before starting anything.
+gradient buckets, which calls may fail without retiring a group, and the checks
+`create_training_client` makes before starting anything.
 
 A `WorkerHost` also runs here, in this process, as the only rank of a gloo group. The
-executor itself (actors, all-reduce, failures) is tested against one in-process worker
-in tests/clients/test_ray_client.py, on one shared local Ray.
+executor itself (actors, all-reduce, failures) is tested against one in-process worker in
+tests/clients/test_ray_client.py, FSDP2 in test_ray_fsdp.py, and the local Ray's lifecycle
+in test_ray_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch.distributed as dist
 
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import WorkerSpec, create_training_client
-from posttrain.engine.ray_actor import WorkerHost, _buckets
-from posttrain.engine.ray_executor import RayConfig
+from posttrain.engine.ray_actor import Rejected, WorkerHost, _buckets
+from posttrain.engine.ray_executor import READ_ONLY, RayConfig
 from posttrain.engine.ray_session import import_ray
 from posttrain.engine.worker import WorkerConfig
 from posttrain.types import Datum, ModelInput
@@ -29,6 +31,7 @@ from posttrain.types import Datum, ModelInput
         ({"resources_per_worker": {"CPU": -1.0}}, r"resources_per_worker\['CPU'\] must be >= 0"),
         ({"num_threads_per_worker": 0}, "num_threads_per_worker must be >= 1"),
         ({"backend": "mpi"}, "backend must be 'auto', 'gloo' or 'nccl'"),
+        ({"sharding": "zero3"}, "sharding must be 'replicate' or 'fsdp2'"),
         ({"collective_timeout_s": 0.0}, "collective_timeout_s must be > 0"),
         ({"startup_timeout_s": -5.0}, "startup_timeout_s must be > 0"),
         ({"call_timeout_s": 0.0}, "call_timeout_s must be > 0"),
@@ -44,6 +47,19 @@ def test_threads_follow_the_cpus_granted():
     assert RayConfig(resources_per_worker={"CPU": 4.0}).threads() == 4
     assert RayConfig(resources_per_worker={"CPU": 0.5}).threads() == 1
     assert RayConfig(resources_per_worker={"CPU": 4.0}, num_threads_per_worker=2).threads() == 2
+
+
+def test_every_call_is_bounded_by_default():
+    assert RayConfig().call_timeout_s < float("inf")
+
+
+def test_only_calls_that_change_nothing_may_fail_without_retiring_the_group():
+    # A worker's exception in any of these may have left some ranks changed and not others.
+    updates = {"forward_backward", "optim_step", "reduce_gradients", "load_state", "set_grads"}
+    updates |= {"zero_grad", "commit_gradients", "discard_gradients", "offload", "reload"}
+    updates |= {"set_logprob_chunk_size", "join_group"}
+    assert not updates & READ_ONLY
+    assert {"forward", "sample", "compute_logprobs", "save_state", "check_datums"} <= READ_ONLY
 
 
 def test_missing_ray_names_the_extra(monkeypatch):
@@ -69,7 +85,7 @@ def test_ray_options_need_the_ray_executor(tiny_model_dir):
         create_training_client(tiny_model_dir, executor="ray", device="cuda")
 
 
-def test_worker_host_as_the_only_rank(tiny_model_dir):
+def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path):
     spec = WorkerSpec(str(tiny_model_dir), None, "cpu", "float32", WorkerConfig(), seed=0)
     host = WorkerHost(0, 1, spec.build, torch.get_num_threads(), loopback=True)
     host.build()
@@ -77,10 +93,31 @@ def test_worker_host_as_the_only_rank(tiny_model_dir):
     assert rendezvous.startswith("file://")  # one machine: no listening socket at all
     host.join_group(rendezvous, "gloo", 30.0)
     try:
+        config = LossConfig.from_mapping({})
+        bad = Datum(
+            ModelInput.from_ints([5, 6, 999]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
+        )
+        # A check riding on the call (agree=True): refused before anything is computed.
+        refused = host.call(
+            "forward_backward",
+            ([bad], "cross_entropy", config),
+            True,
+            ([bad], "cross_entropy", config),
+        )
+        assert isinstance(refused, Rejected) and isinstance(refused.error, ValueError)
+        assert all(p.grad is None for p in host.worker.trainable_parameters().values())
+        # A checkpoint that is not there is refused too, as a value: the group carries on.
+        missing = host.call("load_state", (tmp_path / "missing", True))
+        assert isinstance(missing, Rejected) and isinstance(missing.error, FileNotFoundError)
         datum = Datum(
             ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
         )
-        host.call("forward_backward", ([datum], "cross_entropy", LossConfig.from_mapping({})))
+        host.call(
+            "forward_backward",
+            ([datum], "cross_entropy", config),
+            True,
+            ([datum], "cross_entropy", config),
+        )
         params = host.worker.trainable_parameters()
         untouched = next(iter(params))
         params[untouched].grad = None

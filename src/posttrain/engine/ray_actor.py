@@ -2,25 +2,64 @@
 
 Plain Python (no Ray import): `RayExecutor` wraps it with `ray.remote`, and it can be unit
 tested in one process with a world of size 1.
+
+Failures are reported so the executor can tell them apart: a collective that failed or timed
+out raises `CollectiveError` (the group's collectives are out of step: it cannot continue); an
+input every rank refused before changing anything comes back as a `Rejected` value (the group
+stays usable); anything else is the worker's own exception.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
 import tempfile
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from posttrain.engine.ray_session import loopback_interface
 from posttrain.engine.worker import Worker
 
+if TYPE_CHECKING:
+    from posttrain.engine.fsdp import ShardedWorker
+
+Sharding = Literal["replicate", "fsdp2"]
 BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32 per all_reduce: few calls, bounded extra memory
+# Methods whose items (datums or prompts) each rank counts, to show how work was shared.
+_COUNTED = ("forward", "forward_backward", "sample", "reference_logprobs")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out on this rank: a peer stalled or died."""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """This rank refused the call before changing anything; `error` is None when a peer did."""
+
+    error: BaseException | None
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Turn any failure inside into a `CollectiveError` naming `what`."""
+    try:
+        yield
+    except Exception as exc:
+        raise CollectiveError(
+            f"{what} failed ({type(exc).__name__}: {exc}); a collective that times out means "
+            "a peer rank stalled or died"
+        ) from exc
 
 
 class WorkerHost:
@@ -33,6 +72,7 @@ class WorkerHost:
         factory: Callable[[], Worker],
         num_threads: int,
         loopback: bool,
+        sharding: Sharding = "replicate",
     ) -> None:
         # Actors share the machine's cores; more threads than CPUs granted only thrash.
         torch.set_num_threads(num_threads)
@@ -43,8 +83,11 @@ class WorkerHost:
         self.world_size = world_size
         self.loopback = interface is not None
         self.host = "127.0.0.1" if interface is not None else _node_address()
+        self.sharding = sharding
+        self.served: Counter[str] = Counter()  # datums or prompts handled, per method
         self._factory = factory
         self._worker: Worker | None = None
+        self._sharded: ShardedWorker | None = None
         self._store: dist.Store | None = None
 
     @property
@@ -68,7 +111,8 @@ class WorkerHost:
         return f"tcp://{self.host}:{self._store.port}"
 
     def join_group(self, rendezvous: str, backend: str, timeout_s: float) -> None:
-        """Join the process group, then take rank 0's trainable weights (replicas start equal)."""
+        """Join the process group, take rank 0's trainable weights (replicas start equal),
+        then shard the model if asked."""
         timeout = timedelta(seconds=timeout_s)
         store = self._store
         if rendezvous.startswith("file://"):
@@ -84,9 +128,60 @@ class WorkerHost:
         with torch.no_grad():
             for param in self.worker.trainable_parameters().values():
                 dist.broadcast(param.data, src=0)
+        if self.sharding == "fsdp2":
+            from posttrain.engine.fsdp import ShardedWorker
 
-    def call(self, method: str, args: Sequence[object]) -> object:
-        return getattr(self.worker, method)(*args)
+            self._sharded = ShardedWorker(self.worker, self._factory)
+
+    def call(
+        self,
+        method: str,
+        args: Sequence[object] | None,
+        agree: bool = False,
+        check: Sequence[object] | None = None,
+    ) -> object:
+        """Run `method` (args None: this rank only takes part in the collectives).
+
+        With `agree`, every rank first checks its shard (`check`: Dispatch's check_datums
+        arguments, None for a rank without one) and the ranks agree with one all_reduce, so
+        either all compute or none does: the same guarantee as a check_datums call of its own,
+        without its Ray round trip.
+        """
+        if args is not None and method in _COUNTED:
+            self.served[method] += len(args[0])  # type: ignore[arg-type]
+        if agree:
+            refused = self._agree(check)
+            if refused is not None:
+                return refused
+        if method == "load_state":  # refused before any weight changes: the group carries on
+            try:
+                return self._run(method, args)
+            except CollectiveError:
+                raise
+            except Exception as exc:
+                from posttrain.engine.fsdp import PeerRefused
+
+                return Rejected(None if isinstance(exc, PeerRefused) else exc)
+        return self._run(method, args)
+
+    def _run(self, method: str, args: Sequence[object] | None) -> object:
+        if self._sharded is not None:
+            return self._sharded.call(method, args)
+        return None if args is None else getattr(self.worker, method)(*args)
+
+    def _agree(self, check: Sequence[object] | None) -> Rejected | None:
+        error: BaseException | None = None
+        if check is not None:
+            try:
+                getattr(self.worker, "check_datums")(*check)  # noqa: B009 - arity is Dispatch's
+            except Exception as exc:
+                error = exc
+        flag = torch.tensor([float(error is not None)], device=self.worker.config.device)
+        with collective("agreeing on the input"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is not None or flag.item() > 0:
+            return Rejected(error)
+        return None
 
     def ping(self) -> None:
         return None
@@ -94,43 +189,66 @@ class WorkerHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def served_counts(self) -> dict[str, int]:
+        return dict(self.served)
+
     def reduce_gradients(self) -> None:
-        """all_reduce(SUM) of every gradient; a rank without one contributes zeros.
+        """all_reduce(SUM) of every replicated gradient; a rank without one contributes zeros.
 
         A parameter keeps grad None only if it has none on every rank, as in one process
-        (AdamW leaves such a parameter and its moments untouched).
+        (AdamW leaves such a parameter and its moments untouched). Sharded (FSDP) gradients
+        were already summed by their reduce-scatter.
         """
-        params = list(self.worker.trainable_parameters().values())
+        params = [
+            p for p in self.worker.trainable_parameters().values() if not isinstance(p, DTensor)
+        ]
         if not params:
             return
-        device = params[0].device
-        has_grad = torch.tensor(
-            [p.grad is not None for p in params], dtype=torch.float32, device=device
-        )
-        dist.all_reduce(has_grad)
-        present = [p for p, flag in zip(params, has_grad.tolist(), strict=True) if flag > 0]
-        for bucket in _buckets(present, BUCKET_NUMEL):
-            # Summed in fp32 whatever the parameter dtype: exact for fp32, kinder to bf16.
-            flat = torch.cat(
-                [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                    for p in bucket
-                ]
-            )
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in bucket:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
-                offset += p.numel()
+        with collective("the gradient all-reduce"):
+            _all_reduce_grads(params)
+
+    def full_tensors(self, kind: Literal["weights", "grads"]) -> dict[str, torch.Tensor | None]:
+        """Trainable weights or gradients by name, whole on every rank (gathered if sharded)."""
+        if self._sharded is not None:
+            with collective(f"gathering {kind}"):
+                return self._sharded.full_tensors(kind)
+        params = self.worker.trainable_parameters()
+        if kind == "weights":
+            return {n: p.detach().cpu().clone() for n, p in params.items()}
+        return {n: None if p.grad is None else p.grad.cpu().clone() for n, p in params.items()}
 
     def weight_digest(self) -> str:
-        """SHA-256 of the trainable weights' bytes in name order."""
+        """SHA-256 of the whole trainable weights' bytes in name order (equal for equal weights,
+        sharded or not)."""
+        weights = self.full_tensors("weights")
         digest = hashlib.sha256()
-        for name, param in self.worker.trainable_parameters().items():
+        for name, tensor in weights.items():
+            assert tensor is not None
             digest.update(name.encode())
-            data = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            digest.update(data.numpy().tobytes())
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
+
+
+def _all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    device = params[0].device
+    has_grad = torch.tensor(
+        [p.grad is not None for p in params], dtype=torch.float32, device=device
+    )
+    dist.all_reduce(has_grad)
+    present = [p for p, flag in zip(params, has_grad.tolist(), strict=True) if flag > 0]
+    for bucket in _buckets(present, BUCKET_NUMEL):
+        # Summed in fp32 whatever the parameter dtype: exact for fp32, kinder to bf16.
+        flat = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                for p in bucket
+            ]
+        )
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in bucket:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
 
 
 def _buckets(
@@ -146,6 +264,13 @@ def _buckets(
         out[-1].append(p)
         size += p.numel()
     return out
+
+
+def store_directory(rendezvous: str) -> Path | None:
+    """The temporary directory of a file rendezvous (removed when the group closes)."""
+    if not rendezvous.startswith("file://"):
+        return None
+    return Path(rendezvous.removeprefix("file://")).parent
 
 
 def _node_address() -> str:
