@@ -1,12 +1,15 @@
 """Two Ray workers (data parallel, gloo) against one in-process worker on the `small` model.
 
 Measures, on the same data: one training step (forward_backward on the whole batch, then
-optim_step; the Ray step includes the gradient all-reduce), batched sampling, and the
-per-call dispatch overhead (an empty round trip to every actor, and a one-datum forward).
-The in-process worker gets every core as torch threads; each Ray worker gets its share.
-Results are medians over alternating rounds in one run (the machine may be shared).
+optim_step; the Ray step includes the gradient all-reduce), batched sampling, a one-datum
+forward, and the per-call dispatch overhead: an empty round trip to both actors, and how many
+round trips each client call makes (Dispatch's check_datums rides on the call that follows it,
+so it costs none of its own). The in-process worker gets every core as torch threads; each Ray
+worker gets its share. Results are medians over alternating rounds in one run (the machine may
+be shared), printed with the ratio ray / local (below 1: Ray is faster).
 
     python benchmarks/ray_vs_local.py [--batch 16] [--tokens 128] [--rounds 3] [--lora-rank 8]
+                                      [--sharding replicate|fsdp2] [--size small]
 """
 
 from __future__ import annotations
@@ -51,10 +54,6 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return 1000 * statistics.median(timed(fn) for _ in range(repeats))
-
-
 def workloads(
     client: LocalTrainingClient, args: argparse.Namespace
 ) -> dict[str, Callable[[], object]]:
@@ -74,56 +73,80 @@ def workloads(
     }
 
 
-def main() -> None:
+def round_trips(remote: RayTrainingClient, args: argparse.Namespace) -> dict[str, int]:
+    """Actor round trips each client call makes (placement already settled)."""
+    datums = make_datums(2, 16)
+    prompts = [ModelInput.from_ints([5, 6]), ModelInput.from_ints([7, 8])]
+    calls: dict[str, Callable[[], object]] = {
+        "forward": lambda: remote.forward(datums, "cross_entropy").result(),
+        "forward_backward": lambda: remote.forward_backward(datums, "cross_entropy").result(),
+        "optim_step": lambda: remote.optim_step(AdamParams(learning_rate=1e-5)).result(),
+        "sample": lambda: remote.sample_many(prompts, 1, SamplingParams(max_tokens=2)).result(),
+    }
+    out: dict[str, int] = {}
+    for name, call in calls.items():
+        call()  # settles placement (offload / reload moves are round trips of their own)
+        before = remote.executor.round_trips
+        call()
+        out[name] = remote.executor.round_trips - before
+    return out
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Two Ray workers vs one in-process worker.")
+    parser.add_argument("--size", choices=["tiny", "mini", "small"], default="small")
     parser.add_argument("--batch", type=int, default=16, help="datums per training step")
     parser.add_argument("--tokens", type=int, default=128, help="longest datum")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pings", type=int, default=50)
     parser.add_argument("--lora-rank", type=int, default=None, help="default: full fine-tuning")
     parser.add_argument("--local-threads", type=int, default=None, help="default: all cores")
-    args = parser.parse_args()
+    parser.add_argument("--sharding", choices=["replicate", "fsdp2"], default="replicate")
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     cores = os.cpu_count() or 1
     torch.set_num_threads(args.local_threads or cores)
-    path = tiny_model_path(size="small")
+    path = tiny_model_path(size=args.size)
     start = time.perf_counter()
     with ray_session(num_cpus=cores):
         ray_start = time.perf_counter() - start
         local = create_training_client(path, lora_rank=args.lora_rank)
         start = time.perf_counter()
-        ray_config = RayConfig(resources_per_worker={"CPU": max(1, cores // 2)})
+        ray_config = RayConfig(
+            resources_per_worker={"CPU": max(1, cores // 2)}, sharding=args.sharding
+        )
         remote = create_training_client(
             path, lora_rank=args.lora_rank, executor="ray", num_workers=2, ray_config=ray_config
         )
-        assert isinstance(remote, RayTrainingClient)
         group_start = time.perf_counter() - start
-        clients = {"local x1": local, "ray x2": remote}
-        jobs = {name: workloads(c, args) for name, c in clients.items()}
-        for name in jobs:  # warm-up: first calls build samplers and optimizer state
-            for job in jobs[name].values():
+        jobs = {"local x1": workloads(local, args), "ray x2": workloads(remote, args)}
+        for named_jobs in jobs.values():  # warm-up: first calls build samplers, AdamW state
+            for job in named_jobs.values():
                 job()
         times: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.rounds):
             for name, named_jobs in jobs.items():
                 for job_name, job in named_jobs.items():
                     times.setdefault((name, job_name), []).append(timed(job))
-        ping_ms = median_ms(remote.executor.ping, 50)
+        pings = [timed(remote.executor.ping) for _ in range(args.pings)]
+        trips = round_trips(remote, args)
         remote.close()
         local.close()
 
     mode = "full fine-tuning" if args.lora_rank is None else f"LoRA rank {args.lora_rank}"
     print(
-        f"small model (30M), {mode}, fp32, {cores} cores, local on "
-        f"{torch.get_num_threads()} threads; batch {args.batch} datums of "
+        f"{args.size} model, {mode}, fp32, {cores} cores, local on {torch.get_num_threads()} "
+        f"threads, Ray sharding={args.sharding}; batch {args.batch} datums of "
         f"{args.tokens // 2}-{args.tokens} tokens; sampling {args.prompts} prompts x "
-        f"{args.samples} x {args.new_tokens} tokens; {args.rounds} alternating rounds"
+        f"{args.samples} x {args.new_tokens} tokens; medians of {args.rounds} alternating rounds"
     )
-    print(
-        f"local Ray start {ray_start:.1f} s; 2-actor group (models loaded, gloo) {group_start:.1f} s"
-    )
+    print(f"local Ray start {ray_start:.1f} s; 2-actor group (models loaded) {group_start:.1f} s")
     for job_name in jobs["local x1"]:
         local_s = statistics.median(times[("local x1", job_name)])
         ray_s = statistics.median(times[("ray x2", job_name)])
@@ -131,7 +154,10 @@ def main() -> None:
             f"{job_name:>16}: local x1 {1000 * local_s:8.1f} ms | ray x2 {1000 * ray_s:8.1f} ms"
             f" | ray/local {ray_s / local_s:5.2f}"
         )
-    print(f"empty round trip to both actors: {ping_ms:.2f} ms")
+    ping_ms = 1000 * statistics.median(pings)
+    print(f"empty round trip to both actors (per-call dispatch overhead): {ping_ms:.2f} ms")
+    listed = ", ".join(f"{name} {count}" for name, count in trips.items())
+    print(f"actor round trips per client call: {listed} (check_datums rides on the call)")
 
 
 if __name__ == "__main__":
