@@ -30,7 +30,7 @@ import torch
 MatmulKind = Literal["fp32", "fp32_onednn", "bf16"]
 
 
-def _product(kind: MatmulKind, size: int) -> Callable[[], object]:
+def product(kind: MatmulKind, size: int) -> Callable[[], object]:
     """A closure computing one size^3 product of the given kind on fixed random inputs."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen)
@@ -55,7 +55,7 @@ def matmul_gflops(
         raise ValueError(
             f"need size >= 1, repeats >= 1, warmup >= 0; got {size}, {repeats}, {warmup}"
         )
-    run = _product(kind, size)
+    run = product(kind, size)
     for _ in range(warmup):
         run()
     seconds = []

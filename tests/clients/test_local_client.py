@@ -103,6 +103,14 @@ def test_placement_cycle_moves_state_and_records_it(client):
     assert worker.offloaded == {"grads", "optimizer"}  # the workers did move, not just Dispatch
     client.forward_backward(datums, "cross_entropy").result()
     assert worker.offloaded == {"optimizer"}
+    # A placement-neutral call brings back what it needs; the next sample parks it again.
+    path = client.save_state("placed").result().path
+    client.sample(prompt, 1, params).result()
+    done = len(client.dispatch.moves)
+    client.load_state(path, with_optimizer=True).result()
+    client.sample(prompt, 1, params).result()
+    assert client.dispatch.moves[done:] == [("reload", "optimizer"), ("offload", "optimizer")]
+    assert worker.offloaded == {"grads", "optimizer"}
 
 
 def test_parked_state_comes_back_exactly(tiny_model_dir, tmp_path):
@@ -338,6 +346,9 @@ def test_bad_input_raises_and_the_client_keeps_working(tiny_model_dir, tmp_path)
         ([*good, long], "cross_entropy", "max_position"),
         (good, "reinforce", "cross_entropy"),
         ([], "cross_entropy", "no datums"),
+        # Found by the loss itself, on the third 6-token datum, after two micro-batches: the
+        # case that used to leave their gradients behind.
+        (policy_datums(logprobs=[-5.5, NAN, -5.5, -5.5, -5.5, -5.5]), "ppo", "NaN"),
     ]
     worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
     for datums, loss, message in bad_cases:

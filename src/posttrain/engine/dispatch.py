@@ -107,11 +107,13 @@ class Dispatch:
         return self.executor.num_workers
 
     def prepare(self, operation: Operation, placement: Placement | None = None) -> None:
-        """Enter `placement` (None: stay), parking what it does not keep, then reload what
+        """Enter `placement` (None: stay), parking what it does not keep (also what a
+        placement-neutral call such as load_state brought back meanwhile), then reload what
         `operation` needs. Every worker makes the same moves, in the same order."""
-        if placement is not None and placement != self.placement:
-            self.transitions.append((self.placement, placement))
-            self.placement = placement
+        if placement is not None:
+            if placement != self.placement:
+                self.transitions.append((self.placement, placement))
+                self.placement = placement
             for group in reversed(GROUPS):
                 if group in self.resident and group not in KEEPS[placement]:
                     self._move("offload", group)

@@ -1,7 +1,8 @@
 """One model replica: logprobs, losses with accumulated gradients, optimizer steps, state I/O.
 
 A worker knows micro-batches, never mini-batches: it splits whatever it is given by a token
-budget and accumulates gradients with sum semantics, so the split never changes the result.
+budget, longest datums first so that similar lengths share a micro-batch (`pack_by_length`),
+and accumulates gradients with sum semantics, so the split never changes the result.
 
 A forward_backward is all or nothing. Its input is checked whole before any compute
 (`datum_checks`), so bad input fails before the first backward; and for a fault during the
@@ -27,7 +28,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from posttrain.algo.loss_metrics import counted_values
 from posttrain.algo.losses import LossBatch, LossConfig, get_loss
 from posttrain.engine import checkpoint, datum_checks, placement
-from posttrain.engine.batching import pad_datums, split_by_token_budget
+from posttrain.engine.batching import pack_by_length, pad_datums
 from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
@@ -150,7 +151,7 @@ class Worker:
         logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         diagnostics: dict[str, list[torch.Tensor]] = {}
         loss_sum, num_tokens = 0.0, 0
-        for rows in split_by_token_budget(
+        for rows in pack_by_length(
             [d.length for d in datums], self.config.micro_batch_tokens
         ):
             batch = pad_datums([datums[r] for r in rows], device=self.config.device)
@@ -188,7 +189,7 @@ class Worker:
             model = self._reference
         out: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         with torch.no_grad(), adapters_disabled(model):
-            for rows in split_by_token_budget(
+            for rows in pack_by_length(
                 [d.length for d in datums], self.config.micro_batch_tokens
             ):
                 batch = pad_datums([datums[r] for r in rows], device=self.config.device)
