@@ -9,7 +9,9 @@ recorded in `transitions` and every move in `moves`.
 
 An executor runs calls on workers. `InProcessExecutor` holds workers in this process; a Ray
 executor (one actor per worker, gradients all-reduced by torch.distributed) plugs in behind
-the same protocol.
+the same protocol. Besides the primitives, Dispatch calls these `Worker` methods by name:
+`check_datums` (every shard, before any rank computes), `forward_backward(..., commit=False)`
+then `commit_gradients` or `discard_gradients` on every rank, and `offload` / `reload`.
 """
 
 from __future__ import annotations
