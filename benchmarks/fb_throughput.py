@@ -13,7 +13,7 @@ median of the per-pair fractions.
 
 `--mixed RxL` adds a batch of R datums with lengths spread over [L/8, L] (as RL completions
 are) under a `--micro-batch-tokens` budget, timed with the worker's micro-batching (longest
-first, `engine.batching.pack_by_length`) and, alternating call by call, with grouping in call
+first, `engine.shared_prefix.plan_micro_batches`) and, alternating call by call, with grouping in call
 order (`split_by_token_budget`, the worker's previous policy); both padded-token counts are
 printed too.
 
@@ -37,6 +37,7 @@ from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine import batching
 from posttrain.engine import worker as worker_module
+from posttrain.engine.shared_prefix import MicroBatch, PrefixGroup, plan_micro_batches
 from posttrain.engine.tiny import make_tiny_model
 
 try:
@@ -80,12 +81,17 @@ def mixed_lengths(rows: int, length: int) -> list[int]:
 @contextlib.contextmanager
 def call_order_grouping() -> Iterator[None]:
     """The worker with its previous micro-batching: consecutive datums, in call order."""
-    packed = worker_module.pack_by_length
-    worker_module.pack_by_length = batching.split_by_token_budget
+    planned = worker_module.plan_micro_batches
+
+    def call_order(rows: list[list[int]], budget: int, min_length: int) -> list[MicroBatch]:
+        groups = batching.split_by_token_budget([len(r) for r in rows], budget)
+        return [MicroBatch(g, [PrefixGroup((i,), 0) for i in range(len(g))]) for g in groups]
+
+    worker_module.plan_micro_batches = call_order
     try:
         yield
     finally:
-        worker_module.pack_by_length = packed
+        worker_module.plan_micro_batches = planned
 
 
 def peak_gflops(run: Callable[[], object]) -> float:
@@ -160,7 +166,7 @@ def main() -> None:
         lengths = mixed_lengths(rows, length)
         budget = args.micro_batch_tokens
         for name, groups in (
-            ("longest first", batching.pack_by_length(lengths, budget)),
+            ("longest first", [m.rows for m in plan_micro_batches([[0] * n for n in lengths], budget, 0)]),
             ("call order", batching.split_by_token_budget(lengths, budget)),
         ):
             padded = batching.padded_tokens(lengths, groups)

@@ -4,9 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.engine.batching import (
-    pack_by_length,
     pad_datums,
-    padded_tokens,
     shard_for_ranks,
     split_by_token_budget,
 )
@@ -41,27 +39,6 @@ def test_token_budget_split_covers_all_in_order(lengths, budget):
     for group in groups:
         padded = len(group) * max(lengths[i] for i in group)
         assert padded <= budget or len(group) == 1
-
-
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 120))
-@settings(max_examples=60, deadline=None)
-def test_pack_by_length_covers_all_longest_first_within_budget(lengths, budget):
-    groups = pack_by_length(lengths, budget)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    flat = [lengths[i] for g in groups for i in g]
-    assert flat == sorted(lengths, reverse=True)  # similar lengths share a micro-batch
-    for group in groups:
-        assert len(group) * max(lengths[i] for i in group) <= budget or len(group) == 1
-
-
-def test_pack_by_length_pads_less_than_call_order():
-    # Call order pairs each 5 with a 1: [5, 1] and [1, 5], 2 x 5 + 2 x 5 = 20 tokens computed
-    # for 12 real ones. Longest first: [5, 5] and [1, 1], 10 + 2 = 12, no padding at all.
-    lengths = [5, 1, 1, 5]
-    assert split_by_token_budget(lengths, 10) == [[0, 1], [2, 3]]
-    assert padded_tokens(lengths, split_by_token_budget(lengths, 10)) == 20
-    assert pack_by_length(lengths, 10) == [[0, 3], [1, 2]]
-    assert padded_tokens(lengths, pack_by_length(lengths, 10)) == 12
 
 
 @given(st.lists(st.integers(1, 40), min_size=0, max_size=30), st.integers(1, 5))

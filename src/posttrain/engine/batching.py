@@ -81,19 +81,6 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[
     return groups
 
 
-def pack_by_length(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Micro-batches of similar lengths: datums longest first, grouped as `split_by_token_budget`
-    groups, so a short datum is never padded to a long neighbour's length.
-
-    Grouping in call order pads every row to the longest of its group; with RL's varied
-    completion lengths that wastes up to half of the compute (benchmarks/fb_throughput.py
-    --mixed). Callers gather results back by index, and sum semantics make the grouping exact.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups = split_by_token_budget([lengths[i] for i in order], max_tokens)
-    return [[order[j] for j in group] for group in groups]
-
-
 def padded_tokens(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> int:
     """Tokens computed, padding included: rows x longest row, summed over the groups."""
     return sum(len(g) * max(lengths[i] for i in g) for g in groups if g)

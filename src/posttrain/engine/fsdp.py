@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal, cast
 
@@ -75,6 +76,9 @@ class ShardedWorker:
     """
 
     def __init__(self, worker: Worker, mirror_factory: Callable[[], Worker]) -> None:
+        # A shared-prefix micro-batch runs the decoder twice, a padding pass once: the ranks'
+        # all-gathers would no longer line up, so sharded workers run every row whole.
+        worker.config = replace(worker.config, min_shared_prefix=0)
         self.worker = worker
         self.rank = dist.get_rank()
         self.device = torch.device(worker.config.device)

@@ -8,12 +8,13 @@ W + delta, so gradients reach the adapter.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from posttrain.algo.logprobs import token_logprobs_from_hidden
+from posttrain.engine.shared_prefix import PrefixGroup, decoder_hidden
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -49,12 +50,14 @@ def target_logprobs(
     *,
     chunk_size: int,
     with_entropy: bool = False,
+    prefix_groups: Sequence[PrefixGroup] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target_t | tokens <= t) for every position, and optionally the entropy."""
+    """log p(target_t | tokens <= t) for every position, and optionally the entropy.
+
+    `prefix_groups` (rows sharing leading tokens, `engine.shared_prefix`) run those tokens once.
+    """
     decoder = causal_lm(model).get_decoder()  # type: ignore[operator]
-    hidden_BTH = decoder(
-        input_ids=input_ids_BT, attention_mask=pad_mask_BT.long()
-    ).last_hidden_state
+    hidden_BTH = decoder_hidden(decoder, input_ids_BT, pad_mask_BT, prefix_groups)
     weight_VH, bias_V = unembedding_weight(model)
     return token_logprobs_from_hidden(
         hidden_BTH,

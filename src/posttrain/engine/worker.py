@@ -1,8 +1,9 @@
 """One model replica: logprobs, losses with accumulated gradients, optimizer steps, state I/O.
 
 A worker knows micro-batches, never mini-batches: it splits whatever it is given by a token
-budget, longest datums first so that similar lengths share a micro-batch (`pack_by_length`),
-and accumulates gradients with sum semantics, so the split never changes the result.
+budget, longest datums first so that similar lengths share a micro-batch, rows that start with
+the same tokens together so those run once (`shared_prefix`), and accumulates gradients with sum
+semantics, so the split never changes the result.
 
 A forward_backward is all or nothing. Its input is checked whole before any compute
 (`datum_checks`), so bad input fails before the first backward; and for a fault during the
@@ -28,12 +29,13 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from posttrain.algo.loss_metrics import counted_values
 from posttrain.algo.losses import LossBatch, LossConfig, get_loss
 from posttrain.engine import checkpoint, datum_checks, placement
-from posttrain.engine.batching import pack_by_length, pad_datums
+from posttrain.engine.batching import pad_datums
 from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.placement import StateGroup
 from posttrain.engine.sampler import Sampler
+from posttrain.engine.shared_prefix import MicroBatch, plan_micro_batches
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
 
@@ -42,10 +44,17 @@ class WorkerConfig:
     micro_batch_tokens: int = 8192  # padded tokens per micro-batch (rows x longest row)
     logprob_chunk_size: int = 1024
     device: str = "cpu"
+    # Rows sharing at least this many leading tokens (a prompt's completions) run them once
+    # (engine.shared_prefix); 0 turns sharing off.
+    min_shared_prefix: int = 8
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.min_shared_prefix < 0:
+            raise ValueError(
+                f"min_shared_prefix must be >= 0 (0 turns sharing off), got {self.min_shared_prefix}"
+            )
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
 
@@ -151,9 +160,8 @@ class Worker:
         logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         diagnostics: dict[str, list[torch.Tensor]] = {}
         loss_sum, num_tokens = 0.0, 0
-        for rows in pack_by_length(
-            [d.length for d in datums], self.config.micro_batch_tokens
-        ):
+        for micro in self._micro_batches(datums):
+            rows = micro.rows
             batch = pad_datums([datums[r] for r in rows], device=self.config.device)
             logp_BT, entropy_BT = target_logprobs(
                 self.model,
@@ -162,6 +170,7 @@ class Worker:
                 batch.inputs["target_tokens"],
                 chunk_size=self.config.logprob_chunk_size,
                 with_entropy=True,
+                prefix_groups=micro.groups,
             )
             out = fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT, entropy_BT), loss_config)
             if backward:
@@ -189,20 +198,27 @@ class Worker:
             model = self._reference
         out: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         with torch.no_grad(), adapters_disabled(model):
-            for rows in pack_by_length(
-                [d.length for d in datums], self.config.micro_batch_tokens
-            ):
-                batch = pad_datums([datums[r] for r in rows], device=self.config.device)
+            for micro in self._micro_batches(datums):
+                batch = pad_datums([datums[r] for r in micro.rows], device=self.config.device)
                 logp_BT, _ = target_logprobs(
                     model,
                     batch.input_ids_BT,
                     batch.pad_mask_BT,
                     batch.inputs["target_tokens"],
                     chunk_size=self.config.logprob_chunk_size,
+                    prefix_groups=micro.groups,
                 )
-                for i, row in enumerate(rows):
+                for i, row in enumerate(micro.rows):
                     out[row] = logp_BT[i, : batch.lengths[i]].float().cpu()
         return out
+
+    def _micro_batches(self, datums: Sequence[Datum]) -> list[MicroBatch]:
+        """Longest first within the token budget, keeping rows that share a prefix together."""
+        return plan_micro_batches(
+            [d.model_input.to_ints() for d in datums],
+            self.config.micro_batch_tokens,
+            self.config.min_shared_prefix,
+        )
 
     def set_logprob_chunk_size(self, chunk_size: int) -> None:
         self.config = replace(self.config, logprob_chunk_size=chunk_size)
