@@ -300,6 +300,9 @@ def test_list_and_prune_keep_the_newest(lora_model, tmp_path: Path) -> None:
         save_weights(tmp_path / str(step), model)
     (tmp_path / "11").mkdir()  # incomplete: no manifest, never listed, never pruned
     save_weights(tmp_path / "best", model)  # not a step name
+    # What a killed writer leaves: a half-written and a half-deleted checkpoint (hidden).
+    (tmp_path / ".12.tmp-abc").mkdir()
+    (tmp_path / ".0.deleting-def").mkdir()
     # Numeric order (10 after 3), not lexical.
     assert [p.name for p in list_checkpoints(tmp_path)] == ["1", "2", "3", "10"]
     assert list_checkpoints(tmp_path / "absent") == []

@@ -59,7 +59,8 @@ def _kill_after(step: int):
 
 
 def _weights(run_dir: Path) -> dict:
-    latest = max((run_dir / "checkpoints").iterdir(), key=lambda p: int(p.name))
+    steps = [p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    latest = max(steps, key=lambda p: int(p.name))
     return load_file(latest / "model.safetensors")
 
 
@@ -205,6 +206,9 @@ def test_a_sigkilled_train_process_resumes_bit_for_bit(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     done = max(steps_on_disk) - 1
     assert f"resuming after RL step {done}/5" in resumed.stdout
+    # A kill mid-save leaves a hidden .N.tmp-* directory; the resumed run's pruning removes it.
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == [], leftovers
     a, b = _weights(whole.run_dir), _weights(run_dir)
     assert a.keys() == b.keys()
     for key in a:

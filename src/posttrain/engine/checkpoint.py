@@ -177,9 +177,18 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def prune_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete step checkpoints; return what was deleted."""
+    """Delete all but the newest `keep_last` complete step checkpoints; return what was deleted.
+
+    Also removes what a killed process left behind: half-written `.N.tmp-*` directories and
+    half-deleted `.N.deleting-*` ones (only the one writer of `directory` calls this).
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest is never deleted), got {keep_last}")
+    root = Path(directory)
+    if root.is_dir():
+        for stale in root.iterdir():
+            if stale.name.startswith(".") and (".tmp-" in stale.name or ".deleting-" in stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
     doomed = list_checkpoints(directory)[:-keep_last]
     for old in doomed:
         # Rename first so a crash mid-delete leaves a hidden directory, not a half checkpoint.
