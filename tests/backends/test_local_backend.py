@@ -13,6 +13,7 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.preflight import PreflightError
 from posttrain.engine.models import load_hf_model
 from posttrain.model import TrainableModel
+from posttrain.trainer.config import RLConfig
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
@@ -201,3 +202,35 @@ async def test_a_failed_step_leaves_the_last_good_state(tiny_model_dir, tmp_path
     for name, value in after_two.items():
         assert torch.equal(weights_of(backend, model)[name], value), name
     await backend.close()
+
+
+def test_ppo_switch_picks_the_loss_and_refuses_a_conflict():
+    assert RLConfig().policy_loss == "ppo"
+    assert RLConfig(ppo=True).policy_loss == "ppo"
+    assert RLConfig(ppo=False).policy_loss == "cispo"  # ART: ppo=False is its CISPO default
+    assert RLConfig(loss="dro").policy_loss == "dro"
+    assert RLConfig(loss="cispo", ppo=False).policy_loss == "cispo"
+    with pytest.raises(ValueError, match=r"loss='ppo' and ppo=False disagree"):
+        RLConfig(loss="ppo", ppo=False)
+
+
+async def test_ppo_false_trains_exactly_as_cispo(tiny_model_dir, tmp_path):
+    """ART's `ppo=False` is loss='cispo' to the bit, and differs from `ppo=True`."""
+
+    async def trained(options: dict, name: str) -> dict[str, torch.Tensor]:
+        backend = LocalBackend(tmp_path / name)
+        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+        await model.register(backend)
+        for step in (1, 2):
+            await backend.train(
+                model, synthetic_groups(step), learning_rate=1e-2, save_checkpoint=False, **options
+            )
+        weights = weights_of(backend, model)
+        await backend.close()
+        return weights
+
+    switch = await trained({"ppo": False}, "switch")
+    cispo = await trained({"loss": "cispo"}, "cispo")
+    ppo = await trained({"ppo": True}, "ppo")
+    assert all(torch.equal(switch[n], cispo[n]) for n in cispo)
+    assert any(not torch.equal(switch[n], ppo[n]) for n in ppo)

@@ -82,7 +82,8 @@ async def test_runtime_rejects_unknown_option_before_looking_at_anything(tmp_pat
 # At least one wrong value per option, each wrong in its own way (type, choice, range, NaN).
 BAD_RL_VALUES: dict[str, list[object]] = {
     "learning_rate": [-1e-5, math.nan, math.inf, "1e-5"],
-    "loss": ["sgd", None],
+    "loss": ["sgd", 1],
+    "ppo": ["yes", 1],
     "epsilon": [-0.1, 1.5, "0.2"],
     "epsilon_high": [-0.1, math.nan],
     "dro_beta": [-1.0, None],

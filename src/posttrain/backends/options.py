@@ -36,6 +36,7 @@ class CoreRLFields(TypedDict, total=False):
     """
 
     learning_rate: float
+    ppo: bool | None
     epsilon: float | None
     epsilon_high: float | None
     advantage_estimator: AdvantageEstimator
@@ -136,7 +137,8 @@ def config_field_names(config_type: type) -> frozenset[str]:
 # One line per option, shown by `posttrain backends` and the option schemas.
 HELP: dict[str, str] = {
     "learning_rate": "AdamW learning rate for this call's updates",
-    "loss": "policy loss from posttrain.algo.losses",
+    "loss": "policy loss from posttrain.algo.losses (default 'ppo', or 'cispo' when ppo=False)",
+    "ppo": "ART's switch: True means loss='ppo', False loss='cispo' (a conflicting loss is an error)",
     "epsilon": "clip range low side: ratio >= 1 - epsilon (None: the loss's default)",
     "epsilon_high": "clip range high side: ratio <= 1 + epsilon_high (None: epsilon)",
     "dro_beta": "quadratic penalty of the dro loss",

@@ -79,8 +79,10 @@ def conflicts(config: RLConfig) -> list[Problem]:
         problems.append(
             Problem("loss_reduction_constant", "only applies to loss_reduction='constant'")
         )
-    if _changed(config, "dro_beta") and config.loss != "dro":
-        problems.append(Problem("dro_beta", f"only applies to loss='dro', not {config.loss!r}"))
+    if _changed(config, "dro_beta") and config.policy_loss != "dro":
+        problems.append(
+            Problem("dro_beta", f"only applies to loss='dro', not {config.policy_loss!r}")
+        )
     if not config.scale_rewards and config.advantage_estimator != "grpo":
         problems.append(
             Problem(
@@ -90,7 +92,7 @@ def conflicts(config: RLConfig) -> list[Problem]:
             )
         )
     try:
-        check_config(config.loss, LossConfig.from_mapping(loss_fn_config(config)))
+        check_config(config.policy_loss, LossConfig.from_mapping(loss_fn_config(config)))
     except ValueError as exc:
         problems.append(Problem("loss", str(exc)))
     return problems
@@ -184,7 +186,10 @@ def preflight_rl(
     """
     problems = conflicts(config)
     if options is not None:
-        problems += unsupported_options(backend, "train", _values(config), _RL_DEFAULTS, options)
+        # `loss` is judged by the loss the call runs (`ppo=False` means cispo), not its field.
+        values = {**_values(config), "loss": config.policy_loss}
+        defaults = {**_RL_DEFAULTS, "loss": RLConfig().policy_loss}
+        problems += unsupported_options(backend, "train", values, defaults, options)
     if config.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
             Problem(

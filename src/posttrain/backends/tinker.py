@@ -214,9 +214,9 @@ def resolve_tinker_rl(options: Mapping[str, object]) -> RLConfig:
     posttrain does not send over the protocol a ValueError, both before any work."""
     config = resolve_rl(options, TinkerRLOptions, BACKEND)
     losses = get_args(ProtocolPolicyLoss)
-    if config.loss not in losses:
+    if config.policy_loss not in losses:
         raise ValueError(
-            f"{BACKEND}.train(): loss={config.loss!r} is not carried by the Tinker protocol as "
+            f"{BACKEND}.train(): loss={config.policy_loss!r} is not carried by the Tinker protocol as "
             f"posttrain sends it; choose loss from {list(losses)}, or train with LocalBackend or "
             "RayBackend for dro and gspo"
         )

@@ -181,4 +181,7 @@ def call_options(values: RLConfig | SFTConfig, schema: Sequence[OptionSchema]) -
     """The job's value of every option the backend declares; preflight refused the rest (any
     set away from its default), so leaving them out changes nothing."""
     declared = {o.name for o in schema}
-    return {f.name: getattr(values, f.name) for f in fields(values) if f.name in declared}
+    out = {f.name: getattr(values, f.name) for f in fields(values) if f.name in declared}
+    if isinstance(values, RLConfig) and "loss" in out:
+        out["loss"] = values.policy_loss  # the loss the job runs (`ppo = false` is cispo)
+    return out

@@ -29,7 +29,8 @@ class RLConfig:
     """Resolved RL options with their defaults (keys are those of `LocalRLOptions`)."""
 
     learning_rate: float = 1e-5  # AdamW peak learning rate for this step
-    loss: PolicyLoss = "ppo"  # policy loss from algo.losses
+    loss: PolicyLoss | None = None  # policy loss from algo.losses (None: see `policy_loss`)
+    ppo: bool | None = None  # ART's switch: True is loss "ppo", False is "cispo"
     epsilon: float | None = None  # clip range 1 - epsilon (None: the loss's default)
     epsilon_high: float | None = None  # clip range 1 + epsilon_high (None: epsilon)
     dro_beta: float = 0.05  # dro's quadratic penalty
@@ -55,8 +56,22 @@ class RLConfig:
     logprob_calculation_chunk_size: int = 1024
     plot_tensors: bool = False  # PNG plots of advantages, ratios and logprobs per step
 
+    @property
+    def policy_loss(self) -> PolicyLoss:
+        """`loss` if given, else what `ppo` asks for; "ppo" when neither is set."""
+        if self.loss is not None:
+            return self.loss
+        return "cispo" if self.ppo is False else "ppo"
+
     def __post_init__(self) -> None:
         check_field_types(self)
+        if self.loss is not None and self.ppo is not None:
+            implied = "ppo" if self.ppo else "cispo"
+            if self.loss != implied:
+                raise ValueError(
+                    f"options loss={self.loss!r} and ppo={self.ppo} disagree (ppo={self.ppo} "
+                    f"means loss={implied!r}): pass only one of them"
+                )
         check_range(self, "learning_rate", "a finite number >= 0", lambda v: 0 <= v < math.inf)
         check_range(
             self, "epsilon", "in [0, 1] (the clip floor is 1 - epsilon)", lambda v: 0 <= v <= 1

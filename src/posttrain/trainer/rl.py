@@ -37,7 +37,7 @@ def loss_fn_config(config: RLConfig) -> dict[str, float | str | bool | None]:
     return {
         "epsilon": config.epsilon,
         "epsilon_high": config.epsilon_high,
-        "beta": config.dro_beta if config.loss == "dro" else None,
+        "beta": config.dro_beta if config.policy_loss == "dro" else None,
         "importance_sampling_level": config.importance_sampling_level,
         "truncated_importance_sampling": config.truncated_importance_sampling,
         "mask_prob_ratio": config.mask_prob_ratio,
@@ -170,7 +170,7 @@ async def train_rl_batch(
     loss_cfg = loss_fn_config(config)
     for part in split_minibatches(len(datums), config.num_minibatches):
         mini = weighted([datums[i] for i in part], [batch.masks[i] for i in part], config)
-        out = await client.forward_backward(mini, config.loss, loss_cfg)
+        out = await client.forward_backward(mini, config.policy_loss, loss_cfg)
         if recorder is not None:
             recorder.record(mini, out)
         step = await client.optim_step(adam)
