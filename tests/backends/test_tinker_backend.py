@@ -138,6 +138,49 @@ async def test_sampling(server: ServerProcess, tiny_model_dir: Path, tmp_path: P
     await backend.close()
 
 
+async def test_a_failed_register_leaves_nothing_behind(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    backend = tinker_backend(server, tmp_path)
+    wrong = TrainableModel(name="r", project="p", base_model=str(tmp_path / "nope"), lora_rank=4)
+    with pytest.raises(Exception):  # noqa: B017 - the service's error, whatever its type
+        await wrong.register(backend)
+    assert not (tmp_path / "p" / "models" / "r" / "model.json").exists()
+    right = tiny("r", tiny_model_dir)  # same name, corrected base model: not blocked
+    await right.register(backend)
+    assert (right.directory / "model.json").exists() and right.step == 0
+    await backend.close()
+
+
+async def test_a_failed_step_leaves_the_last_good_state(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A step whose checkpoint cannot be indexed fails whole: the step stays, the service's
+    weights and optimizer go back to the last checkpoint, and the retry is the step an
+    uninterrupted run takes."""
+
+    async def run(name: str, fail: bool) -> tuple[int, list[float | None]]:
+        backend = tinker_backend(server, tmp_path / name)
+        model = tiny(name, tiny_model_dir, seed=4)
+        await model.register(backend)
+        await backend.train(model, groups(1), learning_rate=LR)
+        if fail:
+            model.run_state = {"cursor": object()}  # type: ignore[dict-item]  # not JSON
+            with pytest.raises(TypeError, match="JSON serializable"):
+                await backend.train(model, groups(2), learning_rate=LR)
+            assert model.step == 1 and [r["step"] for r in index_of(model)] == [1]
+            model.run_state = {"cursor": 2}
+        result = await backend.train(model, groups(2), learning_rate=LR)
+        logprobs = await backend.sampling_client(model).compute_logprobs(PROMPT)
+        await backend.close()
+        return result.step, logprobs[1:]
+
+    failed_once, clean = await run("failed", True), await run("clean", False)
+    assert failed_once[0] == clean[0] == 2
+    # Same server process and inputs: the reloaded state gives the same step to float32 rounding.
+    assert failed_once[1] == pytest.approx(clean[1], rel=1e-6)
+
+
 async def test_options_it_lacks_fail_before_any_work(
     server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -15,20 +15,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Unpack, get_args
 
 from posttrain.backends.capabilities import Capabilities
-from posttrain.backends.client_models import write_model_json
+from posttrain.backends.client_models import check_model_json, write_model_json
 from posttrain.backends.options import RLOptions, SFTOptions, resolve_rl, resolve_sft
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.trainer.config import ProtocolPolicyLoss, RLConfig
-from posttrain.trainer.rl import train_rl_step
-from posttrain.trainer.sft import train_sft
+from posttrain.trainer.metrics import StepMetrics
+from posttrain.trainer.rl import prepare_batch, train_rl_batch
+from posttrain.trainer.sft import sft_batches, train_sft_batches
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 BACKEND = "TinkerBackend"
@@ -94,7 +95,7 @@ class TinkerBackend:
                 "(e.g. lora_rank=8), or use LocalBackend/RayBackend for full fine-tuning"
             )
         directory = self.model_dir(model)
-        write_model_json(directory, model)
+        check_model_json(directory, model)  # written below, once the service has the model
         service = self.service_client()
         latest = latest_checkpoint(directory)
         if latest is None:
@@ -110,7 +111,12 @@ class TinkerBackend:
             model.run_state = dict(latest.get("run_state", {}))
         tokenizer = await asyncio.to_thread(load_tokenizer, model.base_model)
         self._clients[id(model)] = TinkerTrainingClient(training, tokenizer)
-        model.attach(self, directory, step)
+        try:
+            model.attach(self, directory, step)  # opens the metric sinks, which may refuse
+            write_model_json(directory, model)
+        except BaseException:
+            self._clients.pop(id(model)).close()
+            raise
 
     def client(self, model: TrainableModel) -> TinkerTrainingClient:
         try:
@@ -130,8 +136,11 @@ class TinkerBackend:
         """One RL step through the shared trainer; the loss runs on the server."""
         config = resolve_tinker_rl(options)
         preflight_rl(BACKEND, self.capabilities, config, trajectory_groups)
-        metrics = await train_rl_step(self.client(model), trajectory_groups, config)
-        return await self._finish_step(model, metrics.as_dict(), config.save_checkpoint)
+        client = self.client(model)
+        batch = prepare_batch(trajectory_groups, config)  # bad input fails before any update
+        return await self._step(
+            model, lambda: train_rl_batch(client, batch, config), config.save_checkpoint
+        )
 
     async def train_sft(
         self,
@@ -141,24 +150,63 @@ class TinkerBackend:
     ) -> TrainResult:
         config = resolve_sft(options, BACKEND)
         preflight_sft(BACKEND, self.capabilities, config)
-        metrics = await train_sft(self.client(model), trajectories, config)
-        return await self._finish_step(model, metrics.as_dict(), config.save_checkpoint)
+        client = self.client(model)
+        batches = sft_batches(trajectories, config)  # bad input fails before any update
+        return await self._step(
+            model,
+            lambda: train_sft_batches(client, batches, config, num_trajectories=len(trajectories)),
+            config.save_checkpoint,
+        )
 
-    async def _finish_step(
-        self, model: TrainableModel, metrics: dict[str, float], save: bool
+    async def _step(
+        self, model: TrainableModel, run: Callable[[], Awaitable[StepMetrics]], save: bool
     ) -> TrainResult:
+        """The updates of the next step, its checkpoint, and only then the model's step: a
+        failure puts the service's weights and optimizer back to the last indexed checkpoint."""
         step = model.step + 1
+        try:
+            metrics = await run()
+            path = await self._save(model, step) if save else None
+        except Exception as exc:
+            await self._restore(model, exc)
+            raise
         model.set_step(step)
-        path = await self.checkpoint(model) if save else None
         if id(model) in self._published:  # served OpenAI-style: publish the new weights too
             await self._publish(model)
-        return TrainResult(step=step, metrics=metrics, checkpoint_path=path)
+        return TrainResult(step=step, metrics=metrics.as_dict(), checkpoint_path=path)
+
+    async def _restore(self, model: TrainableModel, error: Exception) -> None:
+        latest = latest_checkpoint(model.directory)
+        if latest is None or int(latest["step"]) != model.step:
+            error.add_note(
+                f"model {model.name!r} stays at step {model.step}, but no checkpoint of that step "
+                "is indexed, so its weights on the service may include part of the failed step; "
+                "register the model again to start from its latest checkpoint or base model"
+            )
+            return
+        try:  # a fresh client from the checkpoint (the SDK retires load_state on live ones)
+            old = self.client(model)
+            training = await self.service_client().create_training_client_from_state_with_optimizer(
+                latest["path"]
+            )
+            self._clients[id(model)] = TinkerTrainingClient(training, old.get_tokenizer())
+            old.close()
+        except Exception as reload_error:
+            error.add_note(f"reloading {latest['path']} after the failure failed too: {reload_error!r}")
 
     async def checkpoint(self, model: TrainableModel) -> str:
-        """Save weights and optimizer on the service; index the path with the trainer state."""
-        saved = await self.client(model).save_state(f"step-{model.step:06d}")
+        """Save the model's current weights and optimizer on the service, and index them."""
+        return await self._save(model, model.step)
+
+    async def _save(self, model: TrainableModel, step: int) -> str:
+        """Save weights and optimizer on the service; index the path with the trainer state.
+
+        A checkpoint already saved under this step's name belongs to an attempt that failed
+        before indexing it (indexed steps are <= the model's step), so it is overwritten.
+        """
+        saved = await self.client(model).save_state(f"step-{step:06d}", overwrite=True)
         record = {
-            "step": model.step,
+            "step": step,
             "path": saved.path,
             "run_state": model.run_state,
             "model": model.config_dict(),

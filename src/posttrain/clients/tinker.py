@@ -280,8 +280,9 @@ class TinkerTrainingClient:
         out = await sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt.to_ints()))
         return list(out)
 
-    def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]:
-        return _mapped(self._client.save_state(name), lambda r: SaveWeightsResponse(str(r.path)))
+    def save_state(self, name: str, overwrite: bool = False) -> APIFuture[SaveWeightsResponse]:
+        saved = self._client.save_state(name, overwrite=overwrite)
+        return _mapped(saved, lambda r: SaveWeightsResponse(str(r.path)))
 
     def load_state(self, path: str, with_optimizer: bool = False) -> APIFuture[LoadWeightsResponse]:
         """Deprecated in the SDK for live clients; TinkerBackend resumes by creating a client."""
