@@ -142,15 +142,14 @@ def _localise(groups: list[PrefixGroup]) -> MicroBatch:
     return MicroBatch(rows, local)
 
 
-_PLAIN_KV_CACHE: dict[int, bool] = {}
-
-
 def _plain_kv_cache(config: object) -> bool:
-    """Whether the model's cache is a plain concatenating one (no sliding window to crop)."""
-    if id(config) not in _PLAIN_KV_CACHE:
-        layers = DynamicCache(config=config).layers  # type: ignore[arg-type]
-        _PLAIN_KV_CACHE[id(config)] = all(type(layer) is DynamicLayer for layer in layers)
-    return _PLAIN_KV_CACHE[id(config)]
+    """Whether the model's cache is a plain concatenating one (no sliding window to crop).
+
+    Asked of transformers itself each time (~60 us): a cache keyed by the config's id could
+    answer for another model once the config is freed and its address reused.
+    """
+    layers = DynamicCache(config=config).layers  # type: ignore[arg-type]
+    return all(type(layer) is DynamicLayer for layer in layers)
 
 
 def decoder_hidden(
