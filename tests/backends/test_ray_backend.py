@@ -14,11 +14,11 @@ relative tolerance plus 1e-6 absolute, for values that sum terms of both signs t
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import fields
 
 import pytest
 import torch
+from local_groups import synthetic_groups
 
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.options import LocalRLOptions, option_names
@@ -29,33 +29,11 @@ from posttrain.engine.ray_session import ray_session
 from posttrain.model import TrainableModel
 from posttrain.types import (
     SamplingParams,
-    TokenSegment,
     TrainResult,
-    Trajectory,
-    TrajectoryGroup,
 )
 
 REL_TOL = 2e-6
 TEST_RAY = RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0)
-
-
-def synthetic_groups(seed: int, groups: int = 3, size: int = 4) -> list[TrajectoryGroup]:
-    """Random prompts and completions with sampler logprobs and 0/1 rewards."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(groups):
-        prompt = TokenSegment(tuple(rng.randrange(3, 250) for _ in range(5)))
-        trajs = []
-        for _ in range(size):
-            n = rng.randrange(2, 7)
-            sampled = TokenSegment(
-                tuple(rng.randrange(3, 250) for _ in range(n)),
-                trainable=True,
-                logprobs=tuple(-5.5 + rng.random() for _ in range(n)),
-            )
-            trajs.append(Trajectory((prompt, sampled), reward=float(rng.random() > 0.5)))
-        out.append(TrajectoryGroup(tuple(trajs)))
-    return out
 
 
 def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
