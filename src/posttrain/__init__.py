@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from posttrain.backends.local import LocalBackend
     from posttrain.backends.protocol import TrainableBackend
     from posttrain.backends.ray import RayBackend
+    from posttrain.backends.tinker import TinkerBackend
     from posttrain.clients.create import create_training_client
     from posttrain.jobs.sft_data import load_sft_dataset
     from posttrain.model import TrainableModel
@@ -35,6 +36,7 @@ def __getattr__(name: str) -> object:
         "LocalBackend": "posttrain.backends.local",
         "TrainableBackend": "posttrain.backends.protocol",
         "RayBackend": "posttrain.backends.ray",
+        "TinkerBackend": "posttrain.backends.tinker",
         "create_training_client": "posttrain.clients.create",
         "gather_groups": "posttrain.rollout",
         "TrajectoryBuilder": "posttrain.rollout",
@@ -57,6 +59,7 @@ __all__ = [
     "SampleResponse",
     "SampledSequence",
     "SamplingParams",
+    "TinkerBackend",
     "TokenSegment",
     "TrainResult",
     "TrainableBackend",

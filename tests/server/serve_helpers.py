@@ -73,7 +73,7 @@ def start_server(
             )
         try:
             if (
-                httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code
+                httpx.get(f"{url}/healthz", headers={"X-API-Key": keys[0]}, timeout=1).status_code
                 == 200
             ):
                 return ServerProcess(url, process, log, storage)

@@ -1,0 +1,77 @@
+"""Every example in docs/ runs: the python blocks of each page in order in one process (on a
+tiny model, in a temporary directory, against a real `posttrain serve` where a page uses one),
+and the `posttrain` commands of its bash blocks (all but `serve`, which a page's python uses)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.engine.tiny import make_tiny_model
+
+ROOT = Path(__file__).parents[1]
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+SERVER_URL = "http://127.0.0.1:8000"  # where a page's python expects `posttrain serve`
+SERVER_KEY = "tml-mykey"
+
+# The server tests' helper starts `posttrain serve` on a free port (tests/ is not a package).
+sys.path.insert(0, str(ROOT / "tests" / "server"))
+from serve_helpers import start_server  # noqa: E402  # pyright: ignore[reportMissingImports]
+
+
+def blocks(page: Path, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", page.read_text(), flags=re.S)
+
+
+def commands(page: Path) -> list[list[str]]:
+    lines = [line for block in blocks(page, "bash") for line in block.splitlines()]
+    return [
+        shlex.split(line.split("#")[0])[1:]
+        for line in lines
+        if line.startswith("posttrain ") and not line.startswith("posttrain serve")
+    ]
+
+
+def test_every_page_has_runnable_examples():
+    assert {p.name for p in PAGES} >= {"architecture.md", "backends.md", "benchmarks.md"}
+    assert all(blocks(p, "python") or commands(p) for p in PAGES if p.name != "benchmarks.md")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")], ids=lambda p: p.name)
+def test_python_examples_run(page: Path, tmp_path: Path):
+    tiny = tmp_path / "tiny"
+    script = "\n".join(blocks(page, "python")).replace("/tmp/tiny", str(tiny))
+    server = None
+    if SERVER_URL in script:
+        make_tiny_model(tiny)  # the page builds the same model (seed 0); the server needs it first
+        server = start_server(tiny, tmp_path / "storage", keys=(SERVER_KEY,))
+        script = script.replace(SERVER_URL, server.url)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+    finally:
+        if server is not None:
+            server.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=lambda p: p.name)
+def test_commands_run(page: Path, tmp_path: Path):
+    for args in commands(page):
+        args = [str(ROOT / a) if a.startswith("src/") else a for a in args]
+        proc = subprocess.run(
+            [sys.executable, "-m", "posttrain.cli.main", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
