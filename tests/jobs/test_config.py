@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.jobs.config import JobConfig, load_config, parse_config, parse_tiny_spec
+from posttrain.jobs.run_dir import config_changes, config_record
 from posttrain.trainer.config import RLConfig, SFTConfig
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
@@ -133,3 +134,13 @@ def test_there_is_an_example_per_task():
     from posttrain.tasks import TASKS
 
     assert {p.stem for p in EXAMPLES} == set(TASKS)
+
+
+def test_job_record_keeps_the_backend_table_and_a_resume_may_change_it():
+    first = config_record(parse_config({"run": {"backend": "ray"}, "backend": {"num_workers": 2}}))
+    assert first["backend"] == {"num_workers": 2} and first["run"]["backend"] == "ray"
+    # Infrastructure may change between a run and its resume; the training settings may not.
+    moved = config_record(parse_config({"run": {"backend": "ray"}, "backend": {"num_workers": 4}}))
+    assert config_changes(first, moved) == []
+    other = config_record(parse_config({"run": {"backend": "ray"}, "rl": {"learning_rate": 1.0}}))
+    assert config_changes(first, other) == ["[rl] learning_rate: 1e-05 in the run, 1.0 now"]

@@ -41,6 +41,7 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         if "trainer" in values:  # [sft] and [rl]: their train options are keys of the table
             values.update(values.pop("trainer"))
         record[table] = values
+    record["backend"] = dict(config.backend)  # for the record; a resume may run elsewhere
     return record
 
 
@@ -48,7 +49,7 @@ def config_changes(saved: Mapping[str, object], record: dict[str, dict[str, obje
     """How `record` differs from the run's saved job.json, in the settings a resume keeps."""
     changed: list[str] = []
     for table, values in record.items():
-        if table == "eval":
+        if table in ("eval", "backend"):  # where and how a run is evaluated may change
             continue
         if table not in saved:
             changed.append(f"[{table}]: not in the run's {JOB_FILE}")
