@@ -2,6 +2,8 @@
 
 `LocalPlugin` trains for real (it wraps LocalBackend) and declares itself through class hooks:
 it does not preserve token-level advantages and offers fewer losses than LocalBackend.
+`KeyedPlugin` is LocalPlugin that needs an API key and declares no `save_checkpoint` (its calls
+always checkpoint).
 `HookedBackend` only declares; `PlainBackend` has no hooks (conservative defaults);
 `BrokenBackend` and `RaisingBackend` have malformed hooks.
 """
@@ -98,6 +100,21 @@ class LocalPlugin:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+class KeyedPlugin(LocalPlugin):
+    """LocalPlugin with a required `api_key`, without the `save_checkpoint` option."""
+
+    def __init__(self, path: str | Path, *, api_key: str, keep_checkpoints: int = 2) -> None:
+        super().__init__(path, keep_checkpoints=keep_checkpoints)
+        self.api_key = api_key
+
+    @staticmethod
+    def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
+        return {
+            call: [o for o in options if o["name"] != "save_checkpoint"]
+            for call, options in LocalPlugin.posttrain_option_schema().items()
+        }
 
 
 class HookedBackend:

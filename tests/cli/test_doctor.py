@@ -117,6 +117,7 @@ def test_the_server_and_key_come_from_a_config(tmp_path, capsys, monkeypatch, se
     config.write_text(config.read_text().replace("tml-stale", GOOD_KEY))
     code, out = _doctor(capsys, "--config", str(config))
     assert code == 0 and "answered 200, key from [backend] api_key" in out
+    assert GOOD_KEY not in out  # where the key came from is shown, never the key
 
 
 def test_a_config_with_a_bad_backend_fails(tmp_path, capsys):

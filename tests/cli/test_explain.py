@@ -135,6 +135,28 @@ def test_explain_shows_a_plugin_backend_and_its_capabilities(tmp_path, capsys):
     assert "preserves_token_advantages = False" in capsys.readouterr().out
 
 
+def test_explain_never_shows_a_secret(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[run]\nbackend = "plugin_example:KeyedPlugin"\n[backend]\napi_key = "tml-SECRET"\n'
+    )
+    assert main(["explain", str(config), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "SECRET" not in out
+    report = json.loads(out)
+    # The key stays, so one can see it was set.
+    assert report["backend"]["constructor_options"] == {"api_key": "***"}
+    assert report["config"]["backend"] == {"api_key": "***"}
+    assert main(["explain", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "SECRET" not in out and "api_key = '***'" in out
+    # A value of the wrong type is refused without being shown.
+    config.write_text('[run]\nbackend = "plugin_example:KeyedPlugin"\n[backend]\napi_key = 12345\n')
+    assert main(["explain", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "12345" not in out and "[backend] option api_key='***' is invalid: expected str" in out
+
+
 def test_explain_reports_preflight_problems(tmp_path, capsys):
     config = tmp_path / "bad.toml"
     config.write_text('[run]\ntask = "reverse"\n[rl]\ntruncated_importance_sampling = 2.0\n')

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 
 import pytest
 
-from posttrain.jobs.config import JobConfig, load_config, parse_config, parse_tiny_spec
-from posttrain.jobs.run_dir import config_changes, config_record
+from posttrain.jobs.config import (
+    JobConfig,
+    is_secret,
+    load_config,
+    parse_config,
+    parse_tiny_spec,
+)
+from posttrain.jobs.run_dir import JOB_FILE, config_changes, config_record, prepare_run_dir
 from posttrain.trainer.config import RLConfig, SFTConfig
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
@@ -144,3 +151,28 @@ def test_job_record_keeps_the_backend_table_and_a_resume_may_change_it():
     assert config_changes(first, moved) == []
     other = config_record(parse_config({"run": {"backend": "ray"}, "rl": {"learning_rate": 1.0}}))
     assert config_changes(first, other) == ["[rl] learning_rate: 1e-05 in the run, 1.0 now"]
+
+
+def test_secrets_are_keys_whose_words_name_one():
+    secret = ["api_key", "apiKey", "API_KEY", "hf_token", "authtoken", "client_secret", "password"]
+    secret += ["db-password", "access.keys", "aws_credentials"]
+    plain = ["micro_batch_tokens", "max_tokens", "num_workers", "base_url", "keep", "keyboard"]
+    assert [k for k in secret if not is_secret(k)] == []
+    assert [k for k in plain if is_secret(k)] == []
+
+
+def test_job_json_never_holds_a_secret(tmp_path):
+    config = parse_config(
+        {
+            "run": {"backend": "tinker"},
+            "backend": {"api_key": "tml-SECRET-1", "hf_token": "hf-SECRET-2", "base_url": "u"},
+        }
+    )
+    run_dir = prepare_run_dir(tmp_path / "run", config, resume=False)
+    text = (run_dir / JOB_FILE).read_text()
+    assert "SECRET" not in text
+    # The keys stay, so one can see they were set; other values are kept as they are.
+    assert json.loads(text)["backend"] == {"api_key": "***", "hf_token": "***", "base_url": "u"}
+    # A resume with another key is the same run (where a run trains may change).
+    rotated = parse_config({"run": {"backend": "tinker"}, "backend": {"api_key": "tml-NEW"}})
+    assert prepare_run_dir(run_dir, rotated, resume=True) == run_dir

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from posttrain.backends.registry import BackendInfo
 from posttrain.jobs.backend import JobProblem, job_problems
-from posttrain.jobs.config import JobConfig, load_config
+from posttrain.jobs.config import JobConfig, load_config, redact_secrets
 
 # What each plan entry counts.
 PLAN_NOTES = {
@@ -142,7 +142,7 @@ def _backend(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
         "source": info.source,
         "resolved": True,
         "importable": info.importable,
-        "constructor_options": dict(config.backend),
+        "constructor_options": redact_secrets(config.backend),
         "capabilities_source": info.capabilities_source,
         "capabilities": info.capabilities.as_dict(),
     }
@@ -153,7 +153,7 @@ def explain(config: JobConfig) -> dict[str, object]:
     steps, plan_problems = plan(config)
     problems += plan_problems
     return {
-        "config": _jsonable(config),
+        "config": _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend))),
         "backend": _backend(config, info),
         "preflight": {
             "ok": not problems,

@@ -19,7 +19,7 @@ from posttrain.backends.preflight import PreflightError, preflight_rl, preflight
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
 from posttrain.backends.schema import OptionSchema, constructor_hints, constructor_parameters
-from posttrain.jobs.config import JobConfig
+from posttrain.jobs.config import REDACTED, JobConfig, is_secret
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value
 
 # Constructor arguments the job fills in itself, and where their value comes from.
@@ -90,7 +90,8 @@ def _check_type(key: str, annotation: object, value: object) -> None:
     try:
         check_value(key, annotation, value)
     except ValueError as exc:
-        raise ValueError(f"[backend] {exc}") from None
+        message = str(exc).replace(repr(value), repr(REDACTED)) if is_secret(key) else str(exc)
+        raise ValueError(f"[backend] {message}") from None
     except TypeError:  # an annotation isinstance cannot check (Any, generics): the constructor will
         pass
 

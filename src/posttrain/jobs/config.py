@@ -6,13 +6,15 @@ the job passes each backend the options it declares, and preflight refuses the o
 `[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
 name, or a dotted path "package.module:Factory". `[backend]` holds its constructor's keyword
 arguments, checked against the constructor by `jobs.backend` (the job itself supplies `path`
-from `[run] output_dir` and `keep_checkpoints` from `[run]`). An unknown table or key is an error
-naming the table, the key and the nearest valid key.
+from `[run] output_dir` and `keep_checkpoints` from `[run]`); a value whose key names a secret
+(api_key, hf_token, ...) is never written or shown (`redact_secrets`). An unknown table or key
+is an error naming the table, the key and the nearest valid key.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -26,6 +28,14 @@ from posttrain.trainer.config import RLConfig, SFTConfig, check_field_types
 
 ARCHES: tuple[str, ...] = get_args(Arch)
 SIZES: tuple[str, ...] = get_args(Size)
+# A `[backend]` key holds a secret when one of its words (split at `_`, `-`, `.`) is or ends
+# with one of these: api_key, apiKey, hf_token, client_secret, password. Not `tokens`, which
+# counts tokens (micro_batch_tokens). What is written or shown of it is REDACTED.
+SECRET_WORDS = (
+    *("key", "keys", "token", "secret", "secrets"),
+    *("password", "passwords", "passwd", "credential", "credentials"),
+)
+REDACTED = "***"
 
 
 @dataclass(frozen=True)
@@ -159,6 +169,18 @@ class JobConfig:
             return None
         base = self.source.parent if self.source is not None else Path.cwd()
         return base / self.sft.dataset
+
+
+def is_secret(key: str) -> bool:
+    """Whether a `[backend]` key names a secret (see SECRET_WORDS)."""
+    words = re.split(r"[^a-z0-9]+", key.lower())
+    return any(word.endswith(SECRET_WORDS) for word in words)
+
+
+def redact_secrets(table: Mapping[str, object]) -> dict[str, object]:
+    """`table` as it may be written or shown: each secret's value is REDACTED, its key kept so
+    one can see it was set."""
+    return {key: REDACTED if is_secret(key) else value for key, value in table.items()}
 
 
 def parse_tiny_spec(spec: str) -> tuple[str, str, int | None]:

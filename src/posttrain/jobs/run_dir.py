@@ -10,7 +10,7 @@ from pathlib import Path
 
 from posttrain.engine.checkpoint import list_checkpoints
 from posttrain.engine.tiny import make_tiny_model
-from posttrain.jobs.config import JobConfig, parse_tiny_spec
+from posttrain.jobs.config import JobConfig, parse_tiny_spec, redact_secrets
 from posttrain.model import RunState
 
 # Settings a resumed run may change: where the run is, how long it goes on, how it is evaluated.
@@ -41,7 +41,8 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         if "trainer" in values:  # [sft] and [rl]: their train options are keys of the table
             values.update(values.pop("trainer"))
         record[table] = values
-    record["backend"] = dict(config.backend)  # for the record; a resume may run elsewhere
+    # For the record (a resume may run elsewhere), without the secrets it may hold.
+    record["backend"] = redact_secrets(config.backend)
     return record
 
 
