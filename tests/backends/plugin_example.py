@@ -109,8 +109,11 @@ class KeyedPlugin(LocalPlugin):
         super().__init__(path, keep_checkpoints=keep_checkpoints)
         self.api_key = api_key
 
-    @staticmethod
-    def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
+    hook_calls: list[str] = []  # noqa: RUF012 - tests count how often the job asks
+
+    @classmethod
+    def posttrain_option_schema(cls) -> dict[str, list[dict[str, object]]]:
+        cls.hook_calls.append("posttrain_option_schema")
         return {
             call: [o for o in options if o["name"] != "save_checkpoint"]
             for call, options in LocalPlugin.posttrain_option_schema().items()

@@ -89,8 +89,13 @@ def test_constructor_options_are_checked_against_the_constructor(tmp_path):
 
 
 def test_job_problems_name_the_key_and_the_fix(tmp_path):
-    info, problems = job_problems(_job(tmp_path, table={"micro_batch_tokens": 4096}))
-    assert info is not None and info.capabilities_source == "hook" and problems == []
+    found, problems = job_problems(_job(tmp_path, table={"micro_batch_tokens": 4096}))
+    assert found is not None and found.info.capabilities_source == "hook" and problems == []
+    assert found.kwargs == {
+        "path": tmp_path / "runs",
+        "keep_checkpoints": 2,
+        "micro_batch_tokens": 4096,
+    }
     _, problems = job_problems(
         _job(tmp_path, table={"micro_batch": 1}, num_minibatches=2, loss="gspo")
     )
@@ -141,6 +146,30 @@ async def test_a_job_runs_through_a_plugin_named_in_its_config(tmp_path):
     assert sorted(p.name for p in (result.run_dir / "checkpoints").iterdir()) == ["1", "2"]
     rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
     assert [r["phase"] for r in rows if r["phase"] != "eval"] == ["sft", "rl"]
+
+
+async def test_a_plugin_gets_no_option_it_does_not_declare_and_is_described_once(tmp_path):
+    """KeyedPlugin declares no save_checkpoint: the job passes none (its calls checkpoint by
+    default), resolves and checks it once, and keeps its api_key out of every file it writes."""
+    plugin = importlib.import_module("plugin_example").KeyedPlugin
+    plugin.hook_calls.clear()
+    describe("plugin_example:KeyedPlugin")
+    per_describe = len(plugin.hook_calls)
+    assert per_describe > 0
+    plugin.calls.clear()
+    plugin.hook_calls.clear()
+    config = _job(tmp_path, "plugin_example:KeyedPlugin", {"api_key": "tml-SECRET"})
+    result = await run_job(config, echo=lambda _: None)
+    assert plugin.calls == [
+        "register",
+        "train_sft ['batch_size', 'epochs', 'learning_rate', 'lr_schedule']",
+        "train ['kimi_k2_tau', 'learning_rate', 'loss']",
+    ]
+    assert len(plugin.hook_calls) == per_describe  # job_problems found it; nothing again
+    assert sorted(p.name for p in (result.run_dir / "checkpoints").iterdir()) == ["1", "2"]
+    written = [p for p in result.run_dir.rglob("*") if p.is_file()]
+    assert [p.name for p in written if b"SECRET" in p.read_bytes()] == []
+    assert json.loads((result.run_dir / "job.json").read_text())["backend"] == {"api_key": "***"}
 
 
 async def test_a_refused_job_writes_nothing(tmp_path):

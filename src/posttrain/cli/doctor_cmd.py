@@ -195,12 +195,12 @@ def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | 
         config = load_config(path)
     except (ValueError, FileNotFoundError) as exc:
         return [Check("config", "fail", str(exc))], {}, None
-    info, problems = job_problems(config)
+    found, problems = job_problems(config)
     backend_problems = [p for p in problems if p.call == "backend"]
     if backend_problems:
         check = Check("backend", "fail", "; ".join(str(p) for p in backend_problems))
     else:
-        source = info.capabilities_source if info else "?"
+        source = found.info.capabilities_source if found else "?"
         check = Check("backend", "pass", f"{config.run.backend} (capabilities: {source})")
     return [Check("config", "pass", str(path)), check], dict(config.backend), config.run.output_dir
 

@@ -149,7 +149,8 @@ def _backend(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
 
 
 def explain(config: JobConfig) -> dict[str, object]:
-    info, problems = job_problems(config)
+    found, problems = job_problems(config)
+    info = found.info if found is not None else None
     steps, plan_problems = plan(config)
     problems += plan_problems
     return {

@@ -96,25 +96,37 @@ def _check_type(key: str, annotation: object, value: object) -> None:
         pass
 
 
-def create_backend(config: JobConfig, path: Path) -> tuple[TrainableBackend, BackendInfo]:
-    """Build the configured backend; run `job_problems` first for errors that name the fix."""
-    info = describe(config.run.backend)
-    factory = load(config.run.backend)
-    backend = factory(**constructor_kwargs(config, factory, path))
+@dataclass(frozen=True)
+class JobBackend:
+    """The job's backend as `job_problems` found it: `create_backend` builds it from this
+    without resolving, importing or checking it again."""
+
+    info: BackendInfo
+    factory: Factory | None  # None: it cannot be imported
+    kwargs: dict[str, object] | None  # its constructor's arguments; None: `[backend]` is wrong
+
+
+def create_backend(found: JobBackend) -> TrainableBackend:
+    """Build the backend that `job_problems` found and reported no problem with."""
+    if found.factory is None or found.kwargs is None:
+        raise ValueError(f"{found.info.name!r} has problems; job_problems names them")
+    backend = found.factory(**found.kwargs)
     if not isinstance(backend, TrainableBackend):
         raise ValueError(
-            f"[run] backend {config.run.backend!r}: {info.label}(...) returned a "
+            f"[run] backend {found.info.name!r}: {found.info.label}(...) returned a "
             f"{type(backend).__name__}, which lacks register/train/train_sft/sampling_client/close"
         )
-    return backend, info
+    return backend
 
 
 def job_problems(
-    config: JobConfig, *, resume: bool = False
-) -> tuple[BackendInfo | None, list[JobProblem]]:
+    config: JobConfig, *, resume: bool = False, path: Path | None = None
+) -> tuple[JobBackend | None, list[JobProblem]]:
     """Everything that would stop this job, found without building anything: the backend
     (name, import, hooks), its `[backend]` options, what the job needs of it (sampling, SFT,
-    resume) and preflight of the options each call would get."""
+    resume) and preflight of the options each call would get. `path` is where the backend
+    keeps its models, `[run] output_dir` unless given. The backend is None when its name does
+    not resolve."""
     spec = config.run.backend
     try:
         info = describe(spec)
@@ -124,11 +136,12 @@ def job_problems(
     if factory is None:
         install = f"; install it with pip install 'posttrain[{info.extra}]'" if info.extra else ""
         message = f"{spec!r} cannot be imported: {info.import_error}{install}"
-        return info, [JobProblem("backend", "[run] backend", message)]
+        return JobBackend(info, None, None), [JobProblem("backend", "[run] backend", message)]
     problems: list[JobProblem] = []
     try:
-        constructor_kwargs(config, factory, Path(config.run.output_dir))
+        kwargs = constructor_kwargs(config, factory, path or Path(config.run.output_dir))
     except ValueError as exc:
+        kwargs = None
         problems.append(JobProblem("backend", "[backend]", str(exc)))
     problems += _needs(info, config, resume)
     problems += _preflight(
@@ -144,7 +157,7 @@ def job_problems(
                 info.label, info.capabilities, config.sft.trainer, options=info.train_sft_options
             ),
         )
-    return info, problems
+    return JobBackend(info, factory, kwargs), problems
 
 
 def _needs(info: BackendInfo, config: JobConfig, resume: bool) -> list[JobProblem]:

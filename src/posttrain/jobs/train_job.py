@@ -81,11 +81,11 @@ async def run_job(
 ) -> JobResult:
     """Run (or, with `resume`, continue) a job; `on_step(k)` is called after RL step k."""
     start = time.perf_counter()
-    _, problems = job_problems(config, resume=resume is not None)
-    if problems:  # before any work: nothing is written for a job that cannot run
+    backend_path, project, name = locate_run(config, resume)
+    found, problems = job_problems(config, resume=resume is not None, path=backend_path)
+    if problems or found is None:  # before any work: nothing is written for a job that cannot run
         raise JobPreflightError(problems)
     task = get_task(config.run.task)
-    backend_path, project, name = locate_run(config, resume)
     run_dir = prepare_run_dir(
         backend_path / project / "models" / name, config, resume=resume is not None
     )
@@ -99,7 +99,7 @@ async def run_job(
         dtype=config.model.dtype,
         seed=config.run.seed,
     )
-    backend, info = create_backend(config, backend_path)
+    backend = create_backend(found)
     await model.register(backend)
     try:
         run = _Run(
@@ -107,7 +107,7 @@ async def run_job(
             task=task,
             model=model,
             backend=backend,
-            info=info,
+            info=found.info,
             sampler=backend.sampling_client(model),
             metrics=MetricsLog(run_dir / "metrics.jsonl"),
             held_out=task.held_out(config.eval.seed, config.eval.held_out),
@@ -177,7 +177,8 @@ async def _warm_up(run: _Run, state: JobState) -> None:
     options = cast(SFTOptions, call_options(config.sft.trainer, run.info.train_sft_options))
     state.sft_done = True
     state.save(run.model.run_state)
-    options["save_checkpoint"] = not _checkpoints_on_demand(run)
+    if "save_checkpoint" in options:  # only where declared: else the backend's default holds
+        options["save_checkpoint"] = not _checkpoints_on_demand(run)
     result = await run.backend.train_sft(run.model, examples, **options)
     seconds = time.perf_counter() - began
     loss = result.metrics["loss"]  # train_sft always makes at least one update
@@ -226,7 +227,8 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
     learning_rate = config.trainer.learning_rate * warmup
     trainer = replace(config.trainer, learning_rate=learning_rate)
     options = cast(RLOptions, call_options(trainer, run.info.train_options))
-    options["save_checkpoint"] = not _checkpoints_on_demand(run)
+    if "save_checkpoint" in options:  # only where declared: else the backend's default holds
+        options["save_checkpoint"] = not _checkpoints_on_demand(run)
     state.rl_steps_done = k + 1
     state.save(run.model.run_state)
     result = await run.backend.train(run.model, groups, **options)
