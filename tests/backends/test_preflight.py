@@ -225,3 +225,21 @@ def test_missing_logprobs_found_before_any_work():
 def test_sft_needs_support():
     with pytest.raises(PreflightError, match="does not support SFT"):
         preflight_sft("Plugin", CONSERVATIVE, SFTConfig())
+
+
+def test_ppo_is_judged_as_the_loss_it_means():
+    """LocalPlugin declares `loss` (ppo, cispo) but not `ppo`: ppo=False is loss "cispo", which
+    it takes, so nothing is refused; ppo=True is loss "ppo", the default."""
+    info = registry.describe("plugin_example:LocalPlugin")
+    assert "ppo" not in {o.name for o in info.train_options}
+    for ppo in (False, True):
+        preflight_rl(
+            "LocalPlugin", info.capabilities, RLConfig(ppo=ppo), options=info.train_options
+        )
+    # A backend that declares neither refuses ppo=False under both names the user may look for.
+    hooked = registry.describe("plugin_example:HookedBackend")
+    with pytest.raises(PreflightError) as raised:
+        preflight_rl(
+            "HookedBackend", hooked.capabilities, RLConfig(ppo=False), options=hooked.train_options
+        )
+    assert [p.option for p in raised.value.problems] == ["loss", "ppo"]

@@ -186,9 +186,12 @@ def preflight_rl(
     """
     problems = conflicts(config)
     if options is not None:
-        # `loss` is judged by the loss the call runs (`ppo=False` means cispo), not its field.
+        # `loss` is judged by the loss the call runs (`ppo=False` means cispo), not its field;
+        # a backend that takes `loss` gets `ppo` folded into it, so `ppo` is not judged again.
         values = {**_values(config), "loss": config.policy_loss}
         defaults = {**_RL_DEFAULTS, "loss": RLConfig().policy_loss}
+        if any(o.name == "loss" for o in options):
+            del values["ppo"], defaults["ppo"]
         problems += unsupported_options(backend, "train", values, defaults, options)
     if config.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
