@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from posttrain.algo.losses import LossConfig
+from posttrain.engine import datum_checks
 from posttrain.engine import worker as worker_module
 from posttrain.engine.models import load_hf_model
 from posttrain.engine.worker import Worker, WorkerConfig
@@ -157,3 +158,133 @@ def test_offloaded_state_is_refused_until_reloaded(worker: Worker) -> None:
         worker.reload(group)  # type: ignore[arg-type]
     assert all(torch.equal(g, worker.grads()[n]) for n, g in grads.items())  # type: ignore[arg-type]
     assert worker.optim_step(AdamParams())["skipped:sum"] == 0.0
+
+
+def same_step_as_a_twin(worker: Worker, twin: Worker) -> None:
+    """One optim_step on each; the weights must then be bit-identical (same code, same data)."""
+    adam = AdamParams(learning_rate=1e-2)
+    assert worker.optim_step(adam)["skipped:sum"] == 0.0
+    assert twin.optim_step(adam)["skipped:sum"] == 0.0
+    mine, theirs = weights(worker), weights(twin)
+    assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+
+
+def test_a_refused_load_keeps_the_gradients(
+    worker: Worker, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A load refused before it changes anything leaves the accumulated gradients too: the
+    next step equals that of a worker that never saw the load. A successful load drops them."""
+    twin = Worker(load_hf_model(tiny_model_dir), WorkerConfig(micro_batch_tokens=9))
+    for each in (worker, twin):
+        each.forward_backward(datums(0), "cross_entropy", CE)
+    weights_only = worker.save_weights(tmp_path / "weights")
+    with pytest.raises(FileNotFoundError):
+        worker.load_state(tmp_path / "nope")
+    with pytest.raises(ValueError, match="no optimizer state"):
+        worker.load_state(weights_only, with_optimizer=True)
+    same_step_as_a_twin(worker, twin)
+    worker.forward_backward(datums(1), "cross_entropy", CE)
+    worker.load_state(weights_only, with_optimizer=False)
+    assert all(g is None for g in worker.grads().values())  # they belonged to other weights
+
+
+def test_offload_and_reload_twice_change_nothing(worker: Worker, tiny_model_dir: Path) -> None:
+    twin = Worker(load_hf_model(tiny_model_dir), WorkerConfig(micro_batch_tokens=9))
+    for each in (worker, twin):  # AdamW moments to park, then gradients to park
+        each.forward_backward(datums(0), "cross_entropy", CE)
+        each.optim_step(AdamParams(learning_rate=1e-2))
+        each.forward_backward(datums(1), "cross_entropy", CE)
+    for group in ("optimizer", "grads", "weights", "optimizer", "grads", "weights"):
+        worker.offload(group)
+    assert worker.offloaded == {"weights", "grads", "optimizer"}
+    for group in ("weights", "grads", "optimizer", "weights", "grads", "optimizer"):
+        worker.reload(group)
+    assert not worker.offloaded
+    same_step_as_a_twin(worker, twin)
+
+
+def policy_datums(nan_logprob_in_last: bool = False) -> list[Datum]:
+    """Three importance_sampling datums; optionally a NaN behaviour logprob on a counted token
+    of the last one, which the last micro-batch holds (equal lengths keep their order)."""
+    out = []
+    for i, datum in enumerate(datums(2)):
+        logprobs = torch.full((datum.length,), -5.0)
+        if nan_logprob_in_last and i == 2:
+            logprobs[4] = math.nan
+        inputs = {
+            "target_tokens": datum.loss_fn_inputs["target_tokens"],
+            "logprobs": logprobs,
+            "advantages": torch.linspace(-1.0, 1.0, datum.length),
+        }
+        out.append(Datum(datum.model_input, inputs))
+    return out
+
+
+def test_the_up_front_check_holds_one_micro_batch_at_a_time(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss's value checks see the micro-batches the pass sees, never the whole call
+    padded together (memory bounded by micro_batch_tokens), and still fail before any backward."""
+    seen: list[tuple[int, ...]] = []
+    real = datum_checks.pad_datums
+
+    def recording(rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        batch = real(rows, *args, **kwargs)
+        seen.append(tuple(batch.pad_mask_BT.shape))
+        return batch
+
+    monkeypatch.setattr(datum_checks, "pad_datums", recording)
+    worker.forward_backward(policy_datums(), "importance_sampling", CE)
+    assert seen == [(1, 9)] * 3  # budget 9: one 9-token datum per micro-batch
+    grads = {n: g.clone() for n, g in worker.grads().items() if g is not None}
+    with pytest.raises(ValueError, match=r"'logprobs'.*NaN"):
+        worker.forward_backward(policy_datums(True), "importance_sampling", CE)
+    after = worker.grads()
+    assert all(torch.equal(g, after[n]) for n, g in grads.items())  # type: ignore[arg-type]
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Wrap `datum_checks.<name>` so each call appends to the returned list (then runs it)."""
+    calls: list[int] = []
+    real = getattr(datum_checks, name)
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datum_checks, name, counting)
+    return calls
+
+
+def test_forward_leaves_loss_value_errors_to_its_pass(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """forward changes nothing, so the loss's own error from the pass is enough; the checks
+    that need no compute still give their clear errors first."""
+    calls = count_calls(monkeypatch, "check_loss_values")
+    with pytest.raises(ValueError, match=r"'logprobs'.*NaN"):
+        worker.forward(policy_datums(True), "importance_sampling", CE)
+    assert not calls  # raised by the real pass
+    bad_id = policy_datums()
+    bad_id[1] = Datum(ModelInput.from_ints([3] * 8 + [10**6]), dict(bad_id[1].loss_fn_inputs))
+    with pytest.raises(ValueError, match="datum 1 model_input has token id 1000000 outside"):
+        worker.forward(bad_id, "importance_sampling", CE)
+    with pytest.raises(ValueError, match="same keys"):
+        worker.forward([*datums(0, count=1), *policy_datums()], "importance_sampling", CE)
+
+
+def test_checked_skips_the_repeat_and_computes_the_same(
+    worker: Worker, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twin = Worker(load_hf_model(tiny_model_dir), WorkerConfig(micro_batch_tokens=9))
+    data = policy_datums()
+    twin_out = twin.forward_backward(data, "importance_sampling", CE)
+    calls = count_calls(monkeypatch, "check_datums")
+    worker.check_datums(data, "importance_sampling", CE)
+    out = worker.forward_backward(data, "importance_sampling", CE, True, True)  # positional
+    assert len(calls) == 1  # check_datums only
+    assert out.loss_sum == twin_out.loss_sum
+    assert all(torch.equal(a, b) for a, b in zip(out.logprobs, twin_out.logprobs, strict=True))
+    same_step_as_a_twin(worker, twin)
+    forward = worker.forward(data, "importance_sampling", CE, checked=True)
+    assert forward.num_tokens == twin_out.num_tokens

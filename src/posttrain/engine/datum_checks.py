@@ -3,9 +3,10 @@
 A call that fails after some micro-batches already ran backward would leave their gradients
 behind, so the worker checks the whole call first: model limits (token ids, positions), the
 loss's config and inputs, and every per-token value the loss validates (a NaN behaviour logprob
-on a counted token, bad per-token clip bounds, ...). The loss checks run the loss itself on
-the padded datums with placeholder learner logprobs: each of its checks reads only the inputs,
-so this finds exactly what the real pass would, with no second copy of the rules to drift.
+on a counted token, bad per-token clip bounds, ...). The value checks run the loss itself with
+placeholder learner logprobs on the very micro-batches the pass will give it: each of the
+loss's checks reads only the inputs, so this finds exactly what the real pass would, with no
+second copy of the rules to drift, and holds one micro-batch at a time, as the pass does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from posttrain.algo.losses import LossBatch, LossConfig, check_inputs, get_loss
 from posttrain.engine.batching import check_same_keys, pad_datums
 from posttrain.types import Datum
 
-__all__ = ["check_datums", "check_loss_inputs", "check_model_limits", "check_same_keys"]
+__all__ = [
+    "check_call",
+    "check_datums",
+    "check_loss_values",
+    "check_model_limits",
+    "check_same_keys",
+]
 
 
 def check_model_limits(datums: Sequence[Datum], vocab_size: int, max_positions: int) -> None:
@@ -44,17 +51,37 @@ def check_model_limits(datums: Sequence[Datum], vocab_size: int, max_positions: 
                 )
 
 
-def check_loss_inputs(datums: Sequence[Datum], loss_fn: str, config: LossConfig) -> None:
+def check_call(
+    datums: Sequence[Datum],
+    loss_fn: str,
+    config: LossConfig,
+    *,
+    vocab_size: int,
+    max_positions: int,
+) -> None:
+    """What needs no loss computation: the same keys in every datum, the model's limits, and
+    the loss's config and input keys."""
+    check_same_keys(datums)
+    check_model_limits(datums, vocab_size, max_positions)
+    check_inputs(loss_fn, datums[0].loss_fn_inputs.keys(), config)
+
+
+def check_loss_values(
+    datums: Sequence[Datum],
+    loss_fn: str,
+    config: LossConfig,
+    micro_batches: Sequence[Sequence[int]],
+) -> None:
     """Run loss `loss_fn` on placeholder logprobs to raise whatever it would raise on `datums`.
 
-    No loss check reduces across datums (see `algo.ratios`), so one padded batch of all the
-    datums raises exactly when some micro-batch of the real pass would.
+    `micro_batches` are the rows of each micro-batch of the real pass, so the loss sees the
+    same padded inputs it will see there, and memory stays within the pass's token budget.
     """
     fn = get_loss(loss_fn)
-    check_inputs(loss_fn, datums[0].loss_fn_inputs.keys(), config)
-    batch = pad_datums(datums)
-    logp_BT = torch.zeros(batch.pad_mask_BT.shape)
-    fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT), config)
+    for rows in micro_batches:
+        batch = pad_datums([datums[r] for r in rows])
+        logp_BT = torch.zeros(batch.pad_mask_BT.shape)
+        fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT), config)
 
 
 def check_datums(
@@ -64,8 +91,8 @@ def check_datums(
     *,
     vocab_size: int,
     max_positions: int,
+    micro_batches: Sequence[Sequence[int]],
 ) -> None:
     """All of the above; raises ValueError naming the datum, field or option at fault."""
-    check_same_keys(datums)
-    check_model_limits(datums, vocab_size, max_positions)
-    check_loss_inputs(datums, loss_fn, config)
+    check_call(datums, loss_fn, config, vocab_size=vocab_size, max_positions=max_positions)
+    check_loss_values(datums, loss_fn, config, micro_batches)

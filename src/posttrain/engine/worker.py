@@ -5,14 +5,14 @@ budget, longest datums first so that similar lengths share a micro-batch, rows t
 the same tokens together so those run once (`shared_prefix`), and accumulates gradients with sum
 semantics, so the split never changes the result.
 
-A forward_backward is all or nothing. Its input is checked whole before any compute
-(`datum_checks`), so bad input fails before the first backward; and for a fault during the
-pass (out of memory, say) it accumulates into fresh gradient tensors while the earlier calls'
-gradients are set aside: on success they are added in, on failure the partial sums are dropped
-and the earlier ones put back untouched. Setting aside moves no data: it costs one add per
-gradient element when calls accumulate (nothing on a step's first call), and holds the earlier
-gradients beside the new ones while the call runs, as a snapshot would; a snapshot/restore
-would also copy every gradient on every call.
+A forward_backward is all or nothing. All of its input is checked before the first backward
+(`datum_checks`, one micro-batch at a time), so bad input changes nothing; and for a fault
+during the pass (out of memory, say) it accumulates into fresh gradient tensors while the
+earlier calls' gradients are set aside: on success they are added in, on failure the partial
+sums are dropped and the earlier ones put back untouched. Setting aside moves no data: it costs
+one add per gradient element when calls accumulate (nothing on a step's first call), and holds
+the earlier gradients beside the new ones while the call runs, as a snapshot would; a
+snapshot/restore would also copy every gradient on every call.
 """
 
 from __future__ import annotations
@@ -104,36 +104,82 @@ class Worker:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     def check_datums(self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig) -> None:
-        """Reject bad input before any compute, so a failed call leaves the worker unchanged."""
+        """Reject bad input before any compute, so a failed call leaves the worker unchanged.
+
+        The loss's value checks run one micro-batch at a time over the pass's own plan, so
+        they hold no more than the pass does. Pass `checked=True` to the call that follows to
+        skip repeating them.
+        """
+        self._check(datums, loss_fn, loss_config, self._micro_batches(datums))
+
+    def _check(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_config: LossConfig,
+        plan: Sequence[MicroBatch],
+    ) -> None:
         datum_checks.check_datums(
             datums,
             loss_fn,
             loss_config,
             vocab_size=self.vocab_size,
             max_positions=self.max_positions,
+            micro_batches=[micro.rows for micro in plan],
         )
 
-    def forward(self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig) -> PassResult:
+    def forward(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_config: LossConfig,
+        checked: bool = False,
+    ) -> PassResult:
+        """Logprobs and loss without gradients; changes no state.
+
+        A loss value the loss rejects fails the pass itself with the same error, and a failed
+        forward leaves nothing behind, so only the checks that need no compute run first (token
+        ids, lengths, keys, config); `checked=True` (after `check_datums`) skips those too.
+        """
         self._require("weights")
-        self.check_datums(datums, loss_fn, loss_config)
+        if not checked:
+            datum_checks.check_call(
+                datums,
+                loss_fn,
+                loss_config,
+                vocab_size=self.vocab_size,
+                max_positions=self.max_positions,
+            )
         with torch.no_grad():
-            return self._run(datums, loss_fn, loss_config, backward=False)
+            return self._run(
+                datums, loss_fn, loss_config, self._micro_batches(datums), backward=False
+            )
 
     def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig, commit: bool = True
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_config: LossConfig,
+        commit: bool = True,
+        checked: bool = False,
     ) -> PassResult:
         """Add the gradient of the summed loss to the accumulated gradients, or fail leaving
         them exactly as they were.
 
         `commit=False` keeps this call's gradients apart until `commit_gradients` or
         `discard_gradients`: Dispatch uses it so a call that fails on one rank is undone on all.
+        `checked=True` says the caller already ran `check_datums` on exactly these datums, loss
+        and config (Dispatch does, on every rank before any computes), so they are not checked
+        again. Both are positional too, for executors that pass arguments as a tuple.
         """
         self._require("weights", "grads")
-        self.check_datums(datums, loss_fn, loss_config)
+        plan = self._micro_batches(datums)
+        if not checked:
+            self._check(datums, loss_fn, loss_config, plan)
         params = self.trainable_parameters()
         self._earlier_grads = placement.detach_grads(params)
         try:
-            result = self._run(datums, loss_fn, loss_config, backward=True)
+            result = self._run(datums, loss_fn, loss_config, plan, backward=True)
         except BaseException:
             self.discard_gradients()
             raise
@@ -154,13 +200,19 @@ class Worker:
             self._earlier_grads = None
 
     def _run(
-        self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig, *, backward: bool
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_config: LossConfig,
+        plan: Sequence[MicroBatch],
+        *,
+        backward: bool,
     ) -> PassResult:
         fn = get_loss(loss_fn)
         logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         diagnostics: dict[str, list[torch.Tensor]] = {}
         loss_sum, num_tokens = 0.0, 0
-        for micro in self._micro_batches(datums):
+        for micro in plan:
             rows = micro.rows
             batch = pad_datums([datums[r] for r in rows], device=self.config.device)
             logp_BT, entropy_BT = target_logprobs(
@@ -311,19 +363,30 @@ class Worker:
         return checkpoint.save_weights(path, self.model)
 
     def load_state(self, path: Path, with_optimizer: bool = True) -> dict[str, JSONValue]:
-        """Weights only, or (with_optimizer) an exact resume: optimizer and RNG state too."""
+        """Weights only, or (with_optimizer) an exact resume: optimizer and RNG state too.
+
+        The accumulated gradients belong to the old weights, so a load drops them; a refused
+        load (checked whole before anything changes) keeps them, as it keeps the weights.
+        """
         self._require("weights", "optimizer")
-        self.zero_grad()
-        return checkpoint.load_checkpoint(
+        trainer_state = checkpoint.load_checkpoint(
             path,
             model=self.model,
             optimizer=self.optimizer if with_optimizer else None,
             restore_rng=with_optimizer,
         )
+        self.zero_grad()
+        return trainer_state
 
     def offload(self, group: StateGroup) -> None:
-        """Park a state group on the CPU (a no-op move on a CPU worker, still tracked)."""
+        """Park a state group on the CPU (a no-op move on a CPU worker, still tracked).
+
+        Parking a parked group does nothing: a second detach would find no gradients on the
+        parameters and park None over the ones already parked.
+        """
         self._require_committed()
+        if group in self.offloaded:
+            return
         cpu = torch.device("cpu")
         if group == "weights":
             for module in (self.model, self._reference):
@@ -338,7 +401,9 @@ class Worker:
         placement.free_device_cache(torch.device(self.config.device))
 
     def reload(self, group: StateGroup) -> None:
-        """Bring a parked state group back to the worker's device."""
+        """Bring a parked state group back to the worker's device (nothing if not parked)."""
+        if group not in self.offloaded:
+            return
         device = torch.device(self.config.device)
         if group == "weights":
             for module in (self.model, self._reference):
