@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model
 
 from posttrain.engine.models import (
     ATTN_MODULES,
@@ -164,3 +164,36 @@ def test_apply_lora_starts_equal_to_base_and_seed_is_deterministic(tiny_model_di
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     assert torch.equal(a_state[name], b_state[name])
     assert not torch.equal(a_state[name], c_state[name])
+
+
+def test_seeded_apply_lora_on_the_cpu_never_touches_cuda(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU machine a CPU run must not initialise CUDA (nor seed its generators): make
+    this machine look like one with a GPU whose every RNG entry point fails if called. The
+    adapters still come out as a plain torch.manual_seed(seed) before get_peft_model makes them."""
+
+    def touched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("apply_lora touched CUDA for a model on the CPU")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("_lazy_init", "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    before = torch.random.get_rng_state()
+    ours = apply_lora(load_hf_model(tiny_model_dir), LoraSettings(rank=4), seed=7)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    monkeypatch.undo()  # the reference below seeds the (absent) GPUs as well
+    settings = LoraSettings(rank=4)
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,  # pyright: ignore[reportArgumentType]
+        target_modules=settings.target_modules(),
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        reference = get_peft_model(load_hf_model(tiny_model_dir), config)
+    expected = reference.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name

@@ -136,7 +136,8 @@ def apply_lora(
     """Wrap `model` with LoRA adapters; only the adapters train.
 
     B starts at zero, so the wrapped model computes what `model` does. The random A matrices
-    come from torch's global generator, or from `seed` without touching that generator.
+    come from torch's global generator, or from `seed` without touching that generator (nor
+    any GPU's: a model on the CPU never initialises CUDA).
     """
     config = LoraConfig(
         r=settings.rank,
@@ -148,8 +149,12 @@ def apply_lora(
     )
     if seed is None:
         return get_peft_model(model, config)  # type: ignore[return-value]
-    # torch.manual_seed reseeds every CUDA device too, so fork (and restore) all of them.
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(seed)
+    # peft draws A from the default generator of the device it builds A on: the CPU, or the
+    # model's own GPU(s). Fork and seed only those; reading or seeding any other GPU's
+    # generator (torch.manual_seed seeds them all) would initialise CUDA for a CPU run.
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        for index in devices:
+            torch.cuda.default_generators[index].manual_seed(seed)
         return get_peft_model(model, config)  # type: ignore[return-value]
