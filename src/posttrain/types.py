@@ -144,9 +144,7 @@ class Datum:
     """
 
     model_input: ModelInput
-    loss_fn_inputs: Mapping[str, torch.Tensor] = field(
-        default_factory=lambda: dict[str, torch.Tensor]()
-    )
+    loss_fn_inputs: Mapping[str, torch.Tensor]  # set by __init__ (None gives {})
 
     def __init__(
         self, model_input: ModelInput, loss_fn_inputs: Mapping[str, TensorLike] | None = None
