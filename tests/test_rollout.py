@@ -6,9 +6,11 @@ import asyncio
 
 import pytest
 
+from chat_templates import TEMPLATES, Template
+from chat_templates import template as chat_template
 from posttrain.engine.models import load_tokenizer
-from posttrain.engine.tiny import CHAT_TEMPLATE, build_tokenizer
-from posttrain.rollout import TrajectoryBuilder, assistant_closing, gather_groups
+from posttrain.engine.tiny import build_tokenizer
+from posttrain.rollout import TrajectoryBuilder, TurnClosing, assistant_closing, gather_groups
 from posttrain.types import SampledSequence, TokenSegment, Trajectory, TrajectoryGroup
 
 
@@ -40,64 +42,55 @@ def test_multi_turn_keeps_sampled_tokens_and_masks_the_rest(tiny_model_dir):
     assert traj.num_trainable_tokens == 2 + 5  # "4"+EOS, "done"+EOS
 
 
-# posttrain's tiny template with Qwen's newline after each turn's end-of-turn token.
-NEWLINE_TEMPLATE = CHAT_TEMPLATE.replace("eos_token -}}", "eos_token + '\\n' -}}")
-
-
-@pytest.fixture(params=["tiny", "newline"])
-def template(request):
-    """(tokenizer, the tokens the template puts after a turn's content)."""
-    tok = build_tokenizer()
-    eos = tok.eos_token_id
-    if request.param == "newline":
-        tok.chat_template = NEWLINE_TEMPLATE
-        return tok, [eos, ord("\n")]
-    return tok, [eos]
+@pytest.fixture(params=sorted(TEMPLATES))
+def template(request) -> Template:
+    return chat_template(request.param)
 
 
 def special(tok, name: str) -> int:
     return tok.convert_tokens_to_ids(name)
 
 
-def test_assistant_closing_is_what_follows_the_content(template):
-    tok, closing = template
-    assert assistant_closing(tok) == tuple(closing)
+def test_assistant_closing_is_cut_after_the_end_of_turn_token(template):
+    tok = template.tokenizer
+    assert assistant_closing(tok) == TurnClosing(
+        (*template.before_end, tok.eos_token_id), template.after_end
+    )
+
+
+def _turn(tok, role: str, text: str, template: Template) -> list[int]:
+    """A whole message as the template renders it, by hand (one token per character)."""
+    before = template.before_end if role == "assistant" else ()
+    start, eos = special(tok, "<|im_start|>"), tok.eos_token_id
+    return [start, *f"{role}\n{text}".encode(), *before, eos, *template.after_end]
 
 
 def test_next_turn_follows_the_exact_sampled_tokens(template):
-    """A completion cut by max_tokens gets the end-of-turn token (and what follows it) before
-    the next message; one that stopped on EOS keeps its EOS once, plus the rest of the ending.
-    Expected tokens written out by hand: the byte tokenizer has one token per character."""
-    tok, closing = template
-    bos, eos, start = special(tok, "<|bos|>"), tok.eos_token_id, special(tok, "<|im_start|>")
-    tail = closing[1:]  # [] for the tiny template, [ord("\n")] for the newline one
-
-    def turn(role: str, text: str) -> list[int]:
-        return [start, *f"{role}\n{text}".encode(), eos, *tail]
-
-    generation = [start, *b"assistant\n"]
+    """A completion cut by max_tokens gets the template's whole closing (the end-of-turn token,
+    what comes before and after it) before the next message; one that stopped on EOS keeps
+    what it sampled, plus what follows the EOS. Expected tokens written out by hand."""
+    tok, before, after = template.tokenizer, template.before_end, template.after_end
+    bos, eos = special(tok, "<|bos|>"), tok.eos_token_id
+    generation = [special(tok, "<|im_start|>"), *b"assistant\n"]
     builder = TrajectoryBuilder(tok)
-    assert builder.prompt({"role": "user", "content": "hi"}) == [
-        bos,
-        *turn("user", "hi"),
-        *generation,
-    ]
+    first = builder.prompt({"role": "user", "content": "hi"})
+    assert first == [bos, *_turn(tok, "user", "hi", template), *generation]
     cut = SampledSequence("length", list(b"abc"), [-1.0] * 3)  # no EOS: max_tokens reached
     assert builder.completion(cut) == "abc"
     second = builder.prompt({"role": "user", "content": "more"})
-    assert second == [bos, *turn("user", "hi"), *generation, *b"abc", eos, *tail,
-                      *turn("user", "more"), *generation]  # fmt: skip
-    stopped = SampledSequence("stop", [*b"de", eos], [-1.0] * 3)  # ended on EOS
-    assert builder.completion(stopped) == "de"
+    assert second == [*first, *b"abc", *before, eos, *after,
+                      *_turn(tok, "user", "more", template), *generation]  # fmt: skip
+    stopped = SampledSequence("stop", [*b"de", *before, eos], [-1.0] * (3 + len(before)))
+    assert builder.completion(stopped).strip() == "de"
     third = builder.prompt({"role": "tool", "content": "t"})
-    assert third == [*second, *b"de", eos, *tail, *turn("tool", "t"), *generation]
+    assert third == [*second, *b"de", *before, eos, *after,
+                     *_turn(tok, "tool", "t", template), *generation]  # fmt: skip
     trajectory = builder.build(reward=1.0)
     assert trajectory.tokens == third
-    # Only the sampled tokens train; the EOS added after the cut completion is context.
+    # Only the sampled tokens train; the closing added after the cut completion is context.
     trainable = [list(s.tokens) for s in trajectory.segments if s.trainable]
-    assert trainable == [list(b"abc"), [*b"de", eos]]
+    assert trainable == [list(b"abc"), [*b"de", *before, eos]]
     assert [s.trainable for s in trajectory.segments] == [False, True, False, True, False]
-    assert trajectory.segments[2].tokens[: len(closing)] == (eos, *tail)
     # What the model saw equals the template's rendering of the conversation it decoded.
     messages = [dict(m) for m in trajectory.messages]
     assert third == tok.apply_chat_template(
@@ -105,8 +98,21 @@ def test_next_turn_follows_the_exact_sampled_tokens(template):
     )
 
 
+def test_a_stop_on_eos_gets_no_second_eos():
+    """Llama 2's template puts a space before EOS; a completion that stopped on EOS without
+    sampling the space still ended its turn: only what follows EOS (nothing) is added."""
+    template = chat_template("llama2")
+    tok = template.tokenizer
+    eos = special(tok, "<|eos|>")
+    builder = TrajectoryBuilder(tok)
+    first = builder.prompt({"role": "user", "content": "hi"})
+    builder.completion(SampledSequence("stop", [*b"de", eos], [-1.0] * 3))
+    second = builder.prompt({"role": "user", "content": "more"})
+    assert second[len(first) :][:4] == [*b"de", eos, special(tok, "<|im_start|>")]
+
+
 def test_two_prompts_in_a_row_drop_the_first_generation_prompt(template):
-    tok, _ = template
+    tok = template.tokenizer
     builder = TrajectoryBuilder(tok)
     builder.prompt({"role": "system", "content": "s"})
     tokens = builder.prompt({"role": "user", "content": "u"})
@@ -114,6 +120,46 @@ def test_two_prompts_in_a_row_drop_the_first_generation_prompt(template):
     assert tokens == tok.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
+    # A fork after a prompt drops its generation prompt the same way.
+    fork = builder.fork()
+    assert fork.prompt({"role": "user", "content": "v"}) == tok.apply_chat_template(
+        [*messages, {"role": "user", "content": "v"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+
+
+def test_a_prompt_the_template_cannot_extend_changes_nothing():
+    tok = build_tokenizer()
+    builder = TrajectoryBuilder(tok)
+    first = builder.prompt({"role": "user", "content": "hi"})
+    # A template that renders the conversation so far differently once a message is added.
+    tok.chat_template = (
+        "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="cannot be extended turn by turn"):
+        builder.prompt({"role": "user", "content": "more"})
+    assert builder.tokens == first and len(builder.messages) == 1
+
+
+def test_renders_per_prompt(monkeypatch):
+    """A first prompt renders the conversation once; a later one twice (the conversation so
+    far, then with the new messages), plus twice once for the template's closing."""
+    tok = build_tokenizer()
+    renders = []
+    render = tok.apply_chat_template
+    monkeypatch.setattr(
+        tok, "apply_chat_template", lambda *a, **k: renders.append(1) or render(*a, **k)
+    )
+    builder = TrajectoryBuilder(tok)
+    counts = []
+    for text in ("a", "b", "c"):
+        renders.clear()
+        builder.prompt({"role": "user", "content": text})
+        counts.append(len(renders))
+        builder.completion(SampledSequence("stop", [*b"ok", special(tok, "<|eos|>")], [-1.0] * 3))
+    assert counts == [1, 2 + 2, 2]
 
 
 def test_trainable_completion_needs_logprobs(tiny_model_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
@@ -20,22 +21,37 @@ log = logging.getLogger(__name__)
 Message = Mapping[str, str]
 
 
+@dataclass(frozen=True)
+class TurnClosing:
+    """What a chat template puts after an assistant message's content, cut after the
+    end-of-turn token a sampler stops on: `through_end` is trained with the content (Llama 2's
+    " </s>", posttrain's tiny `<|eos|>`), `after_end` is context between turns (Qwen's "\\n")."""
+
+    through_end: tuple[int, ...]
+    after_end: tuple[int, ...]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.through_end + self.after_end
+
+
 class TrajectoryBuilder:
     """Builds one trajectory turn by turn: `prompt(...)`, `completion(...)`, repeat, `build()`.
 
     The tokens are the conversation's real ones: each sampled turn exactly as sampled, then
     the template's closing tokens of an assistant turn that the sampled tokens lack (the
     end-of-turn token after a completion cut by max_tokens; a newline some templates put after
-    it), then the template's rendering of the next messages.
+    it), then the template's rendering of the next messages. `closing` is
+    `assistant_closing(tokenizer)`, found on first need unless given (once per tokenizer).
     """
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: object, *, closing: TurnClosing | None = None) -> None:
         self.tokenizer = tokenizer
         self.messages: list[dict[str, str]] = []
         self.segments: list[TokenSegment] = []
-        self._closing: tuple[int, ...] | None = None  # the template's assistant-turn ending
+        self._closing = closing
         self._last: SampledSequence | None = None  # the completion the tokens end with, if any
-        self._generation_prompt: tuple[int, ...] = ()  # what the tokens end with after prompt()
+        self._prompted = False  # the tokens end with a generation prompt: prompt() was last
 
     @property
     def tokens(self) -> list[int]:
@@ -43,17 +59,16 @@ class TrajectoryBuilder:
 
     def fork(self) -> TrajectoryBuilder:
         """A copy of the conversation so far (one per completion of a shared prompt)."""
-        other = TrajectoryBuilder(self.tokenizer)
+        other = TrajectoryBuilder(self.tokenizer, closing=self._closing)
         other.messages = [dict(m) for m in self.messages]
         other.segments = list(self.segments)
-        other._closing, other._last = self._closing, self._last
-        other._generation_prompt = self._generation_prompt
+        other._last, other._prompted = self._last, self._prompted
         return other
 
     def _render(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
         return render_chat(self.tokenizer, messages, generation_prompt)
 
-    def closing_tokens(self) -> tuple[int, ...]:
+    def closing(self) -> TurnClosing:
         """What the chat template puts after an assistant message's content (cached)."""
         if self._closing is None:
             self._closing = assistant_closing(self.tokenizer)
@@ -64,8 +79,8 @@ class TrajectoryBuilder:
         if not messages:
             raise ValueError("prompt() needs at least one message")
         before = self._render(self.messages, False) if self.messages else []
-        self.messages.extend(dict(m) for m in messages)
-        after = self._render(self.messages, True)
+        extended = [*self.messages, *(dict(m) for m in messages)]
+        after = self._render(extended, True)
         if after[: len(before)] != before:
             raise ValueError(
                 "the chat template's rendering of the conversation so far is not a prefix of its "
@@ -73,19 +88,19 @@ class TrajectoryBuilder:
             )
         lead: tuple[int, ...] = ()
         if self._last is not None:
-            lead = missing_closing(self._last, self.closing_tokens())
-        elif self._generation_prompt:
-            self._drop_generation_prompt()
+            lead = missing_closing(self._last, self.closing())
+        elif self._prompted:  # two prompts in a row (rare): one more rendering to find it
+            self._drop_generation_prompt(self._render(self.messages, True)[len(before) :])
+        self.messages = extended
         self.segments.append(TokenSegment(lead + tuple(after[len(before) :]), trainable=False))
-        self._last = None
-        self._generation_prompt = tuple(after[len(self._render(self.messages, False)) :])
+        self._last, self._prompted = None, True
         return self.tokens
 
-    def _drop_generation_prompt(self) -> None:
+    def _drop_generation_prompt(self, generation_prompt: list[int]) -> None:
         """Two prompts in a row: the first one's generation prompt is not part of the text."""
         last = self.segments[-1]
-        cut = len(last.tokens) - len(self._generation_prompt)
-        if last.trainable or last.tokens[cut:] != self._generation_prompt:
+        cut = len(last.tokens) - len(generation_prompt)
+        if last.trainable or list(last.tokens[cut:]) != generation_prompt:
             raise ValueError("cannot extend the conversation: its generation prompt is not last")
         self.segments[-1] = TokenSegment(last.tokens[:cut], trainable=False)
         if not self.segments[-1].tokens:
@@ -109,7 +124,7 @@ class TrajectoryBuilder:
         )
         text = self.tokenizer.decode(sequence.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
         self.messages.append({"role": "assistant", "content": text})
-        self._last, self._generation_prompt = sequence, ()
+        self._last, self._prompted = sequence, False
         return text
 
     def build(
@@ -141,11 +156,15 @@ def render_chat(
     return [int(t) for t in out]
 
 
-def assistant_closing(tokenizer: object) -> tuple[int, ...]:
-    """The tokens a chat template puts after an assistant message's content.
+def assistant_closing(tokenizer: object) -> TurnClosing:
+    """The tokens a chat template puts after an assistant message's content, cut after the
+    end-of-turn token.
 
     Found as the common ending of two renderings that differ only in a one-letter content:
-    `<|eos|>` for posttrain's tiny template, `<|im_end|>`, `\\n` for Qwen's.
+    `<|eos|>` for posttrain's tiny template, `<|im_end|>`, `\\n` for Qwen's, " ", `</s>` for
+    Llama 2's. The end-of-turn token is the first of them that is a special token of the
+    tokenizer (its EOS among them); without one, the first token, as a sampler that stops on a
+    plain token would.
     """
     renders = [
         render_chat(
@@ -158,21 +177,27 @@ def assistant_closing(tokenizer: object) -> tuple[int, ...]:
     common = 0
     while common < min(map(len, renders)) and renders[0][-1 - common] == renders[1][-1 - common]:
         common += 1
-    return tuple(renders[0][len(renders[0]) - common :])
+    closing = tuple(renders[0][len(renders[0]) - common :])
+    special = {*tokenizer.all_special_ids, tokenizer.eos_token_id}  # type: ignore[attr-defined]
+    end = next((i for i, t in enumerate(closing) if t in special), 0)
+    return TurnClosing(closing[: end + 1], closing[end + 1 :])
 
 
-def missing_closing(sequence: SampledSequence, closing: Sequence[int]) -> tuple[int, ...]:
+def missing_closing(sequence: SampledSequence, closing: TurnClosing) -> tuple[int, ...]:
     """The part of `closing` a sampled turn lacks before the next message.
 
-    A completion that stopped ("stop") ends with the end-of-turn token, closing[0] (with a
-    template like posttrain's tiny one, all of it); a completion cut by max_tokens has none.
+    A completion that stopped on the end-of-turn token lacks only what follows it (nothing for
+    posttrain's tiny template, Qwen's newline), whatever it sampled before it (Llama 2's space
+    or not); one cut by max_tokens, or stopped by a stop sequence, lacks all of it.
     """
-    tokens = list(sequence.tokens)
-    if sequence.stop_reason == "stop":
-        for have in range(min(len(closing), len(tokens)), 0, -1):
-            if tokens[-have:] == list(closing[:have]):
-                return tuple(closing[have:])
-    return tuple(closing)
+    end_of_turn = closing.through_end[-1:]
+    if (
+        sequence.stop_reason == "stop"
+        and end_of_turn
+        and tuple(sequence.tokens[-1:]) == end_of_turn
+    ):
+        return closing.after_end
+    return closing.tokens
 
 
 async def gather_groups(

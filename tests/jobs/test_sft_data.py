@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from posttrain.engine.tiny import CHAT_TEMPLATE, build_tokenizer
+from chat_templates import TEMPLATES
+from chat_templates import template as chat_template
+from posttrain.engine.tiny import build_tokenizer
 from posttrain.jobs.sft_data import conversation_to_trajectory, load_sft_dataset
 
 
@@ -137,11 +139,12 @@ def test_path_only_gives_the_checked_conversations(tokenizer, tmp_path):
         load_sft_dataset(tmp_path / "bad.jsonl")  # checked without a tokenizer too
 
 
-def test_template_tokens_after_the_end_of_turn_are_context():
-    # Qwen-style: a newline after each turn's end-of-turn token. A sampler stops at the EOS and
-    # never produces that newline, so only content + EOS is trained.
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("eos_token -}}", "eos_token + '\\n' -}}")
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_each_turn_trains_through_its_end_of_turn_token(name):
+    """What a sampler produces is trained, up to the EOS it stops on: Llama 2's space before
+    the EOS with the EOS (so the model learns to stop), never Qwen's newline after it."""
+    template = chat_template(name)
+    tokenizer, before, after = template.tokenizer, template.before_end, template.after_end
     messages = [
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "b"},
@@ -151,13 +154,26 @@ def test_template_tokens_after_the_end_of_turn_are_context():
     trajectory = conversation_to_trajectory(messages, tokenizer)
     eos = tokenizer.eos_token_id
     assert [list(s.tokens) for s in trajectory.segments if s.trainable] == [
-        [ord("b"), eos],
-        [ord("d"), eos],
+        [ord("b"), *before, eos],
+        [ord("d"), *before, eos],
     ]
     assert [s.trainable for s in trajectory.segments] == [False, True, False, True]
-    assert trajectory.segments[2].tokens[0] == ord("\n")  # the first turn's newline: context
+    assert trajectory.segments[2].tokens[: len(after)] == after  # the first turn's rest: context
     full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    assert trajectory.tokens == list(full)[:-1]  # all but the newline after the last turn
+    assert trajectory.tokens == list(full)[: len(full) - len(after)]  # all but the last rest
+
+
+def test_a_dataset_finds_the_closing_once(tmp_path, monkeypatch):
+    """Two renderings per assistant turn, plus two for the template's closing per dataset."""
+    tokenizer = build_tokenizer()
+    renders = []
+    render = tokenizer.apply_chat_template
+    monkeypatch.setattr(
+        tokenizer, "apply_chat_template", lambda *a, **k: renders.append(1) or render(*a, **k)
+    )
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    load_sft_dataset(_write(tmp_path / "d.jsonl", [{"messages": messages}] * 3), tokenizer)
+    assert len(renders) == 2 + 3 * 2
 
 
 def test_exported_at_top_level():

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.backends.sampling import SamplingClient
 from posttrain.jobs.sft_data import conversation_to_trajectory
-from posttrain.rollout import TrajectoryBuilder
+from posttrain.rollout import TrajectoryBuilder, assistant_closing
 from posttrain.tasks import Problem, Task, is_correct
 from posttrain.types import SampledSequence, SamplingParams, Trajectory, TrajectoryGroup
 
@@ -36,9 +36,12 @@ def sft_examples(
     task: Task, problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase
 ) -> list[Trajectory]:
     """Warm-up conversations: each problem answered by the task's reference solution."""
+    closing = assistant_closing(tokenizer)
     return [
         conversation_to_trajectory(
-            [user_message(p), {"role": "assistant", "content": task.solution(p)}], tokenizer
+            [user_message(p), {"role": "assistant", "content": task.solution(p)}],
+            tokenizer,
+            closing,
         )
         for p in problems
     ]
@@ -53,14 +56,14 @@ async def sample_groups(
 ) -> list[TrajectoryGroup]:
     """`group_size` completions of each problem, all in one `sample_many` call, rewarded."""
     tokenizer = sampler.tokenizer
-    prompts = [TrajectoryBuilder(tokenizer).prompt(user_message(p)) for p in problems]
+    prompted = [TrajectoryBuilder(tokenizer) for _ in problems]
+    prompts = [b.prompt(user_message(p)) for b, p in zip(prompted, problems, strict=True)]
     responses = await sampler.sample_many(prompts, group_size, params)
     groups: list[TrajectoryGroup] = []
-    for problem, response in zip(problems, responses, strict=True):
+    for problem, response, base in zip(problems, responses, prompted, strict=True):
         trajectories: list[Trajectory] = []
         for sequence in response.sequences:
-            builder = TrajectoryBuilder(tokenizer)
-            builder.prompt(user_message(problem))
+            builder = base.fork()
             builder.completion(sequence)
             text = completion_text(tokenizer, sequence)  # type: ignore[arg-type]
             correct = is_correct(problem, text, sequence.stop_reason)

@@ -4,9 +4,9 @@
 checked conversations; `load_sft_dataset(path, tokenizer)` returns them as trajectories ready
 for `backend.train_sft` (`conversation_to_trajectory` on each).
 
-Each assistant turn's trainable tokens are what a sampler would produce for it: the content
-and the end-of-turn token it stops on. Whatever the template puts after that token (Qwen's
-newline, say) is context, as are all other messages. The template must render each prefix of
+Each assistant turn's trainable tokens are what a sampler would produce for it: the content,
+what the template puts before the end-of-turn token (Llama 2's space) and that token, which it
+stops on. Whatever the template puts after that token (Qwen's newline, say) is context, as are all other messages. The template must render each prefix of
 a conversation as a token prefix. Nothing after the last assistant turn is kept: there is
 nothing to train on there.
 """
@@ -20,7 +20,7 @@ from typing import TypeAlias, overload
 
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.rollout import assistant_closing, render_chat
+from posttrain.rollout import TurnClosing, assistant_closing, render_chat
 from posttrain.types import TokenSegment, Trajectory
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -28,12 +28,18 @@ Conversation: TypeAlias = list[dict[str, str]]
 
 
 def conversation_to_trajectory(
-    messages: Sequence[Mapping[str, str]], tokenizer: PreTrainedTokenizerBase
+    messages: Sequence[Mapping[str, str]],
+    tokenizer: PreTrainedTokenizerBase,
+    closing: TurnClosing | None = None,
 ) -> Trajectory:
-    """One trajectory with every assistant turn trainable (reward 0: SFT ignores it)."""
+    """One trajectory with every assistant turn trainable (reward 0: SFT ignores it).
+
+    `closing` is `assistant_closing(tokenizer)`, found here unless given: give it when
+    converting many conversations.
+    """
     check_messages(messages)
     # The template's tokens after the end-of-turn token are context, not something to learn.
-    after_end = len(assistant_closing(tokenizer)) - 1
+    after_end = len((closing or assistant_closing(tokenizer)).after_end)
     segments: list[TokenSegment] = []
     done: list[int] = []  # tokens already in segments
     for i, message in enumerate(messages):
@@ -92,10 +98,11 @@ def load_sft_dataset(
     conversations = read_conversations(Path(path))
     if tokenizer is None:
         return [c for _, c in conversations]
+    closing = assistant_closing(tokenizer)
     trajectories: list[Trajectory] = []
     for number, messages in conversations:
         try:
-            trajectories.append(conversation_to_trajectory(messages, tokenizer))
+            trajectories.append(conversation_to_trajectory(messages, tokenizer, closing))
         except ValueError as exc:
             raise ValueError(f"{path}:{number}: {exc}") from None
     return trajectories
