@@ -43,13 +43,16 @@ def optim_step(server: ServerProcess, model_id: str, seq_id: int) -> dict:
     )
 
 
-def sample(server: ServerProcess, sampler_id: str) -> dict:
-    body = {
+def sample_body(sampler_id: str) -> dict:
+    return {
         "sampling_session_id": sampler_id,
         "prompt": PROMPT,
         "sampling_params": {"max_tokens": 2},
     }
-    return submit(server, "asample", body)
+
+
+def sample(server: ServerProcess, sampler_id: str) -> dict:
+    return submit(server, "asample", sample_body(sampler_id))
 
 
 def wait_until_gone(path: Path) -> bool:
@@ -92,10 +95,11 @@ def test_finish_unloads_models_and_deletes_snapshots(
     gone = optim_step(server, model_id, 4)
     assert gone["category"] == "user" and "not loaded" in gone["error"]
     assert "create a training client from one of its checkpoints" in gone["error"]
-    # Its snapshot sampler's weights are deleted, and sampling it says so.
+    # Its snapshot sampler's weights are deleted, and sampling it is refused with the 410 of a
+    # finished session (before anything could reload and cache the weights).
     assert wait_until_gone(snapshot_dir)
-    stale = sample(server, sampler_id)
-    assert stale["category"] == "user" and "gone" in stale["error"]
+    stale = post(server, "asample", json=sample_body(sampler_id))
+    assert stale.status_code == 410 and "has finished" in stale.json()["detail"], stale.text
     # The session takes no new work, and its heartbeat answers 410 (the SDK stops beating).
     assert post(server, "session_heartbeat", json={"session_id": session}).status_code == 410
     refused = post(
@@ -113,6 +117,59 @@ def test_finish_unloads_models_and_deletes_snapshots(
     assert "metrics" in optim_step(server, loaded["model_id"], 1)
     run = httpx.get(f"{server.url}/api/v1/training_runs/{model_id}", headers={"X-API-Key": KEY})
     assert run.status_code == 200  # the run stays listed
+
+
+def test_a_session_that_finishes_while_its_model_loads_keeps_no_model(
+    server: ServerProcess, tiny_model_dir: Path
+) -> None:
+    busy, doomed = new_session(server), new_session(server)
+
+    def create(session: str) -> dict:
+        body = {"session_id": session, "model_seq_id": 0, "base_model": str(tiny_model_dir)}
+        response = post(server, "create_model", json={**body, "lora_config": {"rank": 2}})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first = create(busy)  # loads on the server's one admin thread ...
+    second = create(doomed)  # ... so this one waits behind it while its session finishes
+    assert post(server, f"sessions/{doomed}/finish", json={}).status_code == 200
+    assert result(server, first["request_id"])["model_id"] == first["model_id"]
+    failed = result(server, second["request_id"])
+    assert failed["category"] == "user", failed
+    assert f"session {doomed} finished while model" in failed["error"]
+    # Nothing of it is left: no training run is recorded (and no model is live to free).
+    run = httpx.get(
+        f"{server.url}/api/v1/training_runs/{second['model_id']}", headers={"X-API-Key": KEY}
+    )
+    assert run.status_code == 404, run.text
+    assert "metrics" in optim_step(server, first["model_id"], 1)  # the other session's is live
+
+
+def test_unload_model_frees_a_model_before_its_session_ends(
+    server: ServerProcess, tiny_model_dir: Path
+) -> None:
+    tinker_types = pytest.importorskip("tinker").types
+    session = new_session(server)
+    model_id = new_model(server, session, tiny_model_dir)
+    body = {"model_id": model_id, "seq_id": 1, "path": "before-unload"}
+    named = submit(server, "save_weights", body)["path"]
+    # Another key's model does not exist for this one.
+    refused = post(server, "unload_model", "tml-test-key-two", json={"model_id": model_id})
+    assert refused.status_code == 404
+
+    unloaded = post(server, "unload_model", json={"model_id": model_id, "type": "unload_model"})
+    assert unloaded.status_code == 200, unloaded.text
+    answer = result(server, unloaded.json()["request_id"])
+    # What the SDK's type of this future's result reads.
+    assert tinker_types.UnloadModelResponse.model_validate(answer).model_id == model_id
+    gone = optim_step(server, model_id, 2)
+    assert gone["category"] == "user" and "not loaded" in gone["error"]
+    again = post(server, "unload_model", json={"model_id": model_id})
+    assert again.status_code == 200  # unloading twice is harmless
+    # The session goes on, and the model's checkpoint outlives it.
+    body = {"path": named, "session_id": session, "model_seq_id": 1, "optimizer": True}
+    loaded = submit(server, "load_weights", body)
+    assert "metrics" in optim_step(server, loaded["model_id"], 1)
 
 
 def test_a_session_without_heartbeats_expires(tiny_model_dir: Path, tmp_path: Path) -> None:

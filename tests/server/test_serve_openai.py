@@ -1,5 +1,7 @@
 """The openai SDK against a real `posttrain serve`: /v1/completions and /v1/chat/completions for a
-named sampler checkpoint (its tinker:// path is the model name), per API key."""
+named sampler checkpoint (its tinker:// path is the model name), per API key; an overwritten
+checkpoint is served with its new weights and a deleted one is refused (through /v1 and the
+tinker SDK's sampling client, which sample from one cache of loaded samplers)."""
 
 from __future__ import annotations
 
@@ -89,3 +91,53 @@ async def test_named_sampler_checkpoint_through_the_openai_sdk(
     assert path not in [m.id for m in (await intruder.models.list()).data]
     with pytest.raises(openai.NotFoundError):
         await intruder.completions.create(model=path, prompt=PROMPT, max_tokens=2)
+
+
+def served(oai: openai.OpenAI, name: str) -> tuple[list[int], list[float]]:
+    """Tokens and logprobs of a seeded /v1 completion."""
+    out = oai.completions.create(model=name, prompt=PROMPT, max_tokens=6, seed=3, logprobs=0)
+    choice = out.choices[0]
+    return (choice.model_extra or {})["token_ids"], choice.logprobs.token_logprobs  # type: ignore[union-attr, return-value]
+
+
+def test_overwritten_sampler_weights_are_served_new_and_deleted_ones_refused(
+    server: ServerProcess, service, tiny_model_dir: Path
+) -> None:
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=6)
+    tc = tc.result()
+    path = tc.save_weights_for_sampler("published").result().path
+    sampler = service.create_sampling_client(model_path=path)
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    forced = types.ModelInput.from_ints(PROMPT + TOKENS)
+    before = sampler.compute_logprobs(forced).result()[1:]  # the first token has none
+    before_v1 = served(oai, path)  # both load (and cache) the sampler of `path`
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
+    )
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert tc.save_weights_for_sampler("published").result().path == path  # overwritten
+    reference = tc.save_weights_for_sampler("reference").result().path  # the same new weights
+
+    # The same weights through the same code on the server's one thread: equal, bit for bit.
+    after = sampler.compute_logprobs(forced).result()[1:]
+    reference_sampler = service.create_sampling_client(model_path=reference)
+    assert after == reference_sampler.compute_logprobs(forced).result()[1:]
+    after_v1 = served(oai, path)
+    assert after_v1 == served(oai, reference)
+    # And they are the new weights: a 5e-2 step moves the logprobs far beyond rounding.
+    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-2  # type: ignore[operator]
+    assert max(abs(a - b) for a, b in zip(after_v1[1], before_v1[1], strict=False)) > 1e-2
+
+    run_id = path.removeprefix("tinker://").split("/")[0]
+    directory = server.storage / "runs" / run_id.replace(":", "_") / "sampler_weights" / "published"
+    assert directory.is_dir()
+    service.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+    assert not directory.exists()
+    with pytest.raises(openai.NotFoundError):
+        served(oai, path)
+    with pytest.raises(tinker.NotFoundError, match="was deleted"):
+        sampler.compute_logprobs(forced).result()
+    assert served(oai, reference) == after_v1  # the other checkpoint is untouched

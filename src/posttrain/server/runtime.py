@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import shutil
 import threading
 import time
@@ -29,6 +30,8 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.server.config import ServerConfig
 from posttrain.server.sources import UnknownModelError
 from posttrain.server.store import FutureRow, ModelRow, SamplerRow, Store
+
+log = logging.getLogger(__name__)
 
 RESTARTED = "the server restarted before this request finished; submit it again"
 
@@ -135,6 +138,8 @@ class Runtime:
         self._samplers: OrderedDict[str, LocalTrainingClient] = OrderedDict()
         self._sampler_lock = threading.Lock()
         self.admin = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="admin")
+        # Deletes get their own thread: they must not wait behind a client.close on admin.
+        self.files = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="files")
         self.sampling = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sample")
         self._loop: asyncio.AbstractEventLoop | None = None
         self.max_context_length = _context_length(config.model_path)
@@ -155,6 +160,7 @@ class Runtime:
         for lane in self.lanes.values():
             lane.close("the server is shutting down")
         self.admin.shutdown(wait=False, cancel_futures=True)
+        self.files.shutdown(wait=False, cancel_futures=True)
         self.sampling.shutdown(wait=False, cancel_futures=True)
 
     # futures
@@ -224,20 +230,31 @@ class Runtime:
     def model_dir(self, model_id: str) -> Path:
         return self.config.storage_dir / "runs" / model_id.replace(":", "_")
 
-    def add_live(self, row: ModelRow, client: LocalTrainingClient) -> None:
-        """From the job that built the model: registers it on the event loop (where sessions
-        are unloaded, so the two never interleave) and returns once it is live."""
+    def check_live(self, row: ModelRow) -> None:
+        """A user error if the session that asks for the model has finished (or expired)."""
+        if self.store.session_state(row.session_id, row.owner) != "live":
+            raise UserError(
+                f"session {row.session_id} finished while model {row.model_id} was loading"
+            )
+
+    def add_model(self, row: ModelRow, client: LocalTrainingClient) -> None:
+        """From the job that built the model: records and registers it on the event loop (where
+        sessions are unloaded, so the two never interleave) and returns once it is live. The
+        session check, the `models` row and the live model happen together or not at all; if
+        not, the client (a full model copy) is closed."""
 
         async def register() -> None:
-            if self.store.session_state(row.session_id, row.owner) != "live":
-                raise UserError(
-                    f"session {row.session_id} finished while model {row.model_id} was loading"
-                )
+            self.check_live(row)
+            self.store.add_model(row)
             self.clients[row.model_id] = client
             self.lanes[row.model_id] = Lane(self, row.model_id)
             self.live_sessions[row.model_id] = row.session_id
 
-        asyncio.run_coroutine_threadsafe(register(), self.loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(register(), self.loop).result()
+        except BaseException:
+            client.close()
+            raise
 
     def client(self, model_id: str) -> LocalTrainingClient:
         """The live model's client (for jobs); a user error once the model was unloaded."""
@@ -253,11 +270,12 @@ class Runtime:
             self.unload_model(model_id)
         for row in self.store.ephemeral_samplers(session_id):
             assert row.weights_dir is not None
-            with self._sampler_lock:
-                self._samplers.pop(row.weights_dir, None)
-            self.admin.submit(remove_dir, Path(row.weights_dir))
+            self.background(
+                self.files, f"deleting {row.weights_dir}", self.drop_weights, row.weights_dir
+            )
 
     def unload_model(self, model_id: str) -> None:
+        """Called on the event loop; unloading twice is harmless."""
         self.live_sessions.pop(model_id, None)
         lane = self.lanes.pop(model_id, None)
         client = self.clients.pop(model_id, None)
@@ -266,19 +284,45 @@ class Runtime:
         if client is not None:
             # close() waits for the call in flight, so not on the event loop; the client (and
             # its model) is freed once that call has finished with it.
-            self.admin.submit(client.close)
+            self.background(self.admin, f"closing model {model_id}", client.close)
+
+    def background(
+        self, pool: concurrent.futures.Executor, what: str, fn: Callable[..., object], *args: object
+    ) -> concurrent.futures.Future[object]:
+        """Run `fn(*args)` on `pool`; nobody waits for it, so a failure is logged here."""
+
+        def report(future: concurrent.futures.Future[object]) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                exc = future.exception()
+                assert exc is not None
+                log.error("%s failed", what, exc_info=(type(exc), exc, exc.__traceback__))
+
+        future = pool.submit(fn, *args)
+        future.add_done_callback(report)
+        return future
 
     async def _reap_expired_sessions(self) -> None:
         timeout = self.config.session_timeout
         while True:
             await asyncio.sleep(min(timeout / 2, 30.0))
-            for session_id in self.store.expire_sessions(time.time() - timeout):
-                self.unload_session(session_id)
+            try:
+                self.reap_expired_sessions(time.time() - timeout)
+            except Exception:
+                # One bad iteration (a locked database, a failing unload) must not end the
+                # reaper: sessions would then never expire. The next iteration tries again.
+                log.exception(
+                    "expiring sessions failed; retrying in %.3g s", min(timeout / 2, 30.0)
+                )
+
+    def reap_expired_sessions(self, cutoff: float) -> None:
+        """Finish the sessions without a heartbeat since `cutoff` and unload them."""
+        for session_id in self.store.expire_sessions(cutoff):
+            self.unload_session(session_id)
 
     # samplers
     def sampler_client(self, weights_dir: str | None, lora: dict[str, int | bool] | None):
         """A cached sampling model: the base model (weights_dir None) or saved weights."""
-        key = weights_dir or ""
+        key = _cache_key(weights_dir)
         with self._sampler_lock:
             client = self._samplers.get(key)
             if client is not None:
@@ -291,6 +335,27 @@ class Runtime:
                 # model is freed with the last reference.
                 self._samplers.popitem(last=False)
             return client
+
+    def evict_weights(self, weights_dir: str) -> None:
+        """Forget the sampler loaded from `weights_dir` (its files changed or went away).
+
+        Loads hold the same lock, so a sampler being loaded from the old files is evicted
+        too, once loaded. A request that already holds it finishes on it.
+        """
+        with self._sampler_lock:
+            self._samplers.pop(_cache_key(weights_dir), None)
+
+    def drop_weights(self, weights_dir: str) -> None:
+        """Evict the sampler of `weights_dir`, then delete the directory (on a worker thread).
+
+        The directory is renamed away under the sampler lock, so no request loads it again
+        between the eviction and the deletion; the slow part, deleting, runs outside.
+        """
+        with self._sampler_lock:
+            self._samplers.pop(_cache_key(weights_dir), None)
+            hidden = hide_dir(Path(weights_dir))
+        if hidden is not None:
+            shutil.rmtree(hidden, ignore_errors=True)
 
     def _load_sampler(
         self, weights_dir: str | None, lora: dict[str, int | bool] | None
@@ -345,12 +410,18 @@ def not_loaded(model_id: str) -> str:
     )
 
 
-def remove_dir(directory: Path) -> None:
-    """Renamed first, so a crash mid-delete leaves a hidden directory, not a half checkpoint."""
-    if directory.is_dir():
-        hidden = directory.with_name(f".{directory.name}.deleting-{uuid.uuid4().hex}")
-        directory.rename(hidden)
-        shutil.rmtree(hidden, ignore_errors=True)
+def hide_dir(directory: Path) -> Path | None:
+    """Rename `directory` to a hidden sibling (None if there is none), for deletion: a crash
+    mid-delete leaves a hidden directory, not a half checkpoint."""
+    if not directory.is_dir():
+        return None
+    hidden = directory.with_name(f".{directory.name}.deleting-{uuid.uuid4().hex}")
+    directory.rename(hidden)
+    return hidden
+
+
+def _cache_key(weights_dir: str | None) -> str:
+    return "" if weights_dir is None else str(Path(weights_dir))
 
 
 def _context_length(model_path: str) -> int | None:

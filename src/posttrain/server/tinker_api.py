@@ -8,6 +8,7 @@ owner's ids are answered exactly like unknown ones.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
@@ -183,9 +184,8 @@ class Api:
             )
 
             def job() -> Outcome:
-                client = self.rt.build_client(model_id, settings, seed)
-                self.store.add_model(row)
-                self.rt.add_live(row, client)
+                self.rt.check_live(row)  # before loading a full model copy for nothing
+                self.rt.add_model(row, self.rt.build_client(model_id, settings, seed))
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
             self.rt.submit(self.rt.admin, rid, job)
@@ -202,6 +202,16 @@ class Api:
             "optimizer_config": {"type": "adamw"},
             "type": "get_info",
         }
+
+    async def unload_model(self, body: s.ModelRef, request: Request) -> dict[str, object]:
+        """Free a live model now rather than when its session ends (SkyRL's route; the SDK has
+        its request and response types). Its requests not yet running fail; its checkpoints
+        stay. A future, as in the protocol, already complete when this answers."""
+        model = self.model(body.model_id, owner(request))
+        rid, _ = await self.new_future(request, "unload_model", None, model.model_id)
+        self.rt.unload_model(model.model_id)  # unloading twice is harmless
+        self.rt.run(rid, lambda: Outcome({"model_id": model.model_id, "type": "unload_model"}))
+        return {"request_id": rid, "model_id": model.model_id}
 
     # training
     async def forward_backward(self, request: Request) -> dict[str, object]:
@@ -253,11 +263,16 @@ class Api:
         tinker_path = f"tinker://{model.model_id}/{segment}/{name}"
 
         def job() -> Outcome:
-            if not overwrite and self.store.checkpoint(tinker_path, model.owner) is not None:
+            previous = self.store.checkpoint(tinker_path, model.owner)
+            if not overwrite and previous is not None:
                 raise UserError(f"checkpoint {tinker_path} exists; save with overwrite=True")
             client = self.rt.client(model.model_id)
             save = client.save_state if kind == "weights" else client.save_weights_for_sampler
+            # The save replaces the directory atomically (a failed save keeps the old one), so
+            # an overwrite only has to evict the sampler loaded from the old files, after it.
             directory = save(name).result().path
+            if previous is not None:
+                self.rt.evict_weights(previous.dir)
             self.store.add_checkpoint(
                 CheckpointRow(
                     tinker_path,
@@ -353,10 +368,14 @@ class Api:
             )
 
             def job() -> Outcome:
+                self.rt.check_live(row)  # before loading a full model copy for nothing
                 client = self.rt.build_client(model_id, source.lora, 0)
-                client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
-                self.store.add_model(row)
-                self.rt.add_live(row, client)
+                try:
+                    client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
+                except BaseException:
+                    client.close()
+                    raise
+                self.rt.add_model(row, client)
                 return Outcome({"model_id": model_id, "path": body.path, "type": "load_weights"})
 
             self.rt.submit(self.rt.admin, rid, job)
@@ -374,7 +393,8 @@ class Api:
         if row.result_proto is not None and PROTOBUF in request.headers.get("accept", ""):
             return Response(row.result_proto, media_type=PROTOBUF)
         if row.result_json is None and row.result_proto is not None:  # a forward pass
-            return forward_backward_output_json(row.result_proto)
+            # Hundreds of ms for a large batch: off the event loop, which serves every client.
+            return await asyncio.to_thread(forward_backward_output_json, row.result_proto)
         return Response(row.result_json or b"{}", media_type="application/json")
 
 
@@ -401,6 +421,7 @@ def create_tinker_router(runtime: Runtime) -> APIRouter:
     post("/sessions/{session_id}/finish")(api.finish_session)
     post("/create_model")(api.create_model)
     post("/get_info")(api.get_info)
+    post("/unload_model")(api.unload_model)
     post("/forward_backward")(api.forward_backward)
     post("/optim_step")(api.optim_step)
     post("/save_weights")(api.save_weights)

@@ -3,13 +3,13 @@ health, training runs and their checkpoints (listing, deletion, weights info).""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
-from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
 
 from posttrain.server import tinker_schema as s
-from posttrain.server.runtime import Runtime, remove_dir
+from posttrain.server.runtime import Runtime
 from posttrain.server.store import CheckpointRow, ModelRow
 from posttrain.server.tinker_api import not_found, owner
 
@@ -121,7 +121,8 @@ class InfoApi:
         ckpt = self.store.checkpoint(path, row.owner)
         if ckpt is None or not self.store.delete_checkpoint(path, row.owner):
             raise not_found(f"checkpoint {path!r}")
-        remove_dir(Path(ckpt.dir))
+        # On a worker thread: it waits for a sampler being loaded from this directory.
+        await asyncio.to_thread(self.rt.drop_weights, ckpt.dir)
         return {}
 
     async def weights_info(self, body: s.WeightsInfo, request: Request) -> dict[str, object]:

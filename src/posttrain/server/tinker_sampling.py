@@ -58,12 +58,32 @@ class SamplingApi:
             "model_path": row.model_path,
         }
 
+    def check_weights(self, row: SamplerRow) -> None:
+        """Refuse a sampler whose weights are gone: 410 for a snapshot whose session finished
+        (what the SDK gets for any request of a finished session), 404 for a deleted checkpoint.
+        Checked before anything is queued, so a request never reloads deleted weights."""
+        snapshot = row.model_path is None and row.weights_dir is not None
+        if snapshot and self.store.session_state(row.session_id or "", row.owner) != "live":
+            raise HTTPException(
+                410,
+                f"sampler {row.sampling_session_id!r} was a snapshot of session "
+                f"{row.session_id!r}, which has finished: its weights are deleted; save named "
+                "sampler weights to sample them after the session",
+            )
+        if row.model_path is not None and self.store.checkpoint(row.model_path, row.owner) is None:
+            raise HTTPException(
+                404,
+                f"checkpoint {row.model_path!r} of sampler {row.sampling_session_id!r} was "
+                "deleted; create a sampling client from a checkpoint that exists",
+            )
+
     async def asample(self, body: s.Sample, request: Request) -> dict[str, object]:
         who = owner(request)
         if body.sampling_session_id:
             row = self.store.sampler(body.sampling_session_id, who)
             if row is None:
                 raise not_found(f"sampling session {body.sampling_session_id!r}")
+            self.check_weights(row)
         else:
             row = self.sampler_row(body.model_path, body.base_model, who, None)
         unsupported = {
