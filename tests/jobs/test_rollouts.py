@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from chat_templates import template as chat_template
 from posttrain.engine.tiny import build_tokenizer
 from posttrain.jobs.rollouts import completion_text, derive_seed, evaluate, sample_groups
+from posttrain.rollout import assistant_closing
 from posttrain.tasks import Problem, ReverseTask
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
@@ -35,14 +37,22 @@ class ScriptedSampler:
         return [SampleResponse([self._sequence(t) for t in texts[:num_samples]]) for texts in self.script]
 
 
-def test_completion_text_drops_only_the_final_eos(tokenizer):
+def test_completion_text_drops_only_the_end_of_turn(tokenizer):
     eos = tokenizer.eos_token_id
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    assert completion_text(tokenizer, SampledSequence("stop", [*b"cba", eos])) == "cba"
-    assert completion_text(tokenizer, SampledSequence("length", [*b"cba"])) == "cba"
+    closing = assistant_closing(tokenizer)
+    assert completion_text(tokenizer, SampledSequence("stop", [*b"cba", eos]), closing) == "cba"
+    assert completion_text(tokenizer, SampledSequence("length", [*b"cba"]), closing) == "cba"
     # Another special token stays visible, so such a completion can never equal an answer.
     with_special = SampledSequence("stop", [*b"cba", im_start, eos])
-    assert completion_text(tokenizer, with_special) == "cba<|im_start|>"
+    assert completion_text(tokenizer, with_special, closing) == "cba<|im_start|>"
+    # Llama 2's template ends a turn with " " EOS, which a model trained on it samples: the
+    # answer is "cba" with or without the space; a completion cut by max_tokens keeps it.
+    llama2 = chat_template("llama2").tokenizer
+    closing = assistant_closing(llama2)
+    for tokens in ([*b"cba ", eos], [*b"cba", eos]):
+        assert completion_text(llama2, SampledSequence("stop", tokens), closing) == "cba"
+    assert completion_text(llama2, SampledSequence("length", [*b"cba "]), closing) == "cba "
 
 
 def test_derive_seed_is_stable_and_63_bit():

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.backends.sampling import SamplingClient
 from posttrain.jobs.sft_data import conversation_to_trajectory
-from posttrain.rollout import TrajectoryBuilder, assistant_closing
+from posttrain.rollout import TrajectoryBuilder, TurnClosing, assistant_closing
 from posttrain.tasks import Problem, Task, is_correct
 from posttrain.types import SampledSequence, SamplingParams, Trajectory, TrajectoryGroup
 
@@ -25,10 +25,16 @@ def user_message(problem: Problem) -> dict[str, str]:
     return {"role": "user", "content": problem.prompt}
 
 
-def completion_text(tokenizer: PreTrainedTokenizerBase, sequence: SampledSequence) -> str:
-    """The completion without its final EOS; any other special token stays visible as text, so
-    a completion that emits one never equals an answer."""
-    tokens = sequence.tokens[:-1] if sequence.stop_reason == "stop" else sequence.tokens
+def completion_text(
+    tokenizer: PreTrainedTokenizerBase, sequence: SampledSequence, closing: TurnClosing
+) -> str:
+    """The completion without the end of turn it stopped on: the template's closing through its
+    EOS (Llama 2's " " EOS) when it ends with all of it, else its final token. Any other
+    special token stays visible as text, so a completion that emits one never equals an answer."""
+    tokens = sequence.tokens
+    if sequence.stop_reason == "stop":
+        end = closing.through_end
+        tokens = tokens[: -len(end)] if tuple(tokens[-len(end) :]) == end else tokens[:-1]
     return str(tokenizer.decode(tokens, skip_special_tokens=False))
 
 
@@ -56,7 +62,8 @@ async def sample_groups(
 ) -> list[TrajectoryGroup]:
     """`group_size` completions of each problem, all in one `sample_many` call, rewarded."""
     tokenizer = sampler.tokenizer
-    prompted = [TrajectoryBuilder(tokenizer) for _ in problems]
+    closing = assistant_closing(tokenizer)
+    prompted = [TrajectoryBuilder(tokenizer, closing=closing) for _ in problems]
     prompts = [b.prompt(user_message(p)) for b, p in zip(prompted, problems, strict=True)]
     responses = await sampler.sample_many(prompts, group_size, params)
     groups: list[TrajectoryGroup] = []
@@ -65,7 +72,7 @@ async def sample_groups(
         for sequence in response.sequences:
             builder = base.fork()
             builder.completion(sequence)
-            text = completion_text(tokenizer, sequence)  # type: ignore[arg-type]
+            text = completion_text(tokenizer, sequence, closing)  # type: ignore[arg-type]
             correct = is_correct(problem, text, sequence.stop_reason)
             trajectories.append(
                 builder.build(
@@ -98,6 +105,7 @@ async def evaluate(
 ) -> Evaluation:
     """Greedy (temperature 0) accuracy of the current weights on `problems`."""
     tokenizer = sampler.tokenizer
+    closing = assistant_closing(tokenizer)
     prompts = [TrajectoryBuilder(tokenizer).prompt(user_message(p)) for p in problems]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
     responses = await sampler.sample_many(prompts, 1, params)
@@ -105,7 +113,7 @@ async def evaluate(
     correct = 0
     for problem, response in zip(problems, responses, strict=True):
         sequence = response.sequences[0]
-        text = completion_text(tokenizer, sequence)  # type: ignore[arg-type]
+        text = completion_text(tokenizer, sequence, closing)  # type: ignore[arg-type]
         correct += is_correct(problem, text, sequence.stop_reason)
         texts.append(text)
     return Evaluation(accuracy=correct / len(problems), completions=texts)
