@@ -8,6 +8,8 @@ simulated the way Python itself marks a module unimportable (None in sys.modules
 from __future__ import annotations
 
 import sys
+import threading
+import types
 
 import pytest
 
@@ -70,4 +72,51 @@ async def test_tensorboard_sink_writes_the_logged_scalars(tiny_model_dir, tmp_pa
     events.Reload()
     (scalar,) = events.Scalars("train/loss")
     assert (scalar.step, scalar.value) == (3, 0.25)
+    await backend.close()
+
+
+def _tensorboard_writers() -> int:
+    """Open TensorBoard writers: each runs a writer thread until it is closed."""
+    return sum(type(t).__name__ == "_AsyncWriterThread" for t in threading.enumerate())
+
+
+async def test_a_sink_that_fails_to_open_leaves_the_model_as_it_was(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (optional)")
+    backend = LocalBackend(tmp_path)
+    saved = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), report_metrics=[])
+    await saved.register(backend)
+    saved.run_state["cursor"] = 7
+    saved.set_step(2)  # as if two steps were trained
+    await backend.checkpoint(saved)  # a checkpoint to resume, with its run_state
+    await backend.close()
+    # MLflow as installed but with its tracking server unreachable: it fails as its sink opens,
+    # after the TensorBoard sink opened.
+    mlflow = types.ModuleType("mlflow")
+
+    def unreachable(name: str) -> None:
+        raise ConnectionError(f"mlflow tracking server unreachable (experiment {name!r})")
+
+    mlflow.set_experiment = unreachable  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    writers = _tensorboard_writers()
+    backend = LocalBackend(tmp_path)
+    model = TrainableModel(
+        name="m",
+        project="p",
+        base_model=str(tiny_model_dir),
+        report_metrics=["tensorboard", "mlflow"],
+    )
+    with pytest.raises(ConnectionError, match="tracking server unreachable"):
+        await model.register(backend)
+    assert _tensorboard_writers() == writers  # the TensorBoard sink was closed again
+    with pytest.raises(RuntimeError, match="not registered"):
+        model.directory  # noqa: B018 - not attached
+    assert model.step == 0 and model.run_state == {}  # the checkpoint's state is not half-loaded
+    # Registered again without the failing sink, it resumes the checkpoint.
+    model.report_metrics = ["tensorboard"]
+    await model.register(backend)
+    assert (model.step, model.run_state) == (2, {"cursor": 7})
+    assert _tensorboard_writers() == writers + 1
     await backend.close()

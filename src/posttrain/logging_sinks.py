@@ -29,6 +29,8 @@ ENV_VAR = "POSTTRAIN_LOG_TO"
 class Sink(Protocol):
     def write(self, split: str, step: int, metrics: Mapping[str, float]) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class TensorBoardSink:
     """Scalars `<split>/<metric>` under `<model dir>/tensorboard`."""
@@ -43,6 +45,9 @@ class TensorBoardSink:
             self._writer.add_scalar(f"{split}/{key}", value, step)
         self._writer.flush()
 
+    def close(self) -> None:
+        self._writer.close()
+
 
 class WandbSink:
     def __init__(self, project: str, name: str) -> None:
@@ -52,6 +57,9 @@ class WandbSink:
 
     def write(self, split: str, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 class MLflowSink:
@@ -64,6 +72,9 @@ class MLflowSink:
 
     def write(self, split: str, step: int, metrics: Mapping[str, float]) -> None:
         self._mlflow.log_metrics({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
 
 
 def is_installed(package: str) -> bool:
@@ -100,13 +111,30 @@ def sinks_from_env(env: Mapping[str, str]) -> tuple[SinkName, ...]:
 def open_sinks(
     names: Iterable[SinkName], directory: Path, *, project: str, name: str
 ) -> list[Sink]:
-    """One sink per name (already checked by `check_sinks`)."""
+    """One sink per name (already checked by `check_sinks`); if one fails to open, those
+    opened before it are closed again."""
     sinks: list[Sink] = []
-    for sink in names:
-        if sink == "tensorboard":
-            sinks.append(TensorBoardSink(directory))
-        elif sink == "wandb":
-            sinks.append(WandbSink(project, name))
-        else:
-            sinks.append(MLflowSink(project, name))
+    try:
+        for sink in names:
+            if sink == "tensorboard":
+                sinks.append(TensorBoardSink(directory))
+            elif sink == "wandb":
+                sinks.append(WandbSink(project, name))
+            else:
+                sinks.append(MLflowSink(project, name))
+    except BaseException:
+        close_sinks(sinks)
+        raise
     return sinks
+
+
+def close_sinks(sinks: Iterable[Sink]) -> None:
+    """Close each sink, all of them even if one fails (the first failure is raised after)."""
+    failure: BaseException | None = None
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure

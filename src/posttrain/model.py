@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -11,7 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, runtime_checkable
 
-from posttrain.logging_sinks import Sink, SinkName, check_sinks, open_sinks, sinks_from_env
+from posttrain.logging_sinks import (
+    Sink,
+    SinkName,
+    check_sinks,
+    close_sinks,
+    open_sinks,
+    sinks_from_env,
+)
 from posttrain.types import JSONScalar, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -19,6 +27,7 @@ if TYPE_CHECKING:
 
     from posttrain.backends.protocol import TrainableBackend
 
+log = logging.getLogger(__name__)
 Split = Literal["train", "val", "test"]
 # What a model keeps in `run_state`: JSON saved with every checkpoint.
 RunState: TypeAlias = dict[str, JSONScalar | list[JSONScalar] | dict[str, JSONScalar]]
@@ -87,12 +96,24 @@ class TrainableModel:
         await backend.register(self)
 
     def attach(self, backend: TrainableBackend, directory: Path, step: int) -> None:
-        """Called by a backend's register()."""
+        """Called by a backend's register(). The metric sinks open first: if one refuses, the
+        model is left as it was (and the sinks opened before it are closed)."""
         names = self.report_metrics
         if names is None:
             names = sinks_from_env(os.environ)
+        sinks = open_sinks(names, directory, project=self.project, name=self.name)
+        previous, self._sinks = self._sinks, sinks
         self._backend, self._dir, self._step = backend, directory, step
-        self._sinks = open_sinks(names, directory, project=self.project, name=self.name)
+        try:  # a model registered again logs to its new sinks only
+            close_sinks(previous)
+        except Exception:  # the new registration stands; the old sink's loss is reported
+            log.warning("closing the metric sinks of model %r failed", self.name, exc_info=True)
+
+    def detach(self) -> None:
+        """Undo `attach` (a backend's register() that fails after it): close the sinks."""
+        sinks, self._sinks = self._sinks, []
+        self._backend, self._dir, self._step = None, None, 0
+        close_sinks(sinks)
 
     @property
     def backend(self) -> TrainableBackend:

@@ -77,18 +77,24 @@ class ModelClients(Generic[ClientT]):
             client = await asyncio.to_thread(make_client, directory)
         except FileNotFoundError as exc:
             raise FileNotFoundError(missing_base_model(model, exc)) from exc
+        attached = False
         try:
-            step = 0
+            step, run_state = 0, None
             checkpoints = list_checkpoints(directory / "checkpoints")
             if checkpoints:
                 latest = checkpoints[-1]
                 await client.load_state(str(latest), with_optimizer=True)
-                step, model.run_state = read_trainer_state(latest)
+                step, run_state = read_trainer_state(latest)
             model.attach(backend, directory, step)  # opens the metric sinks, which may refuse
+            attached = True
             write_model_json(directory, model)
         except BaseException:
             client.close()
+            if attached:
+                model.detach()
             raise
+        if run_state is not None:  # last: a failed registration leaves the model as it was
+            model.run_state = run_state
         self._clients[id(model)] = client
 
     def client(self, model: TrainableModel) -> ClientT:
