@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from posttrain.clients.create import create_training_client
-from posttrain.engine.optim import create_lr_schedule
+from posttrain.engine.optim import create_lr_schedule, lr_multiplier
 from posttrain.trainer.config import SFTConfig
 from posttrain.trainer.sft import sft_batches, train_sft
 from posttrain.types import TokenSegment, Trajectory
@@ -57,5 +59,16 @@ async def test_each_update_uses_the_scheduled_learning_rate(tiny_model_dir, deca
 
 def test_a_warmup_longer_than_the_call_is_refused_before_any_update():
     config = SFTConfig(warmup_steps=4, batch_size=2)
-    with pytest.raises(ValueError, match="warmup_steps=4 is more than the 2 updates"):
+    # 3 trajectories in batches of 2: ceil(3 / 2) = 2 updates, fewer than 4 warm-up steps.
+    with pytest.raises(ValueError) as raised:
         sft_batches([trajectory(i) for i in range(3)], config)
+    assert str(raised.value) == (
+        "the learning-rate schedule does not fit this call's 2 updates (3 trajectories, "
+        "batch_size=2, epochs=1): need 0 <= warmup_steps <= total_steps and total_steps >= 1, "
+        "got warmup_steps=4, total_steps=2"
+    )
+    # The message past the colon is engine.optim's own: the check lives there alone.
+    with pytest.raises(ValueError) as direct:
+        lr_multiplier(0, warmup_steps=4, total_steps=2)
+    assert str(raised.value).endswith(str(direct.value))
+    sft_batches([trajectory(i) for i in range(3)], replace(config, warmup_steps=2))  # fits

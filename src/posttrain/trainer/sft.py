@@ -48,12 +48,14 @@ def sft_batches(trajectories: Sequence[Trajectory], config: SFTConfig) -> list[l
         rng.shuffle(order)
         for start in range(0, len(order), config.batch_size):
             batches.append([usable[i] for i in order[start : start + config.batch_size]])
-    if config.warmup_steps > len(batches):
+    try:  # the schedule's own check, with what only this call knows
+        learning_rate(config, 0, len(batches))
+    except ValueError as exc:
         raise ValueError(
-            f"warmup_steps={config.warmup_steps} is more than the {len(batches)} updates of this "
-            f"call ({len(usable)} trajectories, batch_size={config.batch_size}, "
-            f"epochs={config.epochs}); lower warmup_steps"
-        )
+            f"the learning-rate schedule does not fit this call's {len(batches)} updates "
+            f"({len(usable)} trajectories, batch_size={config.batch_size}, "
+            f"epochs={config.epochs}): {exc}"
+        ) from None
     return batches
 
 
