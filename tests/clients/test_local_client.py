@@ -398,12 +398,25 @@ def test_sampling_clients_keep_the_published_weights(tiny_model_dir, tmp_path, l
     assert [s.logprobs for s in moved_on.sequences] != [s.logprobs for s in published.sequences]
     for sampler in (snapshot, named):
         out = sampler.sample(prompt, 2, params).result()
-        # The same weights (safetensors round trip is exact) and the same code: identical bits.
         assert [s.tokens for s in out.sequences] == [s.tokens for s in published.sequences]
-        assert [s.logprobs for s in out.sequences] == [s.logprobs for s in published.sequences]
-        assert sampler.compute_logprobs(prompt).result() == scored
+        logprobs = [s.logprobs for s in out.sequences]
+        expected = [s.logprobs for s in published.sequences]
+        if sampler is named:
+            # The same weights (safetensors round trip is exact), loaded by the same code into
+            # the same memory layout as the trainer's: identical bits.
+            assert logprobs == expected
+            assert sampler.compute_logprobs(prompt).result() == scored
+        else:
+            # The same weights (test_local_sampling checks them bit for bit), but copied in
+            # memory into 64-byte-aligned storage where from_pretrained leaves them 8 bytes
+            # off, and the CPU kernels' rounding depends on alignment: measured 1 float32
+            # ulp (2.4e-7 at -2.7) on some logprobs. 1e-6 relative is a few ulps.
+            torch.testing.assert_close(logprobs, expected, rtol=1e-6, atol=0.0)
+            torch.testing.assert_close(
+                sampler.compute_logprobs(prompt).result()[1:], scored[1:], rtol=1e-6, atol=0.0
+            )
         sampler.close()
-    # The snapshot's files were ephemeral; the named ones stay.
+    # The snapshot wrote no files; the named ones stay.
     assert [p.name for p in (tmp_path / "sampler_weights").iterdir()] == ["published"]
     client.close()
 

@@ -11,9 +11,15 @@ from pathlib import Path
 from posttrain.algo.loss_metrics import summarize_values
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.futures import APIFuture, OrderedRunner
-from posttrain.clients.local_sampling import LocalSamplingClient
+from posttrain.clients.local_sampling import (
+    LocalSamplingClient,
+    ReplicaPool,
+    load_replica,
+    snapshot_replica,
+)
 from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
-from posttrain.engine.dispatch import Dispatch
+from posttrain.engine.dispatch import Dispatch, InProcessExecutor
+from posttrain.engine.sampler import Sampler
 from posttrain.engine.worker import PassResult, Worker
 from posttrain.types import (
     AdamParams,
@@ -63,6 +69,7 @@ class LocalTrainingClient:
         # Builds a fresh replica of the base model (same LoRA settings) for sampling clients.
         self.worker_factory = worker_factory
         self._runner = OrderedRunner("posttrain-local")
+        self._replicas = ReplicaPool()  # idle snapshot replicas, reused by the next snapshot
 
     def forward(
         self,
@@ -155,18 +162,39 @@ class LocalTrainingClient:
 
     def save_weights_and_get_sampling_client(self) -> APIFuture[LocalSamplingClient]:
         """A sampling client on a snapshot of the weights as of this call (in call order);
-        later training does not change what it samples. The snapshot's files are ephemeral."""
-        factory = self._factory()
-        path = self.storage_dir / "sampler_weights" / f".ephemeral-{uuid.uuid4().hex}"
+        later training does not change what it samples.
 
-        def snapshot() -> LocalSamplingClient:
+        Weights held in this process are copied straight into the replica; workers elsewhere
+        (Ray) publish them to ephemeral files the replica reads. Either way the replica is the
+        one a closed (or dropped) snapshot client left, when there is one.
+        """
+        worker = self._in_process_worker()
+        if worker is not None:
+            return self._runner.submit(
+                lambda: self._snapshot_client(snapshot_replica(worker, self._replicas.take()))
+            )
+        factory = self._factory()
+
+        def published() -> LocalSamplingClient:
+            path = self.storage_dir / "sampler_weights" / f".ephemeral-{uuid.uuid4().hex}"
             try:
                 self.dispatch.save_weights(path)
-                return LocalSamplingClient.load(factory, path, base_model=self.base_model)
+                return self._snapshot_client(load_replica(factory, path, self._replicas.take()))
             finally:
                 shutil.rmtree(path, ignore_errors=True)  # the replica holds the weights now
 
-        return self._runner.submit(snapshot)
+        return self._runner.submit(published)
+
+    def _snapshot_client(self, replica: Sampler) -> LocalSamplingClient:
+        # A snapshot lives in memory only: it has no model_path to give.
+        return LocalSamplingClient(
+            replica, base_model=self.base_model, model_path="", release=self._replicas.give_back
+        )
+
+    def _in_process_worker(self) -> Worker | None:
+        """Rank 0's worker when the workers live in this process (replicas are all equal)."""
+        executor = self.dispatch.executor
+        return executor.workers[0] if isinstance(executor, InProcessExecutor) else None
 
     def _factory(self) -> Callable[[], Worker]:
         if self.worker_factory is None:
@@ -194,3 +222,4 @@ class LocalTrainingClient:
 
     def close(self) -> None:
         self._runner.close()
+        self._replicas.close()
