@@ -5,11 +5,13 @@ with LocalBackend on the same train() calls."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,10 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from serve_helpers import (  # pyright: ignore[reportMissingImports]
     KEY,
     ServerProcess,
+    post,
+    result,
     start_server,
 )
 
-pytest.importorskip("tinker")
+tinker = pytest.importorskip("tinker")
 
 # The server is a subprocess (seconds to start, more on a busy CPU).
 pytestmark = pytest.mark.slow
@@ -59,6 +63,20 @@ def tiny(name: str, tiny_model_dir: Path, seed: int = 0) -> TrainableModel:
 def index_of(model: TrainableModel) -> list[dict]:
     lines = (model.directory / "checkpoints.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def model_id_of(backend: TinkerBackend, model: TrainableModel) -> str:
+    return str(backend.client(model).sdk_client.model_id)
+
+
+def is_loaded(server: ServerProcess, model_id: str) -> bool:
+    """Whether the server still holds the model: a request of a freed one fails at once with
+    "not loaded" (a held one would wait for the seq_ids before this one, then fail)."""
+    adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    body = {"model_id": model_id, "seq_id": 10**6, "adam_params": adam}
+    submitted = post(server, "optim_step", json=body)
+    assert submitted.status_code == 200, submitted.text
+    return "not loaded" not in result(server, submitted.json()["request_id"]).get("error", "")
 
 
 async def test_train_checkpoint_and_resume(
@@ -152,6 +170,27 @@ async def test_a_failed_register_leaves_nothing_behind(
     await backend.close()
 
 
+async def test_a_register_failing_after_the_service_made_the_model_frees_it(
+    tmp_path: Path,
+) -> None:
+    """The server serves `tiny:...` (built on its side), a name this process cannot load a
+    tokenizer for: the model exists on the server when register fails."""
+    name = "tiny:qwen2:tiny:0"
+    server = start_server(name, tmp_path / "storage")
+    try:
+        backend = tinker_backend(server, tmp_path / "runs")
+        model = TrainableModel(name="t", project="p", base_model=name, lora_rank=4)
+        with pytest.raises(OSError, match="tiny:qwen2:tiny:0"):
+            await model.register(backend)
+        runs = httpx.get(f"{server.url}/api/v1/training_runs", headers={"X-API-Key": KEY})
+        [run] = runs.json()["training_runs"]
+        assert not is_loaded(server, run["training_run_id"])
+        assert not (tmp_path / "runs" / "p" / "models" / "t" / "model.json").exists()
+        await backend.close()
+    finally:
+        server.stop()
+
+
 async def test_a_failed_step_leaves_the_last_good_state(
     server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -165,10 +204,14 @@ async def test_a_failed_step_leaves_the_last_good_state(
         await model.register(backend)
         await backend.train(model, groups(1), learning_rate=LR)
         if fail:
+            failed_model = model_id_of(backend, model)
             model.run_state = {"cursor": object()}  # type: ignore[dict-item]  # not JSON
             with pytest.raises(TypeError, match="JSON serializable"):
                 await backend.train(model, groups(2), learning_rate=LR)
             assert model.step == 1 and [r["step"] for r in index_of(model)] == [1]
+            # The model reloaded from the checkpoint is a new one; the old one is freed now.
+            assert model_id_of(backend, model) != failed_model
+            assert not is_loaded(server, failed_model)
             model.run_state = {"cursor": 2}
         result = await backend.train(model, groups(2), learning_rate=LR)
         logprobs = await backend.sampling_client(model).compute_logprobs(PROMPT)
@@ -179,6 +222,48 @@ async def test_a_failed_step_leaves_the_last_good_state(
     assert failed_once[0] == clean[0] == 2
     # Same server process and inputs: the reloaded state gives the same step to float32 rounding.
     assert failed_once[1] == pytest.approx(clean[1], rel=1e-6)
+
+
+async def test_a_failed_publish_fails_the_step_whole(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A model served OpenAI-style publishes its weights inside the step: a publish that fails
+    fails the step like any other part of it (no step counted, the last checkpoint restored
+    and published), and the retry is the step an uninterrupted run takes."""
+
+    async def run(name: str, fail: bool) -> tuple[int, list[float | None], list[int]]:
+        backend = tinker_backend(server, tmp_path / name)
+        model = tiny(name, tiny_model_dir, seed=5)
+        await model.register(backend)
+        await backend.train(model, groups(1), learning_rate=LR)
+        published = model.inference_model_name  # serves step 1's weights from now on
+        if fail:
+            failed_model = model_id_of(backend, model)
+            # A file where the model's sampler checkpoints go: the next one cannot be written.
+            samplers = server.storage / "runs" / failed_model.replace(":", "_") / "sampler_weights"
+            shutil.rmtree(samplers)
+            samplers.write_text("")
+            with pytest.raises(tinker.RequestFailedError, match=r"File exists.*sampler_weights"):
+                await backend.train(model, groups(2), learning_rate=LR)
+            assert model.step == 1 and [r["step"] for r in index_of(model)] == [1]
+            assert not is_loaded(server, failed_model)
+            # The restored weights are published from the new model, under its own name.
+            assert model.inference_model_name != published
+            published = model.inference_model_name
+        result = await backend.train(model, groups(2), learning_rate=LR)
+        assert model.inference_model_name == published
+        logprobs = await backend.sampling_client(model).compute_logprobs(PROMPT)
+        out = await model.openai_client().completions.create(
+            model=published, prompt=PROMPT, max_tokens=6, seed=2
+        )
+        await backend.close()
+        return result.step, logprobs[1:], out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+
+    failed_once, clean = await run("publish-failed", True), await run("publish-clean", False)
+    assert failed_once[0] == clean[0] == 2
+    # Same server process and inputs: the reloaded state gives the same step to float32 rounding.
+    assert failed_once[1] == pytest.approx(clean[1], rel=1e-6)
+    assert failed_once[2] == clean[2]  # and /v1 serves the retried step's weights
 
 
 async def test_options_it_lacks_fail_before_any_work(
@@ -209,8 +294,8 @@ async def test_openai_client_serves_the_latest_weights(
     await model.register(backend)
     client = model.openai_client()
     assert str(client.base_url) == f"{server.url}/v1/"
-    first_name = model.inference_model_name
-    assert first_name.startswith("tinker://") and first_name.endswith("openai-step-000000")
+    name = model.inference_model_name
+    assert name == f"tinker://{model_id_of(backend, model)}/sampler_weights/openai"
 
     async def served(name: str) -> tuple[list[int], list[float]]:
         out = await client.completions.create(
@@ -228,15 +313,22 @@ async def test_openai_client_serves_the_latest_weights(
         # Two loaded copies of the same weights on the server: same tokens, logprobs to rounding.
         return a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-5, abs=1e-6)
 
-    before = await served(first_name)
+    before = await served(name)
     assert same(before, await sampled_now())
-    await backend.train(model, groups(0), learning_rate=5e-2, save_checkpoint=False)
-    latest = model.inference_model_name  # published by the step
-    assert latest.endswith("openai-step-000001") and latest != first_name
-    after = await served(latest)
-    assert same(after, await sampled_now())
-    assert not same(after, before)  # a 5e-2 step moves the logprobs far beyond rounding
-    assert same(await served(first_name), before)  # the older checkpoint is still served
+    for i in range(2):
+        await backend.train(model, groups(i), learning_rate=5e-2, save_checkpoint=False)
+        # Each step overwrites the one checkpoint, which the server then serves fresh.
+        assert model.inference_model_name == name
+        after = await served(name)
+        assert same(after, await sampled_now())
+        assert not same(after, before)  # a 5e-2 step moves the logprobs far beyond rounding
+        before = after
+    listing = httpx.get(
+        f"{server.url}/api/v1/training_runs/{model_id_of(backend, model)}/checkpoints",
+        headers={"X-API-Key": KEY},
+    )
+    assert [c["checkpoint_id"] for c in listing.json()["checkpoints"]] == ["sampler_weights/openai"]
+    latest = name
     chat = await client.chat.completions.create(
         model=latest, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from posttrain.backends.client_models import check_model_json, write_model_json
 from posttrain.backends.options import RLOptions, SFTOptions, resolve_rl, resolve_sft
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.sampling import SamplingClient
-from posttrain.clients.tinker import TinkerTrainingClient, import_tinker
+from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.trainer.config import ProtocolPolicyLoss, RLConfig
 from posttrain.trainer.metrics import StepMetrics
@@ -34,6 +35,11 @@ from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 BACKEND = "TinkerBackend"
 INDEX = "checkpoints.jsonl"
+# One sampler checkpoint per model, overwritten by each step: storage stays bounded, and the
+# server serves the new weights under the same name (it evicts the old ones on overwrite).
+OPENAI_NAME = "openai"
+
+log = logging.getLogger(__name__)
 
 TINKER = Capabilities(
     reports_sync_loss=True,  # the loss comes back from the forward_backward that made the gradient
@@ -109,13 +115,16 @@ class TinkerBackend:
             )
             step = int(latest["step"])
             model.run_state = dict(latest.get("run_state", {}))
-        tokenizer = await asyncio.to_thread(load_tokenizer, model.base_model)
-        self._clients[id(model)] = TinkerTrainingClient(training, tokenizer)
         try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, model.base_model)
+            self._clients[id(model)] = TinkerTrainingClient(training, tokenizer)
             model.attach(self, directory, step)  # opens the metric sinks, which may refuse
             write_model_json(directory, model)
         except BaseException:
-            self._clients.pop(id(model)).close()
+            client = self._clients.pop(id(model), None)
+            if client is not None:
+                client.close()
+            await self._release(training)
             raise
 
     def client(self, model: TrainableModel) -> TinkerTrainingClient:
@@ -161,18 +170,19 @@ class TinkerBackend:
     async def _step(
         self, model: TrainableModel, run: Callable[[], Awaitable[StepMetrics]], save: bool
     ) -> TrainResult:
-        """The updates of the next step, its checkpoint, and only then the model's step: a
-        failure puts the service's weights and optimizer back to the last indexed checkpoint."""
+        """The updates of the next step, its published weights, its checkpoint, and only then
+        the model's step: a failure puts the service's weights and optimizer back to the last
+        indexed checkpoint (and publishes those)."""
         step = model.step + 1
         try:
             metrics = await run()
+            if id(model) in self._published:  # served OpenAI-style: publish the new weights
+                await self._publish(model, step)
             path = await self._save(model, step) if save else None
         except Exception as exc:
             await self._restore(model, exc)
             raise
         model.set_step(step)
-        if id(model) in self._published:  # served OpenAI-style: publish the new weights too
-            await self._publish(model)
         return TrainResult(step=step, metrics=metrics.as_dict(), checkpoint_path=path)
 
     async def _restore(self, model: TrainableModel, error: Exception) -> None:
@@ -192,7 +202,31 @@ class TinkerBackend:
             self._clients[id(model)] = TinkerTrainingClient(training, old.get_tokenizer())
             old.close()
         except Exception as reload_error:
-            error.add_note(f"reloading {latest['path']} after the failure failed too: {reload_error!r}")
+            error.add_note(
+                f"reloading {latest['path']} after the failure failed too: {reload_error!r}"
+            )
+            return
+        await self._release(old.sdk_client)  # the failed step's model, a full copy on the server
+        if id(model) in self._published:
+            try:  # the published weights may be the failed step's: publish the restored ones
+                await self._publish(model, model.step)
+            except Exception as publish_error:
+                del self._published[id(model)]  # the next openai_endpoint() publishes again
+                error.add_note(f"publishing the restored weights failed: {publish_error!r}")
+
+    async def _release(self, training: Any) -> None:
+        """Free a training client's model on the server now rather than when the session ends
+        (on posttrain serve each is a full copy of the base model). Only self-hosted servers
+        have the route; the Tinker service frees models with the session. A failure is logged:
+        the model still goes when the session ends."""
+        base_url = self.base_url or os.environ.get("TINKER_BASE_URL")
+        api_key = self.api_key or os.environ.get("TINKER_API_KEY")
+        if not base_url or not api_key:
+            return
+        try:
+            await unload_model(base_url, api_key, str(training.model_id))
+        except Exception as exc:
+            log.warning("could not free model %s on %s: %r", training.model_id, base_url, exc)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's current weights and optimizer on the service, and index them."""
@@ -221,10 +255,12 @@ class TinkerBackend:
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
         """The model's latest weights, OpenAI-style, from the `posttrain serve` it trains on.
 
-        The weights are saved as a named sampler checkpoint (`openai-step-<step>`), which the
+        The weights are saved as the model's sampler checkpoint named `openai`, which the
         server's `/v1` endpoints serve under its `tinker://` path. The first call saves (and
-        blocks for that round trip); from then on every train step publishes its weights, so
-        read `model.inference_model_name` after each step.
+        blocks for that round trip); from then on every train step overwrites it before the
+        step counts, and the server serves the new weights under the same name. The name
+        changes only when the model moves to a new training client (after a failed step or a
+        new `register`), so read `model.inference_model_name` after each step.
         """
         self.client(model)  # the clear "not registered" error
         base_url = self.base_url or os.environ.get("TINKER_BASE_URL")
@@ -238,14 +274,15 @@ class TinkerBackend:
             raise ValueError(f"{BACKEND} needs an API key: pass api_key= or set TINKER_API_KEY")
         published = self._published.get(id(model))
         if published is None or published[0] != model.step:
-            path = self.client(model).save_weights_for_sampler(openai_name(model.step)).result()
+            path = self.client(model).save_weights_for_sampler(OPENAI_NAME).result()
             published = (model.step, path.path)
             self._published[id(model)] = published
         return OpenAIEndpoint(base_url.rstrip("/") + "/v1", api_key, published[1])
 
-    async def _publish(self, model: TrainableModel) -> None:
-        saved = await self.client(model).save_weights_for_sampler(openai_name(model.step))
-        self._published[id(model)] = (model.step, saved.path)
+    async def _publish(self, model: TrainableModel, step: int) -> None:
+        """Overwrite the model's `openai` sampler checkpoint with its current weights."""
+        saved = await self.client(model).save_weights_for_sampler(OPENAI_NAME)
+        self._published[id(model)] = (step, saved.path)
 
     async def close(self) -> None:
         for client in self._clients.values():
@@ -269,10 +306,6 @@ def resolve_tinker_rl(options: Mapping[str, object]) -> RLConfig:
             "RayBackend for dro and gspo"
         )
     return config
-
-
-def openai_name(step: int) -> str:
-    return f"openai-step-{step:06d}"
 
 
 def _close_service(service: Any) -> None:

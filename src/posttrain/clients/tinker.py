@@ -300,6 +300,27 @@ class TinkerTrainingClient:
         self._sampler = None
 
 
+async def unload_model(base_url: str, api_key: str, model_id: str) -> None:
+    """Ask a self-hosted Tinker-protocol server (posttrain serve, SkyRL) to free a model now.
+
+    `POST /api/v1/unload_model`: the SDK has its request and response types but no method that
+    sends it. The server answers with a future that is complete at once (posttrain serve), so
+    the answer is not awaited further. Raises RuntimeError if the server refuses.
+    """
+    import httpx  # a dependency of the tinker SDK
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(
+            base_url.rstrip("/") + "/api/v1/unload_model",
+            json={"model_id": model_id, "type": "unload_model"},
+            headers={"X-API-Key": api_key},
+        )
+    if response.status_code != 200:
+        raise RuntimeError(
+            f"unload_model {model_id} answered {response.status_code}: {response.text[:200]}"
+        )
+
+
 def _run(coroutine: Any) -> APIFuture[Any]:
     """Schedule `coroutine` on the running loop and return its result as an APIFuture."""
     task = asyncio.get_running_loop().create_task(coroutine)
