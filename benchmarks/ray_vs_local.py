@@ -3,9 +3,9 @@
 Measures, on the same data: one training step (forward_backward on the whole batch, then
 optim_step; the Ray step includes the gradient all-reduce), batched sampling, a one-datum
 forward, and the per-call dispatch overhead: an empty round trip to both actors, and how many
-round trips each client call makes (Dispatch's check_datums rides on the call that follows it,
-so it costs none of its own). The in-process worker gets every core as torch threads; each Ray
-worker gets its share. Results are medians over alternating rounds in one run (the machine may
+round trips each client call makes (forward_backward carries its own input check, optim_step
+its all-reduce). The in-process worker gets every core as torch threads; each Ray worker gets
+its share. Results are medians over alternating rounds in one run (the machine may
 be shared), printed with the ratio ray / local (below 1: Ray is faster).
 
     python benchmarks/ray_vs_local.py [--batch 16] [--tokens 128] [--rounds 3] [--lora-rank 8]
@@ -157,7 +157,7 @@ def main() -> None:
     ping_ms = 1000 * statistics.median(pings)
     print(f"empty round trip to both actors (per-call dispatch overhead): {ping_ms:.2f} ms")
     listed = ", ".join(f"{name} {count}" for name, count in trips.items())
-    print(f"actor round trips per client call: {listed} (check_datums rides on the call)")
+    print(f"actor round trips per client call (placement settled): {listed}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from posttrain.algo.losses import LOSSES
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.protocol import LossConfigValue
+from posttrain.engine.dispatch import InProcessExecutor
 from posttrain.types import Datum, ModelInput
 
 REL_TOL = 2e-6
@@ -48,8 +49,10 @@ def make_datums(loss_fn: str, seed: int = 0, count: int = 7) -> list[Datum]:
 
 
 def grads_of(client: LocalTrainingClient) -> dict[str, torch.Tensor]:
-    client.dispatch.executor.reduce_gradients()
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    executor = client.dispatch.executor
+    assert isinstance(executor, InProcessExecutor)
+    executor.reduce_gradients()
+    worker = executor.workers[0]
     return {n: g.clone() for n, g in worker.grads().items() if g is not None}
 
 

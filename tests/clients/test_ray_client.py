@@ -178,6 +178,20 @@ def test_sampling_after_training_matches_one_process_on_the_same_weights(fresh):
     ]
     after = remote.executor.served_counts()
     assert [after[r]["sample"] - before[r].get("sample", 0) for r in (0, 1)] == [2, 3]
+    # A snapshot in this process (rank 0 runs on this machine) samples the same weights.
+    snapshot = remote.save_weights_and_get_sampling_client().result()
+    again = snapshot.sample_many(prompts, 2, params).result()
+    assert [[s.tokens for s in r.sequences] for r in again] == [
+        [s.tokens for s in r.sequences] for r in expected
+    ]
+    snapshot.close()
+    # Where rank 0 runs on another node, its files are not here: refused, naming what works.
+    remote.executor._rank0_node = "another-node"
+    try:
+        with pytest.raises(ValueError, match=r"another node.*save_weights_for_sampler"):
+            remote.save_weights_and_get_sampling_client()
+    finally:
+        remote.executor._rank0_node = None
 
 
 def test_bad_input_is_refused_on_every_rank_and_the_group_stays_usable(fresh):
@@ -186,9 +200,12 @@ def test_bad_input_is_refused_on_every_rank_and_the_group_stays_usable(fresh):
     bad = Datum(
         ModelInput.from_ints([5, 6, 9999]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
     )
+    remote.optim_step(AdamParams()).result()  # no gradients: only settles the placement
     # The bad datum is last, so it lands on rank 1 while rank 0's shard is fine.
+    trips = remote.executor.round_trips
     with pytest.raises(ValueError, match="outside the vocabulary"):
         remote.forward_backward([*datums, bad], "cross_entropy").result()
+    assert remote.executor.round_trips == trips + 1  # checked and refused in the call itself
     assert ray_tensors(remote, "grads") == [{}, {}]  # no rank computed anything
     before_l, before_r = local_weights(local), ray_tensors(remote, "weights")[0]
     local.forward_backward(datums, "cross_entropy").result()
@@ -198,6 +215,28 @@ def test_bad_input_is_refused_on_every_rank_and_the_group_stays_usable(fresh):
     update_l = difference(local_weights(local), before_l)
     update_r = difference(ray_tensors(remote, "weights")[0], before_r)
     assert rel_error(update_r, update_l) < UPDATE_TOL
+
+
+def test_each_call_is_one_round_trip_and_its_placement_one_more(fresh):
+    _, remote = fresh
+    datums = make_datums("cross_entropy", seed=7, count=3)
+    prompts = [ModelInput.from_ints([5, 6]), ModelInput.from_ints([7, 8])]
+    calls = {
+        "forward_backward": lambda: remote.forward_backward(datums, "cross_entropy").result(),
+        "optim_step": lambda: remote.optim_step(AdamParams(learning_rate=1e-3)).result(),
+        "sample": lambda: remote.sample_many(prompts, 1, SamplingParams(max_tokens=2)).result(),
+    }
+    calls["optim_step"]()  # everything on the device: the training placement
+    trips: list[int] = []
+    for name in ["forward_backward", "optim_step", "sample", "forward_backward", "optim_step"]:
+        before = remote.executor.round_trips
+        calls[name]()
+        trips.append(remote.executor.round_trips - before)
+    # Nothing to move for the first two; sampling parks the gradients and AdamW moments in
+    # one call, and forward_backward and optim_step each bring back what they need in one.
+    # (Before: forward_backward 2 with its commit, optim_step 2 with its all-reduce, and one
+    # per moved group: [2, 2, 3, 3, 3].)
+    assert trips == [1, 1, 2, 2, 2]
 
 
 def make_group(
@@ -294,12 +333,19 @@ def test_startup_failures_are_clear_and_bounded(local_ray, tiny_model_dir, tmp_p
         make_group(tmp_path / "no-such-model", tmp_path, num_workers=1)
 
 
-def test_a_call_past_call_timeout_fails_instead_of_waiting(local_ray, tiny_model_dir, tmp_path):
-    # 1 ms is shorter than any forward pass: the call is abandoned and the group retired.
-    # One actor is enough to show it (a group of any size waits the same way).
-    impatient = replace(TEST_RAY, call_timeout_s=1e-3)
-    client = make_group(tiny_model_dir, tmp_path, impatient, num_workers=1)
+def test_one_actor_refuses_bad_input_and_bounds_every_call(local_ray, tiny_model_dir, tmp_path):
+    client = make_group(tiny_model_dir, tmp_path, num_workers=1)
     datums = make_datums("cross_entropy", seed=2, count=6)
+    bad = Datum(
+        ModelInput.from_ints([5, 6, 10**7]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
+    )
+    # Refused before anything changed, as with two ranks: the group carries on.
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        client.forward_backward([*datums, bad], "cross_entropy").result(timeout=60)
+    client.forward_backward(datums, "cross_entropy").result(timeout=60)
+    # 1 ms is shorter than any forward pass: the call is abandoned and the group retired.
+    # (The executor reads its config on every call; one actor waits as a group of any size.)
+    client.executor.config = replace(TEST_RAY, call_timeout_s=1e-3)
     with pytest.raises(WorkerGroupError, match="did not finish on rank"):
         client.forward_backward(datums, "cross_entropy").result(timeout=60)
     with pytest.raises(WorkerGroupError, match="unusable"):

@@ -57,7 +57,7 @@ def test_only_calls_that_change_nothing_may_fail_without_retiring_the_group():
     # A worker's exception in any of these may have left some ranks changed and not others.
     updates = {"forward_backward", "optim_step", "reduce_gradients", "load_state", "set_grads"}
     updates |= {"zero_grad", "commit_gradients", "discard_gradients", "offload", "reload"}
-    updates |= {"set_logprob_chunk_size", "join_group"}
+    updates |= {"set_logprob_chunk_size", "join_group", "move"}
     assert not updates & READ_ONLY
     assert {"forward", "sample", "compute_logprobs", "save_state", "check_datums"} <= READ_ONLY
 
@@ -97,13 +97,9 @@ def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path):
         bad = Datum(
             ModelInput.from_ints([5, 6, 999]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
         )
-        # A check riding on the call (agree=True): refused before anything is computed.
-        refused = host.call(
-            "forward_backward",
-            ([bad], "cross_entropy", config),
-            True,
-            ([bad], "cross_entropy", config),
-        )
+        # A checked forward_backward: refused before anything is computed, as a value, also
+        # when this rank is the whole group (its executor then keeps the group usable).
+        refused = host.call("forward_backward", ([bad], "cross_entropy", config), True)
         assert isinstance(refused, Rejected) and isinstance(refused.error, ValueError)
         assert all(p.grad is None for p in host.worker.trainable_parameters().values())
         # A checkpoint that is not there is refused too, as a value: the group carries on.
@@ -112,13 +108,17 @@ def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path):
         datum = Datum(
             ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
         )
-        host.call(
-            "forward_backward",
-            ([datum], "cross_entropy", config),
-            True,
-            ([datum], "cross_entropy", config),
-        )
+        host.call("forward_backward", ([datum], "cross_entropy", config), True)
         params = host.worker.trainable_parameters()
+        computed = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+        # One prepare's moves in one call, in Dispatch's order; repeating one changes nothing
+        # (a retry after a failed move), and the gradients come back as they were.
+        host.move(["optimizer", "grads"], [])
+        host.move(["grads"], ["grads"])
+        assert host.worker.offloaded == {"optimizer"}
+        host.move([], ["optimizer"])
+        assert host.worker.offloaded == set()
+        assert computed and all(torch.equal(params[n].grad, g) for n, g in computed.items())  # type: ignore[arg-type]
         untouched = next(iter(params))
         params[untouched].grad = None
         before = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}

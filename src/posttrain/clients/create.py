@@ -61,6 +61,10 @@ class WorkerSpec:
             reference_factory=self.reference_model,
         )
 
+    def on_cpu(self) -> WorkerSpec:
+        """The same replica built on the CPU (FSDP2's checkpoint replica on rank 0)."""
+        return replace(self, device="cpu", config=replace(self.config, device="cpu"))
+
     def reference_model(self) -> torch.nn.Module:
         return load_hf_model(self.base_model, dtype=self.dtype, device=self.device)
 
@@ -212,7 +216,9 @@ def _ray_client(
     from posttrain.clients.ray import RayTrainingClient
     from posttrain.engine.ray_executor import RayExecutor
 
-    workers = RayExecutor(spec.build, num_workers, ray, device=spec.device)
-    client = RayTrainingClient(workers, storage_dir=storage, base_model=spec.base_model)
-    client.worker_factory = spec.build  # sampling clients are built in this process
-    return client
+    workers = RayExecutor(
+        spec.build, num_workers, ray, device=spec.device, cpu_factory=spec.on_cpu().build
+    )
+    return RayTrainingClient(
+        workers, storage_dir=storage, base_model=spec.base_model, worker_factory=spec.build
+    )

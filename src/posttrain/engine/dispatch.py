@@ -9,16 +9,19 @@ recorded in `transitions` and every move in `moves`.
 
 An executor runs calls on workers. `InProcessExecutor` holds workers in this process; a Ray
 executor (one actor per worker, gradients all-reduced by torch.distributed) plugs in behind
-the same protocol. Besides the primitives, Dispatch calls these `Worker` methods by name:
-`check_datums` (every shard, before any rank computes), `forward_backward(..., commit=False)`
-then `commit_gradients` or `discard_gradients` on every rank, and `offload` / `reload`.
+the same protocol. A forward_backward is all or nothing on every executor: every shard is
+checked (`Worker.check_datums`) before any worker computes, so refused input changes nothing
+anywhere, whatever the number of workers; how a fault during the pass is undone is the
+executor's own business (`Executor.forward_backward`). A forward changes nothing, so each worker
+checks its own shard as it runs. Placement moves go to the executor as one batch per `prepare`
+(`Executor.move`: `Worker.offload` / `Worker.reload`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import torch
 
@@ -41,8 +44,20 @@ class Executor(Protocol):
         """Call `method` on each rank with its arguments; a rank given None is skipped."""
         ...
 
-    def reduce_gradients(self) -> None:
-        """Make every rank's gradient the sum over ranks (an all-reduce with SUM)."""
+    def forward_backward(self, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
+        """`Worker.forward_backward` all or nothing: every rank's arguments (datums, loss_fn,
+        config) pass `Worker.check_datums` before any rank computes, else the first refusal is
+        raised and nothing changed; a fault after that leaves no rank's gradients changed (or
+        the executor can no longer be used)."""
+        ...
+
+    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
+        """On every worker, park `offload` on the CPU, then bring `reload` back, in order."""
+        ...
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Make every rank's gradient the sum over ranks (an all-reduce with SUM), then step
+        every rank; returns rank 0's metrics (every rank's are equal)."""
         ...
 
 
@@ -64,7 +79,45 @@ class InProcessExecutor:
             for worker, args in zip(self.workers, per_rank_args, strict=True)
         ]
 
+    def forward_backward(self, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
+        """Every shard checked first; then each worker runs uncommitted and all commit once all
+        succeeded, else all discard (a failing worker discards its own), so a fault on one
+        worker leaves every worker's gradients as they were."""
+        for worker, args in zip(self.workers, per_rank_args, strict=True):
+            if args is not None:
+                worker.check_datums(*cast(tuple[Sequence[Datum], str, LossConfig], args))
+        results: list[object] = []
+        ran: list[Worker] = []
+        try:
+            for worker, args in zip(self.workers, per_rank_args, strict=True):
+                if args is None:
+                    results.append(None)
+                    continue
+                shard = cast(tuple[Sequence[Datum], str, LossConfig], args)
+                results.append(worker.forward_backward(*shard, commit=False, checked=True))
+                ran.append(worker)
+        except BaseException:
+            for worker in ran:
+                worker.discard_gradients()
+            raise
+        for worker in ran:
+            worker.commit_gradients()
+        return results
+
+    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
+        for worker in self.workers:
+            for group in offload:
+                worker.offload(group)
+            for group in reload:
+                worker.reload(group)
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        self.reduce_gradients()
+        metrics = [worker.optim_step(adam) for worker in self.workers]
+        return metrics[0]
+
     def reduce_gradients(self) -> None:
+        """Every worker's gradients become their sum over the workers."""
         if len(self.workers) == 1:
             return
         per_rank = [w.grads() for w in self.workers]
@@ -100,7 +153,8 @@ class Dispatch:
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.placement: Placement = "train"
-        self.resident: set[StateGroup] = set(GROUPS)
+        self.resident: set[StateGroup] = set(GROUPS)  # on the device on every worker
+        self.unsettled: set[StateGroup] = set()  # a failed move may have left them anywhere
         self.transitions: list[tuple[Placement, Placement]] = []
         self.moves: list[Move] = []
 
@@ -111,30 +165,41 @@ class Dispatch:
     def prepare(self, operation: Operation, placement: Placement | None = None) -> None:
         """Enter `placement` (None: stay), parking what it does not keep (also what a
         placement-neutral call such as load_state brought back meanwhile), then reload what
-        `operation` needs. Every worker makes the same moves, in the same order."""
+        `operation` needs: one executor call for all the moves. Every worker makes the same
+        moves, in the same order."""
+        offload: list[StateGroup] = []
         if placement is not None:
             if placement != self.placement:
                 self.transitions.append((self.placement, placement))
                 self.placement = placement
-            for group in reversed(GROUPS):
-                if group in self.resident and group not in KEEPS[placement]:
-                    self._move("offload", group)
-        for group in GROUPS:
-            if group in NEEDS[operation] and group not in self.resident:
-                self._move("reload", group)
+            offload = [
+                g
+                for g in reversed(GROUPS)
+                if (g in self.resident or g in self.unsettled) and g not in KEEPS[placement]
+            ]
+        reload: list[StateGroup] = [
+            g for g in GROUPS if g in NEEDS[operation] and g not in self.resident
+        ]
+        if offload or reload:
+            self._move(offload, reload)
 
     def offload(self) -> None:
         """Park weights, gradients and optimizer state on the CPU until the next call needs
         them (for a process that hands the device to another engine for a while)."""
         self.prepare("offload", "offloaded")
 
-    def _move(self, action: Literal["offload", "reload"], group: StateGroup) -> None:
-        self.executor.run(action, [(group,)] * self.num_workers)
-        if action == "offload":
-            self.resident.discard(group)
-        else:
-            self.resident.add(group)
-        self.moves.append((action, group))
+    def _move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
+        """Until the moves succeed on every worker, the groups they touch are unsettled (some
+        workers may have moved them and others not): neither resident, so an operation that
+        needs one reloads it, nor forgotten, so a placement that parks it parks it again. Both
+        are safe to repeat (a worker's offload and reload of a group already there do nothing)."""
+        touched: set[StateGroup] = {*offload, *reload}
+        self.resident -= touched
+        self.unsettled |= touched
+        self.executor.move(offload, reload)
+        self.unsettled -= touched
+        self.resident |= set(reload)
+        self.moves.extend([*(("offload", g) for g in offload), *(("reload", g) for g in reload)])
 
     def pass_through(self, method: str, *args: object) -> list[object]:
         return self.executor.run(method, [args] * self.num_workers)
@@ -144,9 +209,9 @@ class Dispatch:
     ) -> PassResult:
         """Shard datums by tokens across ranks, run `method` on each shard, gather in order.
 
-        With several ranks the shards are all checked before any rank computes, and a
-        forward_backward is committed on every rank only once all succeeded (else discarded on
-        all), so a failed call leaves every rank's gradients as they were.
+        A forward_backward is all or nothing (`Executor.forward_backward`): every shard is
+        checked before any rank computes, and a failure leaves every rank's gradients as they
+        were.
         """
         check_same_keys(datums)
         shards = shard_for_ranks([d.length for d in datums], self.num_workers)
@@ -154,27 +219,12 @@ class Dispatch:
         args: list[tuple[object, ...] | None] = [
             ([datums[i] for i in shard], loss_fn, config) if shard else None for shard in shards
         ]
-        if self.num_workers == 1:
-            results = self.executor.run(method, args)
+        if method == "forward_backward":
+            results = self.executor.forward_backward(args)
         else:
-            self.executor.run("check_datums", args)
-            results = self._run_all_or_nothing(method, args)
+            results = self.executor.run(method, args)
         kept = [(r, s) for r, s in zip(results, shards, strict=True) if s]
         return merge_results([r for r, _ in kept], [s for _, s in kept])  # type: ignore[misc]
-
-    def _run_all_or_nothing(
-        self, method: str, args: Sequence[tuple[object, ...] | None]
-    ) -> list[object]:
-        if method != "forward_backward":
-            return self.executor.run(method, args)
-        ranks = [None if a is None else () for a in args]
-        try:
-            results = self.executor.run(method, [None if a is None else (*a, False) for a in args])
-        except BaseException:
-            self.executor.run("discard_gradients", ranks)
-            raise
-        self.executor.run("commit_gradients", ranks)
-        return results
 
     def forward(self, datums: Sequence[Datum], loss_fn: str, config: LossConfig) -> PassResult:
         self.prepare("forward", "train")
@@ -188,9 +238,7 @@ class Dispatch:
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         self.prepare("optim_step", "train")
-        self.executor.reduce_gradients()
-        metrics = self.pass_through("optim_step", adam)
-        return metrics[0]  # type: ignore[return-value]
+        return self.executor.optim_step(adam)
 
     def sample(
         self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams

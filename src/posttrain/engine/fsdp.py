@@ -17,8 +17,13 @@ the weights (forward, logprobs, sampling, where each rank decodes a different nu
 runs on gathered weights, with no collective inside.
 
 Checkpoints keep the single-process format: the ranks gather full trainable weights and AdamW
-moments to rank 0, which writes them through a plain replica (built on first use) with the
-ordinary checkpoint code; loading reads and checks on rank 0, then broadcasts.
+moments to rank 0 alone, which writes them through a plain replica on its CPU (built on first
+use; it keeps the weights, never the moments) with the ordinary checkpoint code; loading reads
+and checks on rank 0, then broadcasts weights, moments and RNG state.
+
+Known limit: every rank loads a whole replica before `fully_shard` cuts it (`WorkerHost`
+builds the plain worker first), so each device must hold the full model once at start-up.
+Building the model on the meta device and loading only each rank's shard would lift it.
 """
 
 from __future__ import annotations
@@ -35,11 +40,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from posttrain.algo.losses import LossConfig
-from posttrain.engine.batching import split_by_token_budget
-from posttrain.engine.checkpoint import RNG_FILE, JSONValue
+from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.dispatch import merge_results
 from posttrain.engine.logprob_pass import causal_lm
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
@@ -47,8 +51,10 @@ from posttrain.engine.ray_actor import collective
 from posttrain.engine.resume_state import (
     optimizer_state_by_index,
     optimizer_state_by_name,
+    rng_state,
     set_rng_state,
 )
+from posttrain.engine.shared_prefix import plan_micro_batches
 from posttrain.engine.worker import PassResult, Worker
 from posttrain.types import AdamParams, Datum
 
@@ -71,8 +77,9 @@ _READS_GATHERED = ("forward", "reference_logprobs", "sample", "compute_logprobs"
 class ShardedWorker:
     """A `Worker` whose decoder is sharded over the default process group with FSDP2.
 
-    `mirror_factory` builds a plain replica on rank 0 when a checkpoint is first written or
-    read (held from then on: rank 0 needs the full model's memory once more for it).
+    `mirror_factory` builds rank 0's plain replica when a checkpoint is first written or read,
+    ideally on the CPU (one built elsewhere is moved there): held from then on, it costs rank 0
+    the full weights' memory once more on the CPU, and none on the device.
     """
 
     def __init__(self, worker: Worker, mirror_factory: Callable[[], Worker]) -> None:
@@ -101,13 +108,17 @@ class ShardedWorker:
         self._mirror_factory = mirror_factory
         self._mirror: Worker | None = None
 
-    def call(self, method: str, args: Sequence[object] | None) -> object:
-        """Run `method` on this rank; `args=None` takes part in the collectives only."""
+    def call(self, method: str, args: Sequence[object] | None, *, checked: bool = False) -> object:
+        """Run `method` on this rank; `args=None` takes part in the collectives only.
+        `checked`: the datums passed `Worker.check_datums` already."""
         if method == "forward_backward":
-            return self.forward_backward(args)
+            return self.forward_backward(args, checked=checked)
         if method in _READS_GATHERED:
             with self.gathered():
-                return None if args is None else getattr(self.worker, method)(*args)
+                if args is None:
+                    return None
+                run = getattr(self.worker, method)
+                return run(*args, checked=True) if checked else run(*args)
         if method in ("save_state", "save_weights"):
             return self.save(method, args)
         if method == "load_state":
@@ -117,11 +128,15 @@ class ShardedWorker:
             return self.optim_step(cast(AdamParams, args[0]))
         return None if args is None else getattr(self.worker, method)(*args)
 
-    def forward_backward(self, args: Sequence[object] | None) -> PassResult | None:
-        """The worker's forward_backward one micro-batch at a time, padded to the busiest rank."""
+    def forward_backward(
+        self, args: Sequence[object] | None, *, checked: bool = False
+    ) -> PassResult | None:
+        """The worker's forward_backward one micro-batch at a time (planned longest first, as
+        the worker plans them), padded to the busiest rank."""
         datums: list[Datum] = [] if args is None else list(cast(Sequence[Datum], args[0]))
-        budget = self.worker.config.micro_batch_tokens
-        micro = split_by_token_budget([d.length for d in datums], budget) if datums else []
+        rows = [d.model_input.to_ints() for d in datums]
+        # min_length 0: no shared prefixes under FSDP (see __init__).
+        micro = [m.rows for m in plan_micro_batches(rows, self.worker.config.micro_batch_tokens, 0)]
         count = torch.tensor([len(micro)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         results: list[PassResult] = []
@@ -129,7 +144,7 @@ class ShardedWorker:
             if index < len(micro):
                 loss_fn, config = cast(str, args[1]), cast(LossConfig, args[2])  # type: ignore[index]
                 part = [datums[i] for i in micro[index]]
-                results.append(self.worker.forward_backward(part, loss_fn, config))
+                results.append(self.worker.forward_backward(part, loss_fn, config, checked=checked))
             else:
                 self._zero_pass()
         return None if args is None else merge_results(results, micro)
@@ -155,7 +170,8 @@ class ShardedWorker:
                 unit.reshard()
 
     def full_tensors(self, kind: Literal["weights", "grads"]) -> dict[str, torch.Tensor | None]:
-        """Trainable weights or gradients by name, whole (gathered) on every rank, on CPU."""
+        """Trainable weights or gradients by name, whole (gathered) on every rank, on CPU: for
+        inspection (digests, tests). Checkpoints gather to rank 0 alone (`gather_to_rank0`)."""
         out: dict[str, torch.Tensor | None] = {}
         for name, param in self.worker.trainable_parameters().items():
             value = param.detach() if kind == "weights" else param.grad
@@ -176,69 +192,72 @@ class ShardedWorker:
         return math.sqrt(float(sharded + replicated))
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """As `Worker.optim_step`, with the clipping norm taken over the whole sharded gradient."""
-        grads = [p.grad for p in self.worker.trainable_parameters().values() if p.grad is not None]
-        if not grads:  # the same on every rank: gradients are sharded or summed everywhere
-            return {
-                "grad_norm:mean": 0.0,
-                "skipped:sum": 1.0,
-                "learning_rate:mean": adam.learning_rate,
-            }
-        norm = self.grad_norm()
-        skipped = not math.isfinite(norm)
-        if not skipped:
-            # torch's clip_grad_norm_ rule: scale by max_norm / (norm + 1e-6) when below 1.
-            coef = adam.grad_clip_norm / (norm + 1e-6) if adam.grad_clip_norm > 0 else 1.0
-            if coef < 1.0:
-                for grad in grads:
-                    grad.mul_(coef)
-            set_adam_params(
-                self.worker.optimizer,
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-            self.worker.optimizer.step()
-        self.worker.zero_grad()
-        return {
-            "grad_norm:mean": norm if not skipped else float("nan"),
-            "skipped:sum": float(skipped),
-            "learning_rate:mean": adam.learning_rate,
-        }
+        """`Worker.optim_step`, with the clipping norm taken over the whole sharded gradient."""
+        params = self.worker.trainable_parameters().values()
+        # The same on every rank (gradients are sharded or summed everywhere): either all take
+        # the worker's own no-gradient skip, or all enter grad_norm's all_reduce.
+        if all(p.grad is None for p in params):
+            return self.worker.optim_step(adam)
+        return clip_and_step(self.worker, adam, self.grad_norm())
 
     def mirror(self) -> Worker:
-        """Rank 0's plain replica for checkpoint I/O (its construction leaves the RNG alone)."""
+        """Rank 0's plain replica on the CPU for checkpoint I/O (its construction leaves the RNG
+        alone)."""
         if self._mirror is None:
             with torch.random.fork_rng(devices=[]):
-                self._mirror = self._mirror_factory()
+                built = self._mirror_factory()
+            if built.config.device != "cpu":
+                built = Worker(built.model, replace(built.config, device="cpu"))
+            self._mirror = built
         return self._mirror
 
     def save(self, method: str, args: Sequence[object] | None) -> Path | None:
-        """Gather to rank 0 and write there with the plain checkpoint code."""
-        with_optimizer = method == "save_state" and bool(args[1]) if args is not None else False
-        flags = [with_optimizer]
-        with collective("gathering the state to save"):
-            dist.broadcast_object_list(flags, src=0)  # only rank 0 was given the arguments
-            weights = self.full_tensors("weights")
-            moments = self._full_optimizer_state() if flags[0] else None
-        if args is None:
+        """Gather to rank 0's replica and write there with the plain checkpoint code. Only rank
+        0 is given `args`; if it cannot build its replica, every rank returns before gathering
+        and rank 0 raises that error."""
+        header: list[object] = [False, False]  # with_optimizer, rank 0 has no replica
+        mirror: Worker | None = None
+        failure: Exception | None = None
+        if args is not None:
+            header[0] = method == "save_state" and bool(args[1])
+            try:
+                mirror = self.mirror()
+            except Exception as exc:
+                failure, header[1] = exc, True
+        with collective("sharing the save's header"):
+            dist.broadcast_object_list(header, src=0)
+        if failure is not None:
+            raise failure
+        if header[1]:
             return None
-        mirror = self.mirror()
-        with torch.no_grad():
-            for name, param in mirror.trainable_parameters().items():
-                param.copy_(cast(torch.Tensor, weights[name]))
+        with collective("gathering the state to save"):
+            self._gather_weights(mirror)
+            moments = self._full_optimizer_state() if header[0] else None
+        if mirror is None or args is None:
+            return None
         mirror.zero_grad()
-        if moments is not None:
-            path = cast(Path, args[0])
-            by_index = optimizer_state_by_index(
-                mirror.model, mirror.optimizer, moments, source=path
-            )
-            mirror.optimizer.load_state_dict(by_index)
-        return cast(Path, getattr(mirror, method)(*args))
+        try:
+            if moments is not None:
+                by_index = optimizer_state_by_index(
+                    mirror.model, mirror.optimizer, moments, source=cast(Path, args[0])
+                )
+                mirror.optimizer.load_state_dict(by_index)
+            return cast(Path, getattr(mirror, method)(*args))
+        finally:
+            mirror.optimizer.state.clear()  # whole moments on rank 0 for good would undo sharding
 
-    def _full_optimizer_state(self) -> dict[str, object]:
-        """AdamW state by parameter name with whole tensors (the checkpoint's format)."""
+    def _gather_weights(self, mirror: Worker | None) -> None:
+        """Every trainable weight, whole, into rank 0's replica (`mirror`, None elsewhere)."""
+        targets = mirror.trainable_parameters() if mirror is not None else {}
+        with torch.no_grad():
+            for name, param in self.worker.trainable_parameters().items():
+                whole = gather_to_rank0(param.detach())
+                if whole is not None:
+                    targets[name].copy_(whole)
+
+    def _full_optimizer_state(self) -> dict[str, object] | None:
+        """AdamW state by parameter name with whole tensors (the checkpoint's format), on rank 0
+        (None on the others, which send their pieces)."""
         optimizer = self.worker.optimizer
         names = {id(p): n for n, p in self.worker.model.named_parameters()}
         state: dict[str, dict[str, object]] = {}
@@ -248,25 +267,31 @@ class ShardedWorker:
                 members.append(names[id(param)])
                 if param in optimizer.state:  # the same on every rank: all ranks step together
                     state[names[id(param)]] = {
-                        key: _full(v).cpu().clone() if isinstance(v, torch.Tensor) else v
+                        key: gather_to_rank0(v) if isinstance(v, torch.Tensor) else v
                         for key, v in optimizer.state[param].items()
                     }
+        if self.rank != 0:
+            return None
         # Every group carries the same settings (set_adam_params sets them all): one group.
         settings = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         return {"state": state, "param_groups": [{**settings, "params": members}]}
 
     def load_state(self, args: Sequence[object] | None) -> dict[str, JSONValue] | None:
-        """Rank 0 reads and checks the checkpoint into its replica, then every rank takes it.
+        """Rank 0 reads and checks the checkpoint into its replica, then every rank takes it
+        (weights, AdamW moments, and the RNG state rank 0's load restored): only rank 0 reads
+        files, so the checkpoint need not be on a filesystem the other nodes see.
 
         A refused checkpoint raises on rank 0 and `PeerRefused` on the others, all before any
         rank's weights change.
         """
         trainer_state: dict[str, JSONValue] | None = None
-        header: list[object] = [None, False, ""]  # rank 0's error, with_optimizer, path
+        header: list[object] = [None, False, None]  # rank 0's error, with_optimizer, RNG state
         if args is not None:
-            header[1:] = [bool(args[1]), str(args[0])]
+            header[1] = bool(args[1])
             try:
                 trainer_state = self.mirror().load_state(cast(Path, args[0]), bool(args[1]))
+                # Loading with the optimizer restored the checkpoint's RNG in this process.
+                header[2] = rng_state() if header[1] else None
             except Exception as exc:
                 header[0] = f"{type(exc).__name__}: {exc}"
                 raise
@@ -280,14 +305,16 @@ class ShardedWorker:
                 raise PeerRefused(f"rank 0 refused the checkpoint: {header[0]}")
         self.worker.zero_grad()
         mirror = self.mirror() if self.rank == 0 else None
+        sources = mirror.trainable_parameters() if mirror is not None else {}
         with torch.no_grad():
             for name, param in self.worker.trainable_parameters().items():
-                source = mirror.trainable_parameters()[name] if mirror is not None else None
-                _local(param).copy_(_local(self._broadcast(source, param)))
+                _local(param).copy_(_local(self._broadcast(sources.get(name), param)))
         if header[1]:
             self._load_optimizer_state(mirror)
-            if args is None:  # on rank 0, loading the replica restored this process's RNG
-                set_rng_state(torch.load(Path(cast(str, header[2])) / RNG_FILE, weights_only=True))
+            if mirror is None:
+                set_rng_state(cast(dict[str, object], header[2]))
+        if mirror is not None:
+            mirror.optimizer.state.clear()  # the ranks hold their shards of it now
         return trainer_state
 
     def _broadcast(self, source: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -338,6 +365,31 @@ class PeerRefused(RuntimeError):
     """Raised on the other ranks when rank 0 refuses a checkpoint (nothing was changed)."""
 
 
+def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole tensor on rank 0's CPU, None on the other ranks: each rank sends its piece of a
+    DTensor to rank 0 alone (a gather, not an all-gather)."""
+    rank = dist.get_rank()
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().cpu().clone() if rank == 0 else None
+    if tuple(tensor.placements) != (Shard(0),):  # not FSDP2's layout: gather everywhere
+        whole = tensor.full_tensor()
+        return whole.cpu() if rank == 0 else None
+    # FSDP2 cuts dim 0 like torch.chunk: every piece but the last ones has ceil(n / world) rows
+    # (a last one may be shorter or empty), so the pieces padded to that size, concatenated in
+    # rank order and trimmed to n rows are the whole tensor.
+    world = dist.get_world_size()
+    rows = -(-tensor.shape[0] // world)
+    with torch.no_grad():
+        local = tensor.to_local()
+        piece = local.new_zeros((rows, *local.shape[1:]))
+        piece[: local.shape[0]] = local
+    pieces = [torch.empty_like(piece) for _ in range(world)] if rank == 0 else None
+    dist.gather(piece, pieces, dst=0)
+    if pieces is None:
+        return None
+    return torch.cat(pieces)[: tensor.shape[0]].cpu()
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: gathered from every rank if it is a DTensor (a collective)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -364,8 +416,35 @@ def _grouped_adamw(params: Sequence[nn.Parameter]) -> torch.optim.AdamW:
     take DTensors or plain tensors, never a mix."""
     sharded = [p for p in params if isinstance(p, DTensor)]
     replicated = [p for p in params if not isinstance(p, DTensor)]
-    first, second = (sharded, replicated) if sharded else (replicated, [])
+    first, *rest = [group for group in (sharded, replicated) if group]
     optimizer = create_adamw_optimizer(first)
-    if second:
-        optimizer.add_param_group({"params": second})
+    for group in rest:
+        optimizer.add_param_group({"params": group})
     return optimizer
+
+
+def clip_and_step(worker: Worker, adam: AdamParams, norm: float) -> dict[str, float]:
+    """`Worker.optim_step` given the total pre-clip norm of the gradients it holds: clip by
+    torch's clip_grad_norm_ rule (scale by max_norm / (norm + 1e-6) when below 1), step AdamW
+    with this call's settings, zero the gradients; a non-finite norm skips the step."""
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        coef = adam.grad_clip_norm / (norm + 1e-6) if adam.grad_clip_norm > 0 else 1.0
+        if coef < 1.0:
+            for param in worker.trainable_parameters().values():
+                if param.grad is not None:
+                    param.grad.mul_(coef)
+        set_adam_params(
+            worker.optimizer,
+            lr=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
+        worker.optimizer.step()
+    worker.zero_grad()
+    return {
+        "grad_norm:mean": norm if not skipped else float("nan"),
+        "skipped:sum": float(skipped),
+        "learning_rate:mean": adam.learning_rate,
+    }

@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from posttrain.engine.placement import StateGroup
 from posttrain.engine.ray_session import loopback_interface
 from posttrain.engine.worker import Worker
+from posttrain.types import AdamParams
 
 if TYPE_CHECKING:
     from posttrain.engine.fsdp import ShardedWorker
@@ -73,6 +75,7 @@ class WorkerHost:
         num_threads: int,
         loopback: bool,
         sharding: Sharding = "replicate",
+        cpu_factory: Callable[[], Worker] | None = None,
     ) -> None:
         # Actors share the machine's cores; more threads than CPUs granted only thrash.
         torch.set_num_threads(num_threads)
@@ -86,6 +89,7 @@ class WorkerHost:
         self.sharding = sharding
         self.served: Counter[str] = Counter()  # datums or prompts handled, per method
         self._factory = factory
+        self._cpu_factory = cpu_factory  # FSDP2: rank 0's checkpoint replica, built on the CPU
         self._worker: Worker | None = None
         self._sharded: ShardedWorker | None = None
         self._store: dist.Store | None = None
@@ -112,7 +116,8 @@ class WorkerHost:
 
     def join_group(self, rendezvous: str, backend: str, timeout_s: float) -> None:
         """Join the process group, take rank 0's trainable weights (replicas start equal),
-        then shard the model if asked."""
+        then shard the model if asked (the whole model was loaded first: see engine.fsdp's
+        known limit)."""
         timeout = timedelta(seconds=timeout_s)
         store = self._store
         if rendezvous.startswith("file://"):
@@ -131,63 +136,74 @@ class WorkerHost:
         if self.sharding == "fsdp2":
             from posttrain.engine.fsdp import ShardedWorker
 
-            self._sharded = ShardedWorker(self.worker, self._factory)
+            self._sharded = ShardedWorker(self.worker, self._cpu_factory or self._factory)
 
-    def call(
-        self,
-        method: str,
-        args: Sequence[object] | None,
-        agree: bool = False,
-        check: Sequence[object] | None = None,
-    ) -> object:
+    def call(self, method: str, args: Sequence[object] | None, check: bool = False) -> object:
         """Run `method` (args None: this rank only takes part in the collectives).
 
-        With `agree`, every rank first checks its shard (`check`: Dispatch's check_datums
-        arguments, None for a rank without one) and the ranks agree with one all_reduce, so
-        either all compute or none does: the same guarantee as a check_datums call of its own,
-        without its Ray round trip.
+        With `check` (Dispatch's forward_backward: `args` are datums, loss_fn, config), every
+        rank first checks its own shard and the ranks agree with one all_reduce, so either all
+        compute or none does; the worker is then told its datums were checked.
         """
         if args is not None and method in _COUNTED:
             self.served[method] += len(args[0])  # type: ignore[arg-type]
-        if agree:
-            refused = self._agree(check)
+        if check:
+            refused = self._agree(args)
             if refused is not None:
                 return refused
         if method == "load_state":  # refused before any weight changes: the group carries on
             try:
-                return self._run(method, args)
+                return self._run(method, args, checked=False)
             except CollectiveError:
                 raise
             except Exception as exc:
                 from posttrain.engine.fsdp import PeerRefused
 
                 return Rejected(None if isinstance(exc, PeerRefused) else exc)
-        return self._run(method, args)
+        return self._run(method, args, checked=check)
 
-    def _run(self, method: str, args: Sequence[object] | None) -> object:
+    def _run(self, method: str, args: Sequence[object] | None, *, checked: bool) -> object:
         if self._sharded is not None:
-            return self._sharded.call(method, args)
-        return None if args is None else getattr(self.worker, method)(*args)
+            return self._sharded.call(method, args, checked=checked)
+        if args is None:
+            return None
+        if checked:  # a forward_backward whose shard _agree checked
+            return getattr(self.worker, method)(*args, checked=True)
+        return getattr(self.worker, method)(*args)
 
-    def _agree(self, check: Sequence[object] | None) -> Rejected | None:
+    def _agree(self, shard: Sequence[object] | None) -> Rejected | None:
         error: BaseException | None = None
-        if check is not None:
+        if shard is not None:
             try:
-                getattr(self.worker, "check_datums")(*check)  # noqa: B009 - arity is Dispatch's
+                getattr(self.worker, "check_datums")(*shard)  # noqa: B009 - arity is Dispatch's
             except Exception as exc:
                 error = exc
-        flag = torch.tensor([float(error is not None)], device=self.worker.config.device)
-        with collective("agreeing on the input"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if error is not None or flag.item() > 0:
-            return Rejected(error)
-        return None
+        if self.world_size > 1:
+            flag = torch.tensor([float(error is not None)], device=self.worker.config.device)
+            with collective("agreeing on the input"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if error is None and flag.item() > 0:
+                return Rejected(None)
+        return None if error is None else Rejected(error)
+
+    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
+        """Dispatch's placement moves of one `prepare`, in one call."""
+        for group in offload:
+            self.worker.offload(group)
+        for group in reload:
+            self.worker.reload(group)
 
     def ping(self) -> None:
         return None
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def served_counts(self) -> dict[str, int]:
         return dict(self.served)
@@ -206,6 +222,12 @@ class WorkerHost:
             return
         with collective("the gradient all-reduce"):
             _all_reduce_grads(params)
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Sum the replicated gradients over the ranks, then step (one call for both)."""
+        if self.world_size > 1:
+            self.reduce_gradients()
+        return self._run("optim_step", (adam,), checked=False)  # type: ignore[return-value]
 
     def full_tensors(self, kind: Literal["weights", "grads"]) -> dict[str, torch.Tensor | None]:
         """Trainable weights or gradients by name, whole on every rank (gathered if sharded)."""

@@ -7,6 +7,10 @@ on the whole mini-batch whatever the shard sizes, and every rank steps AdamW on 
 gradients (the replicas stay bit-identical). With `sharding="fsdp2"` the decoder is sharded
 with FSDP2 (`engine.fsdp`), summed the same way.
 
+Each primitive is one actor round trip, its arguments serialised once: a forward_backward
+carries its own input check (each rank checks its shard, one all_reduce agrees), optim_step its
+gradient all-reduce; the placement moves before a call, if any, are one more.
+
 Failures never hang the caller, and never leave a group that silently diverged:
 - a dead rank, a collective that failed or timed out (a stalled peer is bounded by
   `collective_timeout_s`), or an exception while changing state (forward_backward,
@@ -29,6 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal, NoReturn
 
+from posttrain.engine.placement import StateGroup
 from posttrain.engine.ray_actor import (
     CollectiveError,
     Rejected,
@@ -38,6 +43,7 @@ from posttrain.engine.ray_actor import (
 )
 from posttrain.engine.ray_session import acquire_ray, import_ray, release_ray
 from posttrain.engine.worker import Worker
+from posttrain.types import AdamParams
 
 CollectiveBackend = Literal["auto", "gloo", "nccl"]
 # Calls that change no worker state: a worker's own exception in one of them leaves the group
@@ -47,7 +53,7 @@ READ_ONLY = frozenset(
     {
         *("forward", "sample", "compute_logprobs", "reference_logprobs", "check_datums"),
         *("get_tokenizer", "grads", "trainable_parameters", "save_state", "save_weights"),
-        *("ping", "pid", "served_counts", "weight_digest", "full_tensors", "build"),
+        *("ping", "pid", "node_id", "served_counts", "weight_digest", "full_tensors", "build"),
     }
 )
 # How long to wait for the other ranks' news after one reported a failed collective, so the
@@ -112,7 +118,10 @@ class RayExecutor:
         config: RayConfig | None = None,
         *,
         device: str = "cpu",
+        cpu_factory: Callable[[], Worker] | None = None,
     ) -> None:
+        """`cpu_factory` builds the same replica on the CPU: under FSDP2, rank 0's replica for
+        checkpoint I/O (None: `worker_factory`'s, moved to the CPU once built)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.config = config or RayConfig()
@@ -122,20 +131,25 @@ class RayExecutor:
         self._actors: list[object] = []
         self._store_dirs: list[Path] = []
         self._num_workers = num_workers
-        self._pending_check: list[tuple[object, ...] | None] | None = None
+        self._rank0_node: str | None = None  # rank 0's Ray node id, once asked
         self.rendezvous = ""  # where the ranks met: file://<temp dir>/store, or tcp://host:port
         self.round_trips = 0  # calls to the actors awaited so far (benchmarks count them)
         loopback = acquire_ray(self.config.address, num_workers * self.config.num_cpus)
         # Frees the actors on close(), on garbage collection, or at interpreter exit.
         self._finalizer = weakref.finalize(self, _free, self._ray, self._actors, self._store_dirs)
         try:
-            self._start(worker_factory, num_workers, device, loopback)
+            self._start(worker_factory, cpu_factory, num_workers, device, loopback)
         except BaseException:
             self.close()
             raise
 
     def _start(
-        self, factory: Callable[[], Worker], num_workers: int, device: str, loopback: bool
+        self,
+        factory: Callable[[], Worker],
+        cpu_factory: Callable[[], Worker] | None,
+        num_workers: int,
+        device: str,
+        loopback: bool,
     ) -> None:
         cfg = self.config
         custom = {k: v for k, v in cfg.resources_per_worker.items() if k not in ("CPU", "GPU")}
@@ -143,7 +157,7 @@ class RayExecutor:
         self._actors.extend(
             actor_cls.options(
                 num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, resources=custom, max_restarts=0
-            ).remote(rank, num_workers, factory, cfg.threads(), loopback, cfg.sharding)
+            ).remote(rank, num_workers, factory, cfg.threads(), loopback, cfg.sharding, cpu_factory)
             for rank in range(num_workers)
         )
         deadline = time.monotonic() + cfg.startup_timeout_s
@@ -175,29 +189,36 @@ class RayExecutor:
     def run(self, method: str, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
         """Call `method` on each rank with its arguments; a rank given None is skipped (under
         FSDP it still takes part in the collectives of a method that gathers weights)."""
+        return self._call(method, per_rank_args, check=False)
+
+    def forward_backward(self, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
+        """One round trip: every rank checks its own shard, the ranks agree with one all_reduce
+        and none computes unless all accepted (a refusal raises the worker's error and the
+        group carries on), then each runs with its gradients committed. A fault after the
+        agreement retires the group (module docstring), so nothing is left to undo."""
+        return self._call("forward_backward", per_rank_args, check=True)
+
+    def _call(
+        self, method: str, per_rank_args: Sequence[tuple[object, ...] | None], *, check: bool
+    ) -> list[object]:
         if len(per_rank_args) != self.num_workers:
             raise ValueError(
                 f"per_rank_args has {len(per_rank_args)} entries; expected one per rank "
                 f"({self.num_workers})"
             )
-        check, self._pending_check = self._pending_check, None
-        if method == "check_datums" and self.num_workers > 1:
-            # Dispatch checks every shard before any rank computes. The check rides on the next
-            # call instead of costing a round trip: each rank checks its shard, the ranks agree
-            # with one all_reduce, and none computes unless all accepted (WorkerHost.call).
-            self._check_usable()
-            self._pending_check = list(per_rank_args)
-            return [None] * self.num_workers
-        everyone = check is not None or self._gathers(method)
+        # Every rank takes part in an agreement or a gathering method, with a shard or not.
+        everyone = check or self._gathers(method)
         calls = {
-            rank: actor.call.remote(  # type: ignore[attr-defined]
-                method, per_rank_args[rank], check is not None, check[rank] if check else None
-            )
+            rank: actor.call.remote(method, per_rank_args[rank], check)  # type: ignore[attr-defined]
             for rank, actor in enumerate(self._actors)
             if per_rank_args[rank] is not None or everyone
         }
         values = self._gather(calls, method)
         return [values.get(rank) for rank in range(self.num_workers)]
+
+    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
+        """Every rank parks, then reloads, in one round trip (a failure retires the group)."""
+        self._all("move", list(offload), list(reload))
 
     def _gathers(self, method: str) -> bool:
         if self.config.sharding != "fsdp2":
@@ -205,6 +226,10 @@ class RayExecutor:
         from posttrain.engine.fsdp import GATHERING_METHODS
 
         return method in GATHERING_METHODS
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Every rank sums its gradients with its peers' and steps, in one round trip."""
+        return self._all("optim_step", adam)[0]  # type: ignore[return-value]
 
     def reduce_gradients(self) -> None:
         """Every rank's replicated gradients become the sum over ranks (sharded ones already are)."""
@@ -230,6 +255,13 @@ class RayExecutor:
     def ping(self) -> None:
         """One empty round trip to every rank (measures the per-call dispatch overhead)."""
         self._all("ping")
+
+    def rank0_is_local(self) -> bool:
+        """Whether rank 0's actor runs on this process's Ray node (sees the files it writes)."""
+        if self._rank0_node is None:
+            node = self._gather({0: self._actors[0].node_id.remote()}, "node_id")[0]  # type: ignore[attr-defined]
+            self._rank0_node = str(node)
+        return self._rank0_node == self._ray.get_runtime_context().get_node_id()
 
     def _all(self, host_method: str, *args: object) -> list[object]:
         calls = {

@@ -1,0 +1,93 @@
+"""engine.fsdp without Ray: a `WorkerHost` sharding its worker with FSDP2 as the only rank of a
+gloo group in this process. Two ranks (parity with one process, uneven pieces gathered to rank
+0 for checkpoints) are tested in tests/clients/test_ray_fsdp.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from posttrain.algo.losses import LossConfig
+from posttrain.clients.create import WorkerSpec
+from posttrain.engine.fsdp import ShardedWorker
+from posttrain.engine.ray_actor import WorkerHost, store_directory
+from posttrain.engine.worker import WorkerConfig
+from posttrain.types import AdamParams, Datum, ModelInput
+
+
+def datum(length: int, seed: int) -> Datum:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 250, (length + 1,), generator=gen)
+    return Datum(
+        ModelInput.from_ints(ids[:-1].tolist()),
+        {"target_tokens": ids[1:], "weights": torch.rand(length, generator=gen)},
+    )
+
+
+@pytest.fixture
+def host(tiny_model_dir) -> Iterator[WorkerHost]:
+    spec = WorkerSpec(
+        str(tiny_model_dir), None, "cpu", "float32", WorkerConfig(micro_batch_tokens=16), seed=0
+    )
+    made = WorkerHost(0, 1, spec.build, 1, True, "fsdp2", spec.on_cpu().build)
+    made.build()
+    rendezvous = made.create_store()
+    made.join_group(rendezvous, "gloo", 30.0)
+    yield made
+    dist.destroy_process_group()
+    directory = store_directory(rendezvous)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+
+
+def sharded(host: WorkerHost) -> ShardedWorker:
+    assert host._sharded is not None
+    return host._sharded
+
+
+def test_micro_batches_are_planned_longest_first(host, tiny_model_dir):
+    datums = [datum(n, seed) for seed, n in enumerate((8, 2, 2, 8, 2, 2))]
+    passes: list[int] = []
+    sharded(host).decoder.register_forward_pre_hook(lambda *_: passes.append(1))
+    config = LossConfig.from_mapping({})
+    result = host.call("forward_backward", (datums, "cross_entropy", config), True)
+    # Budget 16 padded tokens (rows x longest). In call order: [8, 2] (16), [2, 8] (16),
+    # [2, 2] (4): 3 passes. Longest first: [8, 8] (16), [2, 2, 2, 2] (8): 2 passes.
+    assert len(passes) == 2
+    # Results come back in the caller's order: as one plain worker computes them (the same
+    # fp32 kernels on the same rows; 1e-6 covers a different row grouping's rounding).
+    plain = WorkerSpec(str(tiny_model_dir), None, "cpu", "float32", WorkerConfig(), seed=0).build()
+    expected = plain.forward_backward(datums, "cross_entropy", config)
+    for got, want in zip(result.logprobs, expected.logprobs, strict=True):  # type: ignore[union-attr]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_checkpoint_replica_is_on_the_cpu_and_keeps_no_moments(host, tmp_path):
+    config = LossConfig.from_mapping({})
+    host.call("forward_backward", ([datum(6, 0), datum(4, 1)], "cross_entropy", config), True)
+    host.optim_step(AdamParams())
+    params = host.worker.trainable_parameters()
+    moments = {n: whole(host.worker.optimizer.state[p]["exp_avg"]) for n, p in params.items()}
+    path = host.call("save_state", (tmp_path / "ckpt", True, {}))
+    mirror = sharded(host).mirror()
+    assert mirror.config.device == "cpu"
+    assert all(p.device.type == "cpu" for p in mirror.model.parameters())
+    assert not mirror.optimizer.state  # whole moments written, then dropped
+    host.worker.optimizer.state.clear()
+    host.call("load_state", (Path(str(path)), True))
+    assert not mirror.optimizer.state
+    # The moments came back from the checkpoint, sharded like their parameters.
+    for name, want in moments.items():
+        got = whole(host.worker.optimizer.state[params[name]]["exp_avg"])
+        assert torch.equal(got, want), name
