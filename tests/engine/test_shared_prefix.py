@@ -26,7 +26,7 @@ from posttrain.engine.worker import Worker, WorkerConfig
 from posttrain.types import Datum, ModelInput
 
 # fp32 tolerance: the shared pass computes the same sums in another order (attention over a
-# cached prefix with masked padding keys, and the members' gradients summed through the index
+# cached prefix with masked padding keys, and the members' gradients summed through the expand
 # that repeats the prefix's keys/values), so results differ by a few float32 roundings per
 # layer. Measured up to 7e-7 relative on the small model's gradients, 3e-7 here.
 REL_TOL = 2e-6
@@ -275,3 +275,33 @@ def test_worker_gradients_do_not_depend_on_sharing(tiny_model_dir):
     (loss_shared, g_shared), (loss_plain, g_plain) = grads[8], grads[0]
     assert abs(loss_shared - loss_plain) <= REL_TOL * abs(loss_plain)
     assert rel(g_shared, g_plain) < REL_TOL
+
+
+def test_shared_pass_gradients_are_bit_identical_at_two_threads(tiny_model_dir):
+    # The prefix's keys/values are repeated for the rows that share it. Indexing did that
+    # before; its backward accumulates with parallel atomic float adds on CPU once torch has
+    # more than one thread and the tensor has >= 32768 elements (ATen's GRAIN_SIZE), and when
+    # the threads' halves of the rows meet inside one group, both add into that group's
+    # prefix in a racing order: gradients changed from call to call. One 48-token prompt with
+    # 40 completions: the repeated keys of one layer hold 40 x 2 heads x 48 x 16 = 61440
+    # elements. (Failed in 5 of 5 repeats with indexing.)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, VOCAB, (48,), generator=gen).tolist()
+    rows = [prompt + torch.randint(3, VOCAB, (6,), generator=gen).tolist() for _ in range(40)]
+    datums = [
+        Datum(ModelInput.from_ints(r[:-1]), {"target_tokens": r[1:], "weights": [1.0] * 53})
+        for r in rows
+    ]
+    worker = Worker(load_hf_model(tiny_model_dir), WorkerConfig(min_shared_prefix=8))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(4):
+            worker.forward_backward(datums, "cross_entropy", LossConfig())
+            runs.append({n: g.clone() for n, g in worker.grads().items() if g is not None})
+            worker.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        assert all(torch.equal(run[n], runs[0][n]) for n in runs[0])

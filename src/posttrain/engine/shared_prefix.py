@@ -2,9 +2,10 @@
 
 An RL batch holds several completions of each prompt. Their prompt tokens give the same hidden
 states and keys/values in every row, so the decoder runs each shared prefix once, then runs
-every row's own tokens against that prefix's KV cache, indexed once per row. Backward sums the
-rows' gradients into the one prefix pass, so losses and gradients are those of the unshared
-pass up to fp32 summation order (~1e-6 relative; tests/engine/test_shared_prefix.py). On 8
+every row's own tokens against that prefix's KV cache, repeated once per row. Backward sums the
+rows' gradients into the one prefix pass, in a fixed order (`repeat_rows`), so losses and
+gradients are those of the unshared pass up to fp32 summation order (~1e-6 relative;
+tests/engine/test_shared_prefix.py), and bit-identical run to run at a given thread count. On 8
 prompts of ~31 tokens with 8 completions of 16 tokens each, the decoder runs ~1270 tokens
 instead of ~3030 (benchmarks/vs_trl.py).
 
@@ -184,6 +185,18 @@ def decoder_hidden(
     return torch.stack([F.pad(h, (0, 0, 0, width - h.shape[0])) for h in hidden if h is not None])
 
 
+def repeat_rows(x_G: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Row g of `x_G` repeated `counts[g]` times, in order, along dim 0.
+
+    Written as expand + cat rather than `x_G[index]` (what `DynamicCache.batch_select_indices`
+    does) so that backward is deterministic: indexing's backward accumulates with parallel
+    atomic float adds on CPU when torch has more than one thread, so the prefix's key/value
+    gradients, and every weight update after, changed from run to run at 2 threads (~3e-7
+    relative per step). An expand's backward is a plain sum.
+    """
+    return torch.cat([x_G[g : g + 1].expand(n, *x_G.shape[1:]) for g, n in enumerate(counts)])
+
+
 def _shared_pass(
     decoder: nn.Module,
     input_ids_BT: torch.Tensor,
@@ -207,7 +220,10 @@ def _shared_pass(
     prefix_GPH, cache = out.last_hidden_state, out.past_key_values
     members = [(gi, r) for gi, g in enumerate(shared) for r in g.rows]
     owner = torch.tensor([gi for gi, _ in members], device=device)
-    cache.batch_select_indices(owner)
+    counts = [len(g.rows) for g in shared]
+    for layer in cache.layers:
+        layer.keys = repeat_rows(layer.keys, counts)  # type: ignore[attr-defined]
+        layer.values = repeat_rows(layer.values, counts)  # type: ignore[attr-defined]
     starts = [shared[gi].length for gi, _ in members]
     own = [lengths[r] - s for (_, r), s in zip(members, starts, strict=True)]
     width = max(own)
