@@ -64,6 +64,45 @@ def test_adam_params_validation(kwargs, name):
         AdamParams(**kwargs)
 
 
+INF = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs", "message"),
+    [
+        # Infinity means nothing for these: lr=inf once turned every weight into NaN.
+        (AdamParams, {"learning_rate": INF}, "AdamParams.learning_rate must be a finite number"),
+        (AdamParams, {"eps": INF}, "AdamParams.eps must be a finite number > 0"),
+        (AdamParams, {"weight_decay": INF}, "AdamParams.weight_decay must be a finite"),
+        (AdamParams, {"grad_clip_norm": INF}, "AdamParams.grad_clip_norm must be a finite"),
+        (AdamParams, {"beta2": -INF}, r"AdamParams.beta2 must be in \[0, 1\)"),
+        (SamplingParams, {"temperature": INF}, "SamplingParams.temperature must be a finite"),
+        (SamplingParams, {"top_p": math.nan}, r"SamplingParams.top_p must be in \(0, 1\]"),
+        # Untyped input (JSON, TOML) names the field instead of failing inside a comparison.
+        (
+            AdamParams,
+            {"learning_rate": "fast"},
+            "AdamParams.learning_rate must be a number, got str",
+        ),
+        (AdamParams, {"beta1": True}, "AdamParams.beta1 must be a number, got bool"),
+        (SamplingParams, {"max_tokens": "8"}, "SamplingParams.max_tokens must be an integer"),
+        (SamplingParams, {"seed": 1.5}, "SamplingParams.seed must be an integer"),
+        (SamplingParams, {"top_k": 0}, r"SamplingParams.top_k must be -1 \(off\) or >= 1"),
+    ],
+)
+def test_settings_are_finite_numbers_named_when_wrong(kind, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        kind(**kwargs)
+
+
+def test_settings_accept_numpy_numbers_and_huge_seeds():
+    lr = np.float32(1e-3)  # numpy scalars arrive from configs and arrays
+    assert AdamParams(learning_rate=lr).learning_rate == lr  # pyright: ignore[reportArgumentType]
+    # The sampler hashes its seed: any integer seeds it.
+    four = np.int64(4)
+    assert SamplingParams(seed=2**80, max_tokens=four).seed == 2**80  # pyright: ignore[reportArgumentType]
+
+
 def test_sampling_params_stop_kinds():
     assert SamplingParams(stop="\n").stop_strings() == ("\n",)
     assert SamplingParams(stop=[5, 6]).stop_tokens() == (5, 6)

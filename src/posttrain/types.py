@@ -9,7 +9,7 @@ between Tinker and posttrain by changing imports.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -23,11 +23,31 @@ TensorLike: TypeAlias = torch.Tensor | np.ndarray | Sequence[float] | Sequence[i
 INT_KEYS = frozenset({"target_tokens"})
 
 
-def _check_finite_number(name: str, value: float, *, low: float | None = None) -> None:
-    if math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+def _is_number(value: object) -> bool:
+    # bool is an int subclass but never a setting's number; numpy scalars are accepted.
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+def _check_range(name: str, value: float, expected: str, ok: Callable[[float], bool]) -> None:
+    """ValueError naming `name` unless `value` is a real number that passes `ok`.
+
+    Range tests are written as `low <= v < math.inf`, so NaN (which fails every comparison) and
+    infinity are refused with the same message as any value out of range.
+    """
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _check_integer(name: str, value: int | None, expected: str, ok: Callable[[int], bool]) -> None:
+    """ValueError naming `name` unless `value` (if not None) is an integer that passes `ok`."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 def _token_ids(name: str, tokens: Sequence[int]) -> tuple[int, ...]:
@@ -206,13 +226,19 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        _check_finite_number("SamplingParams.temperature", self.temperature, low=0.0)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _check_integer("SamplingParams.max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
+        # Any integer seeds the sampler: it hashes the seed with each sequence's position.
+        _check_integer("SamplingParams.seed", self.seed, "an integer", lambda v: True)
+        _check_range(
+            "SamplingParams.temperature",
+            self.temperature,
+            "a finite number >= 0",
+            lambda v: 0.0 <= v < math.inf,
+        )
+        _check_range("SamplingParams.top_p", self.top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        _check_integer(
+            "SamplingParams.top_k", self.top_k, "-1 (off) or >= 1", lambda v: v == -1 or v >= 1
+        )
         if isinstance(self.stop, list | tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
             kinds = {type(s) for s in self.stop}
@@ -244,15 +270,24 @@ class AdamParams:
     grad_clip_norm: float = 0.0  # 0 turns clipping off
 
     def __post_init__(self) -> None:
-        _check_finite_number("AdamParams.learning_rate", self.learning_rate, low=0.0)
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"AdamParams.{name} must be in [0, 1), got {value}")
-        if not self.eps > 0:
-            raise ValueError(f"AdamParams.eps must be > 0, got {self.eps}")
-        _check_finite_number("AdamParams.weight_decay", self.weight_decay, low=0.0)
-        _check_finite_number("AdamParams.grad_clip_norm", self.grad_clip_norm, low=0.0)
+        # Infinity means nothing for any of these: an infinite learning rate turns every weight
+        # into NaN in one step, and "no clipping" is spelled grad_clip_norm=0.
+        finite = "a finite number >= 0"
+        _check_range("AdamParams.learning_rate", self.learning_rate, finite, _finite_nonnegative)
+        _check_range("AdamParams.beta1", self.beta1, "in [0, 1)", lambda v: 0.0 <= v < 1.0)
+        _check_range("AdamParams.beta2", self.beta2, "in [0, 1)", lambda v: 0.0 <= v < 1.0)
+        _check_range("AdamParams.eps", self.eps, "a finite number > 0", lambda v: 0 < v < math.inf)
+        _check_range("AdamParams.weight_decay", self.weight_decay, finite, _finite_nonnegative)
+        _check_range(
+            "AdamParams.grad_clip_norm",
+            self.grad_clip_norm,
+            f"{finite} (0: off)",
+            _finite_nonnegative,
+        )
+
+
+def _finite_nonnegative(value: float) -> bool:
+    return 0.0 <= value < math.inf
 
 
 StopReason: TypeAlias = Literal["stop", "length"]

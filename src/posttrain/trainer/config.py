@@ -23,6 +23,9 @@ KLMode = Literal["loss", "advantage"]
 LRDecay = Literal["cosine", "linear", "constant"]
 AssistantTurns = Literal["all", "last"]
 
+# Infinity means nothing for any float option: "no clipping" is 0, "no cap" is None.
+FINITE_CLIP = "a finite number >= 0 (0 turns clipping off)"
+
 
 @dataclass(frozen=True)
 class RLConfig:
@@ -77,9 +80,12 @@ class RLConfig:
             self, "epsilon", "in [0, 1] (the clip floor is 1 - epsilon)", lambda v: 0 <= v <= 1
         )
         check_range(
-            self, "epsilon_high", ">= 0 (the clip ceiling is 1 + epsilon_high)", lambda v: v >= 0
+            self,
+            "epsilon_high",
+            "a finite number >= 0 (the clip ceiling is 1 + epsilon_high)",
+            lambda v: 0 <= v < math.inf,
         )
-        check_range(self, "dro_beta", ">= 0", lambda v: v >= 0)
+        check_range(self, "dro_beta", "a finite number >= 0", lambda v: 0 <= v < math.inf)
         check_range(self, "advantage_balance", "in [-1, 1]", lambda v: -1 <= v <= 1)
         check_range(
             self, "loss_reduction_constant", "a finite number > 0", lambda v: 0 < v < math.inf
@@ -89,10 +95,15 @@ class RLConfig:
                 "option loss_reduction_constant is needed by loss_reduction='constant': "
                 "pass loss_reduction_constant > 0"
             )
-        check_range(self, "truncated_importance_sampling", "a cap > 0", lambda v: v > 0)
+        check_range(
+            self,
+            "truncated_importance_sampling",
+            "a finite cap > 0 (None: no cap)",
+            lambda v: 0 < v < math.inf,
+        )
         check_range(self, "kimi_k2_tau", "a finite number >= 0", lambda v: 0 <= v < math.inf)
         check_range(self, "num_minibatches", ">= 1", lambda v: v >= 1)
-        check_range(self, "grad_clip", ">= 0 (0 turns clipping off)", lambda v: v >= 0)
+        check_range(self, "grad_clip", FINITE_CLIP, lambda v: 0 <= v < math.inf)
         check_range(self, "weight_decay", "a finite number >= 0", lambda v: 0 <= v < math.inf)
         check_range(self, "kl_penalty_coef", "a finite number >= 0", lambda v: 0 <= v < math.inf)
         check_range(self, "logprob_calculation_chunk_size", ">= 1", lambda v: v >= 1)
@@ -121,7 +132,7 @@ class SFTConfig:
         check_range(self, "min_lr_ratio", "in [0, 1]", lambda v: 0 <= v <= 1)
         check_range(self, "batch_size", ">= 1", lambda v: v >= 1)
         check_range(self, "epochs", ">= 1", lambda v: v >= 1)
-        check_range(self, "grad_clip", ">= 0 (0 turns clipping off)", lambda v: v >= 0)
+        check_range(self, "grad_clip", FINITE_CLIP, lambda v: 0 <= v < math.inf)
         check_range(self, "weight_decay", "a finite number >= 0", lambda v: 0 <= v < math.inf)
 
 
