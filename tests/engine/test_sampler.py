@@ -258,6 +258,23 @@ def test_inverse_cdf_draws_the_exact_distribution() -> None:
     assert tokens.tolist() == [1, 4]
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(1e-300, 1.0), (5e-324, 1.0), (1.0, 5e-324), (1e-30, 1e-45)]
+)
+def test_extreme_temperature_and_top_p_give_their_limit(temperature: float, top_p: float) -> None:
+    # Both limits are greedy: logits / 1e-300 overflows float32, and a top_p below float32's
+    # least positive value rounds to 0 (both once sampled a token out of the vocabulary).
+    logits_V = torch.log(torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4]))
+    u_N = torch.tensor([0.0, 0.5, math.nextafter(1.0, 0.0)], dtype=torch.float64)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    tokens_N, logp_N = choose_tokens(logits_V.expand(3, -1), params, u_N)
+    assert tokens_N.tolist() == [4, 4, 4]
+    if temperature < 1e-38:  # the distribution itself is greedy: all its mass on token 4
+        assert logp_N.tolist() == [0.0, 0.0, 0.0]
+    else:
+        assert torch.isfinite(logp_N).all()
+
+
 XYZ = [ord("x"), ord("y"), ord("z")]
 
 

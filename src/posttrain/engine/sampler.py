@@ -227,7 +227,11 @@ def choose_tokens(
         tokens_A = logits_AV.argmax(-1)
         scaled_AV = logits_AV
     else:
-        scaled_AV = logits_AV / params.temperature
+        # Shifted by the row max, which log_softmax ignores, so that a temperature small enough
+        # for logits / temperature to overflow float32 still gives its limit: the max at 0 (0 / 0
+        # is set there), every other token at -inf.
+        shifted_AV = logits_AV - logits_AV.amax(-1, keepdim=True)
+        scaled_AV = torch.where(shifted_AV == 0, 0.0, shifted_AV / params.temperature)
         tokens_A = _inverse_cdf(truncate_logits(scaled_AV, params.top_k, params.top_p), u_A)
     chosen_A = scaled_AV.gather(1, tokens_A[:, None]).squeeze(1)
     return tokens_A, chosen_A - scaled_AV.logsumexp(-1)
@@ -243,6 +247,7 @@ def truncate_logits(logits_AV: torch.Tensor, top_k: int, top_p: float) -> torch.
         probs_AV = sorted_AV.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
         drop_AV = (probs_AV.cumsum(-1) - probs_AV) >= top_p
+        drop_AV[:, 0] = False  # the prefix is never empty (a top_p below float32's least does)
         logits_AV = logits_AV.masked_fill(drop_AV.scatter(-1, order_AV, drop_AV), float("-inf"))
     return logits_AV
 
