@@ -123,26 +123,30 @@ def test_a_session_that_finishes_while_its_model_loads_keeps_no_model(
     server: ServerProcess, tiny_model_dir: Path
 ) -> None:
     busy, doomed = new_session(server), new_session(server)
-
-    def create(session: str) -> dict:
-        body = {"session_id": session, "model_seq_id": 0, "base_model": str(tiny_model_dir)}
-        response = post(server, "create_model", json={**body, "lora_config": {"rank": 2}})
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    first = create(busy)  # loads on the server's one admin thread ...
-    second = create(doomed)  # ... so this one waits behind it while its session finishes
+    first = new_model(server, busy, tiny_model_dir)
+    snapshot = submit(server, "save_weights_for_sampler", {"model_id": first, "seq_id": 1})
+    # A long sampling call holds the server's one compute thread (seconds: 128 samples of up to
+    # 500 tokens), so the model created next waits behind it while its session finishes,
+    # whatever the machine's load.
+    long_body = sample_body(snapshot["sampling_session_id"])
+    long_body.update(num_samples=128, sampling_params={"max_tokens": 500, "seed": 0})
+    blocker = post(server, "asample", json=long_body)
+    assert blocker.status_code == 200, blocker.text
+    body = {"session_id": doomed, "model_seq_id": 0, "base_model": str(tiny_model_dir)}
+    second = post(server, "create_model", json={**body, "lora_config": {"rank": 2}})
+    assert second.status_code == 200, second.text
     assert post(server, f"sessions/{doomed}/finish", json={}).status_code == 200
-    assert result(server, first["request_id"])["model_id"] == first["model_id"]
-    failed = result(server, second["request_id"])
+    assert len(result(server, blocker.json()["request_id"])["sequences"]) == 128
+    failed = result(server, second.json()["request_id"])
     assert failed["category"] == "user", failed
     assert f"session {doomed} finished while model" in failed["error"]
     # Nothing of it is left: no training run is recorded (and no model is live to free).
     run = httpx.get(
-        f"{server.url}/api/v1/training_runs/{second['model_id']}", headers={"X-API-Key": KEY}
+        f"{server.url}/api/v1/training_runs/{second.json()['model_id']}",
+        headers={"X-API-Key": KEY},
     )
     assert run.status_code == 404, run.text
-    assert "metrics" in optim_step(server, first["model_id"], 1)  # the other session's is live
+    assert "metrics" in optim_step(server, first, 2)  # the other session's is live
 
 
 def test_unload_model_frees_a_model_before_its_session_ends(

@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that compute with torch: its thread count is set from the usable cores before they
+# start (`posttrain serve` sets it itself, after its cheap checks). Not at import time:
+# importing posttrain changes nothing.
+COMPUTE_COMMANDS = frozenset({"train", "demo", "make-tiny-model", "explain"})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -27,6 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
+    if args.command in COMPUTE_COMMANDS:
+        from posttrain.engine.threads import configure_torch_threads
+
+        try:
+            configure_torch_threads()
+        except ValueError as err:  # a bad OMP_NUM_THREADS / POSTTRAIN_NUM_THREADS
+            print(f"posttrain {args.command}: {err}", file=sys.stderr)
+            return 2
     return int(handler(args) or 0)
 
 

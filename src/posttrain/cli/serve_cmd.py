@@ -92,7 +92,16 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"posttrain serve needs the server extra: pip install 'posttrain[server]' ({err})")
         return 2
+    from posttrain.engine.threads import configure_torch_threads, thread_report
     from posttrain.jobs.run_dir import resolve_base_model
+
+    try:
+        # Before any model loads: the server computes on one thread with this many OpenMP
+        # threads (see posttrain.server.runtime).
+        configure_torch_threads()
+    except ValueError as err:
+        print(f"posttrain serve: {err}", file=sys.stderr)
+        return 2
 
     try:
         storage.mkdir(parents=True, exist_ok=True)
@@ -105,6 +114,11 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    report = thread_report()
+    log = logging.getLogger("posttrain.serve")
+    log.info("threads: %s", report.describe())
+    for warning in report.warnings():
+        log.warning("threads: %s", warning)
     _serve(create_app(config), args.host, args.port)
     return 0
 

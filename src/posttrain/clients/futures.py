@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable, Generator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from posttrain.engine.threads import ComputeThread
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -44,13 +46,28 @@ class APIFuture(Generic[T]):
 
 
 class OrderedRunner:
-    """Runs submitted calls one at a time in submission order on a single background thread."""
+    """Runs submitted calls one at a time in submission order on one background thread: a
+    thread of its own, or a `ComputeThread` shared with other runners (`posttrain serve` runs
+    every model's calls on one, so torch never computes on two threads at once)."""
 
-    def __init__(self, name: str) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, thread: ComputeThread | None = None) -> None:
+        self._own = thread is None
+        self._thread = thread or ComputeThread(name)
+        self._last: concurrent.futures.Future[Any] | None = None
+        self._closed = False
 
     def submit(self, fn: Callable[[], T]) -> APIFuture[T]:
-        return APIFuture(self._pool.submit(fn))
+        if self._closed:
+            raise RuntimeError("this client is closed: cannot run new calls")
+        future = self._thread.submit(fn)
+        self._last = future
+        return APIFuture(future)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish the calls already submitted; a shared thread goes on running the others'."""
+        self._closed = True
+        if self._own:
+            self._thread.close()
+        elif self._last is not None and not self._thread.is_current():
+            # The thread runs calls in submission order: once the last is done, all are.
+            concurrent.futures.wait([self._last])

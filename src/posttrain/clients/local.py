@@ -20,6 +20,7 @@ from posttrain.clients.local_sampling import (
 from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
 from posttrain.engine.dispatch import Dispatch, InProcessExecutor
 from posttrain.engine.sampler import Sampler
+from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import PassResult, Worker
 from posttrain.types import (
     AdamParams,
@@ -62,13 +63,16 @@ class LocalTrainingClient:
         storage_dir: str | Path,
         base_model: str = "",
         worker_factory: Callable[[], Worker] | None = None,
+        compute_thread: ComputeThread | None = None,
     ) -> None:
         self.dispatch = dispatch
         self.storage_dir = Path(storage_dir)
         self.base_model = base_model
         # Builds a fresh replica of the base model (same LoRA settings) for sampling clients.
         self.worker_factory = worker_factory
-        self._runner = OrderedRunner("posttrain-local")
+        # Calls run on `compute_thread` when given (shared with other clients), else on a
+        # thread of the client's own.
+        self._runner = OrderedRunner("posttrain-local", compute_thread)
         self._replicas = ReplicaPool()  # idle snapshot replicas, reused by the next snapshot
 
     def forward(

@@ -4,13 +4,14 @@
 `LocalBackend.close` stops it. uvicorn runs in a daemon thread with its own event loop on
 127.0.0.1, on a port the OS picks, behind a random per-server API key.
 
-Threads. A LocalTrainingClient executes every call (forward_backward, optim_step, sample, ...)
-one at a time, in submission order, on its own single worker thread, and submitting is
-thread-safe. The server's sampling requests are submitted to that same queue, so torch never
-runs two calls on a model at once: a request sampled while `train()` runs sees the weights of
+Threads. The server's thread never computes with torch. A LocalTrainingClient executes every
+call (forward_backward, optim_step, sample, ...) one at a time, in submission order, on its
+compute thread (`posttrain.engine.threads`), and submitting is thread-safe. The server's
+sampling requests are submitted to that same queue, so torch never runs two calls on a model at
+once, and never on a second thread: a request sampled while `train()` runs sees the weights of
 the last completed `optim_step`, and never disturbs accumulated gradients (sampling runs in
 inference mode). The tokenizer is the one object the server's thread would share with the
-worker thread (which decodes stop strings), so the server uses its own copy.
+compute thread (which decodes stop strings), so the server uses its own copy.
 """
 
 from __future__ import annotations

@@ -5,6 +5,18 @@ on, then run one at a time on the lane's thread (torch work never runs on the ev
 gap in `seq_id` waits `seq_gap_timeout` seconds, then the waiting requests fail with a user
 error naming the missing id. A request's outcome is written to the store before its waiters
 are woken, so `retrieve_future` always reads it from one place, after a restart too.
+
+Threads. torch computes on exactly one thread, `Runtime.compute` (one device per server): every
+call of every model and sampler (forward, forward_backward, optim_step, sampling, prompt
+logprobs, checkpoint saves and loads, model loading) runs there, one at a time, in the order
+submitted. Two threads computing at once would each run an OpenMP pool as large as the usable
+cores and fight over them (see `posttrain.engine.threads`). The other threads only decide order
+and wait: a model's lane thread hands that model's requests to the compute thread in `seq_id`
+order and waits for each; `admin` does the same for creating models; `asyncio.to_thread`
+callers of `sampler` wait for a sampler to load there. A sampling request runs whole on the
+compute thread (`sampling` is the compute thread), so loading its sampler, sampling and scoring
+the prompt take one turn there, not three. What runs off the compute thread computes nothing
+with torch: SQLite writes, JSON and protobuf encoding, directory deletes (`files`).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from pathlib import Path
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.engine.threads import ComputeThread
 from posttrain.server.config import ServerConfig
 from posttrain.server.sources import UnknownModelError
 from posttrain.server.store import FutureRow, ModelRow, SamplerRow, Store
@@ -66,13 +79,17 @@ class _Waiting:
 
 
 class Lane:
-    """One model's requests, run in `seq_id` order (from 1) on one thread."""
+    """One model's requests, run in `seq_id` order (from 1) on one thread.
+
+    Every `seq_id` the client sends takes its turn, refused or not: a request refused before it
+    was queued (a 4xx) is `skip`ped in its turn, so the requests after it never wait for it.
+    """
 
     def __init__(self, runtime: Runtime, model_id: str) -> None:
         self.runtime = runtime
         self.model_id = model_id
         self.next_seq = 1
-        self.waiting: dict[int, _Waiting] = {}
+        self.waiting: dict[int, _Waiting | None] = {}  # None: a refused request's turn
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lane")
         self.timer: asyncio.TimerHandle | None = None
 
@@ -85,13 +102,28 @@ class Lane:
                 f"(next expected seq_id is {self.next_seq})",
             )
             return
+        if seq_id in self.waiting:  # the store lets one request per seq_id through: a refused one
+            self.runtime.fail(
+                request_id,
+                f"seq_id {seq_id} of model {self.model_id} was taken by a request the server "
+                "refused; send each request with a new seq_id",
+            )
+            return
         self.waiting[seq_id] = _Waiting(request_id, job)
         self._drain()
+
+    def skip(self, seq_id: int) -> None:
+        """Called on the event loop for a request refused before it was queued: its turn
+        passes without running anything (a no-op if `seq_id` already has its turn)."""
+        if seq_id >= self.next_seq and seq_id not in self.waiting:
+            self.waiting[seq_id] = None
+            self._drain()
 
     def _drain(self) -> None:
         while self.next_seq in self.waiting:
             item = self.waiting.pop(self.next_seq)
-            self.thread.submit(self.runtime.run, item.request_id, item.job)
+            if item is not None:
+                self.thread.submit(self.runtime.run, item.request_id, item.job)
             self.next_seq += 1
         if self.timer is not None:
             self.timer.cancel()
@@ -103,9 +135,11 @@ class Lane:
     def _gap_expired(self) -> None:
         self.timer = None
         missing = self.next_seq
-        for seq_id in sorted(self.waiting):
+        for seq_id, item in sorted(self.waiting.items()):
+            if item is None:
+                continue
             self.runtime.fail(
-                self.waiting[seq_id].request_id,
+                item.request_id,
                 f"model {self.model_id}: seq_id {missing} never arrived within "
                 f"{self.runtime.config.seq_gap_timeout:g} s, so seq_id {seq_id} cannot run "
                 "(requests of a model run in seq_id order)",
@@ -119,7 +153,8 @@ class Lane:
         if self.timer is not None:
             self.timer.cancel()
         for item in self.waiting.values():
-            self.runtime.fail(item.request_id, reason)
+            if item is not None:
+                self.runtime.fail(item.request_id, reason)
         self.waiting.clear()
         self.thread.shutdown(wait=False)
 
@@ -137,10 +172,12 @@ class Runtime:
         self._events: dict[str, asyncio.Event] = {}
         self._samplers: OrderedDict[str, LocalTrainingClient] = OrderedDict()
         self._sampler_lock = threading.Lock()
+        self.compute = ComputeThread("compute")  # the only thread where torch computes
         self.admin = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="admin")
         # Deletes get their own thread: they must not wait behind a client.close on admin.
         self.files = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="files")
-        self.sampling = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sample")
+        # Sampling jobs run whole on the compute thread: one turn per request (module doc).
+        self.sampling = self.compute
         self._loop: asyncio.AbstractEventLoop | None = None
         self.max_context_length = _context_length(config.model_path)
 
@@ -161,7 +198,7 @@ class Runtime:
             lane.close("the server is shutting down")
         self.admin.shutdown(wait=False, cancel_futures=True)
         self.files.shutdown(wait=False, cancel_futures=True)
-        self.sampling.shutdown(wait=False, cancel_futures=True)
+        self.compute.close(wait=False)
 
     # futures
     def run(self, request_id: str, job: Job) -> None:
@@ -181,7 +218,9 @@ class Runtime:
         self.store.fail_future(request_id, error, category)
         self._notify(request_id)
 
-    def submit(self, pool: concurrent.futures.Executor, request_id: str, job: Job) -> None:
+    def submit(
+        self, pool: concurrent.futures.Executor | ComputeThread, request_id: str, job: Job
+    ) -> None:
         pool.submit(self.run, request_id, job)
 
     def submit_ordered(self, model_id: str, seq_id: int, request_id: str, job: Job) -> None:
@@ -215,16 +254,21 @@ class Runtime:
     def build_client(
         self, model_id: str, lora: dict[str, int | bool], seed: int
     ) -> LocalTrainingClient:
-        """Load the base model with a fresh LoRA adapter (on a worker thread)."""
-        return create_training_client(
-            self.config.model_path,
-            lora_rank=int(lora["rank"]),
-            train_attn=bool(lora["train_attn"]),
-            train_mlp=bool(lora["train_mlp"]),
-            train_unembed=bool(lora["train_unembed"]),
-            device=self.config.device,
-            seed=seed,
-            storage_dir=self.model_dir(model_id),
+        """Load the base model with a fresh LoRA adapter; called from a worker thread, it loads
+        on the compute thread (loading computes: LoRA init, weight copies), where the client's
+        calls run too."""
+        return self.compute.call(
+            lambda: create_training_client(
+                self.config.model_path,
+                lora_rank=int(lora["rank"]),
+                train_attn=bool(lora["train_attn"]),
+                train_mlp=bool(lora["train_mlp"]),
+                train_unembed=bool(lora["train_unembed"]),
+                device=self.config.device,
+                seed=seed,
+                storage_dir=self.model_dir(model_id),
+                compute_thread=self.compute,
+            )
         )
 
     def model_dir(self, model_id: str) -> Path:
@@ -321,7 +365,10 @@ class Runtime:
 
     # samplers
     def sampler_client(self, weights_dir: str | None, lora: dict[str, int | bool] | None):
-        """A cached sampling model: the base model (weights_dir None) or saved weights."""
+        """A cached sampling model: the base model (weights_dir None) or saved weights.
+
+        Called on the compute thread only (sampling jobs run there; `sampler` sends it there),
+        so the lock, held through a load, is never held by a thread waiting for compute."""
         key = _cache_key(weights_dir)
         with self._sampler_lock:
             client = self._samplers.get(key)
@@ -360,24 +407,36 @@ class Runtime:
     def _load_sampler(
         self, weights_dir: str | None, lora: dict[str, int | bool] | None
     ) -> LocalTrainingClient:
+        """The sampling model, loaded on the compute thread (see `build_client`)."""
         storage = self.config.storage_dir / "sampler-scratch"
         if weights_dir is None or lora is None:
-            return create_training_client(
-                self.config.model_path, device=self.config.device, storage_dir=storage
+            return self.compute.call(
+                lambda: create_training_client(
+                    self.config.model_path,
+                    device=self.config.device,
+                    storage_dir=storage,
+                    compute_thread=self.compute,
+                )
             )
-        client = create_training_client(
-            self.config.model_path,
-            lora_rank=int(lora["rank"]),
-            train_attn=bool(lora["train_attn"]),
-            train_mlp=bool(lora["train_mlp"]),
-            train_unembed=bool(lora["train_unembed"]),
-            device=self.config.device,
-            storage_dir=storage,
-        )
-        if not Path(weights_dir).is_dir():
+        if not Path(weights_dir).is_dir():  # checked before loading a model for nothing
             raise UserError(f"the weights of this sampler are gone (no directory {weights_dir})")
-        client.load_state(weights_dir, with_optimizer=False).result()
-        return client
+
+        def load() -> LocalTrainingClient:
+            client = create_training_client(
+                self.config.model_path,
+                lora_rank=int(lora["rank"]),
+                train_attn=bool(lora["train_attn"]),
+                train_mlp=bool(lora["train_mlp"]),
+                train_unembed=bool(lora["train_unembed"]),
+                device=self.config.device,
+                storage_dir=storage,
+                compute_thread=self.compute,
+            )
+            # On the compute thread already, so the load runs inline.
+            client.load_state(weights_dir, with_optimizer=False).result()
+            return client
+
+        return self.compute.call(load)
 
     def sampler_for_row(self, row: SamplerRow) -> LocalTrainingClient:
         return self.sampler_client(row.weights_dir, row.lora)
@@ -390,8 +449,10 @@ class Runtime:
         return names
 
     def sampler(self, name: str, owner: str | None) -> SamplingClient:
+        """Called from a worker thread; the sampler loads on the compute thread, where the
+        sampler cache lives (its lock is never held by a thread waiting for compute)."""
         if self.config.serves(name):
-            client = self.sampler_client(None, None)
+            client = self.compute.call(self.sampler_client, None, None)
             return SamplingClient(client, client.get_tokenizer())
         row = self.store.checkpoint(name, owner) if owner is not None else None
         if row is None or row.kind != "sampler":
@@ -399,7 +460,7 @@ class Runtime:
         model = self.store.model(row.model_id, row.owner)
         if model is None:
             raise UnknownModelError(f"model {name!r} is not served")
-        client = self.sampler_client(row.dir, model.lora)
+        client = self.compute.call(self.sampler_client, row.dir, model.lora)
         return SamplingClient(client, client.get_tokenizer())
 
 
