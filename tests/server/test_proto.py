@@ -35,6 +35,7 @@ from tinker.types import ForwardBackwardRequest as SdkRequest  # noqa: E402
 
 from posttrain.server import proto_schema  # noqa: E402
 from posttrain.server.proto import (  # noqa: E402
+    BodyTooLarge,
     ForwardBackwardRequest,
     ProtocolError,
     decode_forward_backward_request,
@@ -207,6 +208,38 @@ def test_zstd_body_and_provenance_spans() -> None:
     assert unzipped.data[0].loss_fn_inputs["target_tokens"].tolist() == [5, 6, 7]
     assert plain.data[0].model_input.to_ints() == [4, 5, 6]
     assert decode_forward_backward_request(body, "identity").loss_fn == "cross_entropy"
+
+
+def test_zstd_body_inflates_up_to_the_limit_only() -> None:
+    body = _valid_body()
+    compressed = zstandard.ZstdCompressor().compress(body)
+    assert decode_forward_backward_request(compressed, "zstd", max_bytes=len(body)).loss_fn
+    with pytest.raises(
+        BodyTooLarge, match=f"inflates beyond the server's limit of {len(body) - 1}"
+    ):
+        decode_forward_backward_request(compressed, "zstd", max_bytes=len(body) - 1)
+    # 1 GiB of zeros in ~32 KB: refused after inflating a little past 1 MiB, not 1 GiB.
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(1 << 30))
+    with pytest.raises(BodyTooLarge):
+        decode_forward_backward_request(bomb, "zstd", max_bytes=1 << 20)
+
+
+def test_refusals_past_the_header_name_the_model_and_seq_id() -> None:
+    # The server still gives the refused request's seq_id its turn in the model's order.
+    mismatched = text_datum([1, 2, 3], target_tokens=[2, 3], weights=[1.0, 1.0, 1.0])
+    with pytest.raises(
+        ProtocolError, match=r"datum 0: Datum.loss_fn_inputs\['target_tokens'\]"
+    ) as err:
+        decode_forward_backward_request(sdk_body([mismatched], seq_id=7))
+    assert (err.value.model_id, err.value.seq_id) == ("model_abc", 7)
+    msg = sdk_pb.ForwardBackwardRequest(model_id="m", seq_id=4, loss_fn="cross_entropy")
+    msg.data.add().model_input.add().encoded_text.tokens = np.asarray([1, -5], "<i4").tobytes()
+    with pytest.raises(ProtocolError, match=r"datum 0: EncodedTextChunk.tokens\[1\] is -5") as err:
+        decode_forward_backward_request(msg.SerializeToString())
+    assert (err.value.model_id, err.value.seq_id) == ("m", 4)
+    with pytest.raises(ProtocolError, match="not a valid") as err:
+        decode_forward_backward_request(b"\xff\xff")
+    assert (err.value.model_id, err.value.seq_id) == (None, None)
 
 
 def _valid_body() -> bytes:

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Sequence
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
+from pydantic import BaseModel
 
 from posttrain.backends.sampling import SamplingClient
 from posttrain.server.openai_schema import (
@@ -66,15 +67,35 @@ def create_openai_router(source: SamplerSource) -> APIRouter:
     async def retrieve_model(name: str, request: Request) -> JSONResponse:
         return await _respond(_retrieve(source, name, _owner(request)))
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> JSONResponse:
         return await _respond(_completion(source, request))
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request) -> JSONResponse:
         return await _respond(_chat(source, request))
 
     return router
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, object]:
+    """The OpenAPI request body of a route that parses its own JSON (to answer in OpenAI's
+    error shape), so the spec, and the fuzz test built on it, still know the fields."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: object) -> object:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 async def _respond(answer: Awaitable[Json]) -> JSONResponse:
@@ -106,6 +127,10 @@ async def _body(request: Request) -> object:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise OpenAIError(400, "the request body is not valid JSON") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise OpenAIError(
+            400, "the request body nests too deeply to parse; no OpenAI request does that"
+        ) from None
 
 
 async def _sampler(source: SamplerSource, name: str, owner: str | None) -> SamplingClient:

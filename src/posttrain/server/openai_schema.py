@@ -13,6 +13,13 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from posttrain.server.tinker_schema import (
+    MAX_SAMPLE_TOKENS,
+    TOKEN_ID_LIMIT,
+    Seed,
+    TokenId,
+    unencodable_text,
+)
 from posttrain.types import SampledSequence, SamplingParams
 
 MAX_N = 128
@@ -61,14 +68,14 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=-1, lt=TOKEN_ID_LIMIT)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_SAMPLE_TOKENS)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
@@ -95,7 +102,7 @@ class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_SAMPLE_TOKENS)
 
 
 # OpenAI fields this server does not implement. Each is accepted only at a value that asks for
@@ -120,6 +127,15 @@ def parse_request(body: object, kind: type[RequestT]) -> RequestT:
     """Validate a JSON body; OpenAIError(400) naming the field on any problem."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    for name, value in body.items():
+        where = unencodable_text({name: value})
+        if where is not None:
+            raise OpenAIError(
+                400,
+                f"invalid {where}: it holds a lone UTF-16 surrogate (such as \\ud800), which is "
+                "not text; send valid Unicode",
+                param=None if where.startswith("a key of") else name,
+            )
     for name, inert in _INERT.items():
         if name in body and not inert(body[name]):
             hint = " (streaming is not supported; send stream=false)" if name == "stream" else ""

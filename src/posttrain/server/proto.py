@@ -30,15 +30,30 @@ from posttrain.types import (
 # A sparse tensor costs little on the wire but its dense form may not: refuse to densify one
 # larger than this (256 MiB of float32), whatever the request body limit is.
 MAX_DENSE_ELEMENTS = 1 << 26
-# A zstd body may not inflate beyond this.
+# A zstd body may not inflate beyond this (the server passes its --max-body-mb instead).
 MAX_DECOMPRESSED_BYTES = 1 << 30
+# Decompressed in pieces of this size, so that a small body that claims (or inflates to) a huge
+# size costs no more memory than the limit before it is refused.
+_ZSTD_READ_BYTES = 1 << 20
 
 _REQUEST_DTYPES = {schema.DTYPE_FLOAT32: np.dtype("<f4"), schema.DTYPE_INT64: np.dtype("<i8")}
 _STOP_REASONS = {"stop": schema.STOP_REASON_STOP, "length": schema.STOP_REASON_LENGTH}
 
 
 class ProtocolError(ValueError):
-    """A request body that is not a well-formed protocol message; the text says what is wrong."""
+    """A request body that is not a well-formed protocol message; the text says what is wrong.
+
+    `model_id` and `seq_id` are the message's, when it was read far enough to give them: the
+    request is refused, but its `seq_id` still counts in the model's order.
+    """
+
+    def __init__(self, message: str, *, model_id: str | None = None, seq_id: int | None = None):
+        super().__init__(message)
+        self.model_id, self.seq_id = model_id, seq_id
+
+
+class BodyTooLarge(ProtocolError):
+    """A compressed body that inflates beyond the limit (answered 413)."""
 
 
 @dataclass(frozen=True)
@@ -52,29 +67,37 @@ class ForwardBackwardRequest:
 
 
 def decode_forward_backward_request(
-    body: bytes, content_encoding: str | None = None
+    body: bytes, content_encoding: str | None = None, max_bytes: int = MAX_DECOMPRESSED_BYTES
 ) -> ForwardBackwardRequest:
-    """Decode a `POST /forward_backward` body (protobuf, optionally `Content-Encoding: zstd`)."""
+    """Decode a `POST /forward_backward` body (protobuf, optionally `Content-Encoding: zstd`,
+    which may inflate to `max_bytes` at most)."""
     msg = schema.new_message("ForwardBackwardRequest")
     try:
-        msg.ParseFromString(_decompress(body, content_encoding))
+        msg.ParseFromString(_decompress(body, content_encoding, max_bytes))
     except DecodeError as e:
         raise ProtocolError(f"body is not a valid ForwardBackwardRequest protobuf: {e}") from e
     if not msg.model_id:
         raise ProtocolError("ForwardBackwardRequest has no model_id")
-    if not msg.loss_fn:
-        raise ProtocolError("ForwardBackwardRequest has no loss_fn")
-    return ForwardBackwardRequest(
-        model_id=msg.model_id,
-        seq_id=msg.seq_id,
-        data=[_decode_datum(d, f"datum {i}") for i, d in enumerate(msg.data)],
-        loss_fn=msg.loss_fn,
-        loss_fn_config=_decode_loss_fn_config(msg),
-        forward_only=msg.forward_only,
-    )
+    try:
+        # Everything after the header is checked here, so that every refusal names the model
+        # and seq_id it was for.
+        if msg.seq_id < 0:
+            raise ProtocolError(f"seq_id must be >= 0, got {msg.seq_id}")
+        if not msg.loss_fn:
+            raise ProtocolError("ForwardBackwardRequest has no loss_fn")
+        return ForwardBackwardRequest(
+            model_id=msg.model_id,
+            seq_id=msg.seq_id,
+            data=[_decode_datum(d, f"datum {i}") for i, d in enumerate(msg.data)],
+            loss_fn=msg.loss_fn,
+            loss_fn_config=_decode_loss_fn_config(msg),
+            forward_only=msg.forward_only,
+        )
+    except ProtocolError as e:
+        raise ProtocolError(str(e), model_id=msg.model_id, seq_id=msg.seq_id) from e
 
 
-def _decompress(body: bytes, content_encoding: str | None) -> bytes:
+def _decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "identity":
         return body
@@ -89,14 +112,20 @@ def _decompress(body: bytes, content_encoding: str | None) -> bytes:
             "body is zstd-compressed (Content-Encoding: zstd) but the server lacks the "
             "zstandard module; install it (pip install zstandard) or send uncompressed bodies"
         ) from e
+    data = bytearray()
     try:
         with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
-            data = reader.read(MAX_DECOMPRESSED_BYTES + 1)
+            # `read(n)` allocates n bytes up front: read small pieces, stop past the limit.
+            while piece := reader.read(_ZSTD_READ_BYTES):
+                data += piece
+                if len(data) > max_bytes:
+                    raise BodyTooLarge(
+                        f"the zstd body inflates beyond the server's limit of {max_bytes} bytes "
+                        "(--max-body-mb); send smaller requests"
+                    )
     except zstandard.ZstdError as e:
         raise ProtocolError(f"body is not valid zstd data (Content-Encoding: zstd): {e}") from e
-    if len(data) > MAX_DECOMPRESSED_BYTES:
-        raise ProtocolError(f"zstd body inflates beyond {MAX_DECOMPRESSED_BYTES} bytes")
-    return data
+    return bytes(data)
 
 
 def _decode_loss_fn_config(msg: Any) -> dict[str, float | str]:
@@ -111,15 +140,16 @@ def _decode_loss_fn_config(msg: Any) -> dict[str, float | str]:
 
 
 def _decode_datum(msg: Any, where: str) -> Datum:
-    chunks = tuple(
-        _decode_chunk(c, f"{where}: model_input chunk {i}") for i, c in enumerate(msg.model_input)
-    )
     inputs = {
         key: torch.from_numpy(_decode_tensor(tensor, f"{where}: loss_fn_inputs[{key!r}]"))
         for key, tensor in msg.loss_fn_inputs.items()
     }
     # Provenance spans (model_input_spans, loss_fn_input_spans) are accepted and not used.
     try:
+        # The chunks too: EncodedTextChunk refuses a negative token id with a ValueError.
+        chunks = tuple(
+            _decode_chunk(c, f"model_input chunk {i}") for i, c in enumerate(msg.model_input)
+        )
         return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
     except ValueError as e:
         raise ProtocolError(f"{where}: {e}") from e

@@ -3,7 +3,10 @@ and futures, under /api/v1.
 
 Submissions are validated, written as a pending future (deduplicated on the model and
 `seq_id`), and handed to the runtime; results are fetched with `retrieve_future`. Another
-owner's ids are answered exactly like unknown ones.
+owner's ids are answered exactly like unknown ones. A request refused before it is queued still
+takes its `seq_id`'s turn in the model's order (`release_turn`), and a failed request's message
+names checkpoints by the client's tinker:// paths, never by the server's storage paths.
+Checkpoint and sampling endpoints live in `tinker_checkpoints` and `tinker_sampling`.
 """
 
 from __future__ import annotations
@@ -13,28 +16,43 @@ import hashlib
 import secrets
 import time
 import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
 from posttrain.server import tinker_schema as s
 from posttrain.server.proto import (
+    BodyTooLarge,
     ProtocolError,
     decode_forward_backward_request,
     encode_forward_backward_output,
     forward_backward_output_json,
 )
-from posttrain.server.runtime import Job, Outcome, Runtime, UserError
+from posttrain.server.runtime import Job, Outcome, Runtime, UserError, category_of
 from posttrain.server.store import (
-    CheckpointKind,
     CheckpointRow,
     DuplicateRequest,
     ModelRow,
-    SamplerRow,
 )
 from posttrain.types import AdamParams
 
 PROTOBUF = "application/x-protobuf"
+# Routes whose requests take a turn in their model's seq_id order.
+ORDERED_ROUTES = frozenset(
+    f"/api/v1/{name}"
+    for name in (
+        "forward_backward",
+        "optim_step",
+        "save_weights",
+        "save_weights_for_sampler",
+        "load_weights",
+    )
+)
+# Refusals the SDK retries with the same seq_id: the turn stays free for the retry.
+RETRIED_STATUSES = frozenset({408, 409, 429})
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
 def owner(request: Request) -> str:
@@ -44,6 +62,65 @@ def owner(request: Request) -> str:
 
 def not_found(what: str) -> HTTPException:
     return HTTPException(404, f"{what} not found")
+
+
+def release_turn(runtime: Runtime, who: str, model_id: object, seq_id: object) -> None:
+    """A request for (`model_id`, `seq_id`) was refused before it was queued: its turn in the
+    model's order passes, so the caller's later requests do not wait `seq_gap_timeout` for it.
+
+    Only for the caller's own live model, so that nobody moves another caller's model on.
+    """
+    if not isinstance(model_id, str) or s.unencodable_text(model_id) is not None:
+        return
+    if isinstance(seq_id, bool) or not isinstance(seq_id, int) or not 0 <= seq_id <= s.INT64_MAX:
+        return
+    if runtime.store.model(model_id, who) is None:
+        return
+    lane = runtime.lanes.get(model_id)
+    if lane is not None:
+        lane.skip(seq_id)
+
+
+def client_terms(text: str, names: Mapping[str, str]) -> str:
+    """`text` with each server path in `names` replaced by the client's name for it (longest
+    first, so a directory inside another is named by its own entry)."""
+    for path in sorted(names, key=len, reverse=True):
+        text = text.replace(path, names[path])
+    return text
+
+
+def in_client_terms(job: Job, names: Mapping[str, str]) -> Job:
+    """`job`, whose failure message names what the client named (tinker:// paths, the base
+    model) rather than the server's storage paths; the server log keeps the original."""
+
+    def run() -> Outcome:
+        try:
+            return job()
+        except Exception as exc:
+            message = client_terms(str(exc), names)
+            if message == str(exc):
+                raise
+            error = UserError if category_of(exc) == "user" else RuntimeError
+            raise error(message) from exc
+
+    return run
+
+
+def adam_params(body: s.OptimParams | None) -> AdamParams:
+    """The step's AdamParams; 400 naming the setting for anything AdamW cannot take."""
+    body = body or s.OptimParams()
+    if body.type not in ("adamw", "adam"):
+        raise HTTPException(400, f"optimizer {body.type!r} is not supported; the model uses adamw")
+    if body.model_extra:
+        raise HTTPException(
+            400,
+            f"unknown AdamW setting(s) {', '.join(sorted(body.model_extra))}; "
+            f"AdamW takes {', '.join(ADAM_FIELDS)}",
+        )
+    try:
+        return AdamParams(**{name: getattr(body, name) for name in ADAM_FIELDS})
+    except ValueError as err:
+        raise HTTPException(400, str(err)) from None
 
 
 class Api:
@@ -74,6 +151,30 @@ class Api:
         if row is None:
             raise not_found(f"checkpoint {path!r}")
         return row
+
+    @contextmanager
+    def turn(self, who: str, model_id: object, seq_id: object) -> Iterator[None]:
+        """Around an ordered request's checks: a refusal (4xx) still passes its turn."""
+        try:
+            yield
+        except HTTPException as exc:
+            if exc.status_code < 500 and exc.status_code not in RETRIED_STATUSES:
+                release_turn(self.rt, who, model_id, seq_id)
+            raise
+
+    def path_names(self, model_id: str | None = None) -> dict[str, str]:
+        """Server paths -> the names the client knows them by: a model's checkpoint folders,
+        the base model, then anything else under the storage folder."""
+        names = {str(self.config.storage_dir): "<server storage>"}
+        names[str(self.config.storage_dir.resolve())] = "<server storage>"
+        if self.config.model_path != self.config.base_model:
+            names[self.config.model_path] = self.config.base_model
+        if model_id is not None:
+            run = self.rt.model_dir(model_id)
+            for folder, segment in (("checkpoints", "weights"), ("sampler_weights",) * 2):
+                names[str(run / folder)] = f"tinker://{model_id}/{segment}"
+                names[str(run.resolve() / folder)] = f"tinker://{model_id}/{segment}"
+        return names
 
     def check_base_model(self, name: str) -> None:
         if not self.config.serves(name):
@@ -118,13 +219,22 @@ class Api:
         return request_id, True
 
     async def ordered(
-        self, request: Request, kind: str, model: ModelRow, seq_id: int, job: Job
+        self,
+        request: Request,
+        kind: str,
+        model: ModelRow,
+        seq_id: int,
+        job: Job,
+        names: Mapping[str, str] | None = None,
     ) -> dict[str, object]:
+        """Queue `job` in the model's seq_id order; `names` (server path -> the client's name)
+        add to `path_names` for its error message."""
         rid, new = await self.new_future(
             request, kind, f"{model.model_id}#{seq_id}", model.model_id, seq_id
         )
         if new:
             self.store.touch_model(model.model_id)
+            job = in_client_terms(job, {**self.path_names(model.model_id), **(names or {})})
             self.rt.submit_ordered(model.model_id, seq_id, rid, job)
         return {"request_id": rid, "model_id": model.model_id}
 
@@ -141,13 +251,12 @@ class Api:
         self.store.touch_session(body.session_id, owner(request))
         return {"type": "session_heartbeat"}
 
-    async def finish_session(self, session_id: str, request: Request) -> dict[str, object]:
+    async def finish_session(
+        self, session_id: str, request: Request, body: s.FinishSession | None = None
+    ) -> dict[str, object]:
         """The session's models are unloaded and its snapshot samplers deleted; its named
         checkpoints stay. Finishing twice is fine."""
-        try:
-            reason = str((await request.json()).get("reason", {}).get("type", "finished"))
-        except (ValueError, AttributeError):
-            reason = "finished"
+        reason = body.reason.type if body is not None and body.reason is not None else "finished"
         if not self.store.touch_session(session_id, owner(request), finished=reason):
             raise not_found(f"session {session_id!r}")
         self.rt.unload_session(session_id)
@@ -178,7 +287,7 @@ class Api:
                 body.session_id,
                 self.config.base_model,
                 settings,
-                _str_dict(body.user_metadata),
+                str_dict(body.user_metadata),
                 time.time(),
                 time.time(),
             )
@@ -188,7 +297,7 @@ class Api:
                 self.rt.add_model(row, self.rt.build_client(model_id, settings, seed))
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
-            self.rt.submit(self.rt.admin, rid, job)
+            self.rt.submit(self.rt.admin, rid, in_client_terms(job, self.path_names(model_id)))
         return {"request_id": rid, "model_id": model_id}
 
     async def get_info(self, body: s.ModelRef, request: Request) -> dict[str, object]:
@@ -215,13 +324,19 @@ class Api:
 
     # training
     async def forward_backward(self, request: Request) -> dict[str, object]:
+        who = owner(request)
         try:
             req = decode_forward_backward_request(
-                await request.body(), request.headers.get("content-encoding")
+                await request.body(),
+                request.headers.get("content-encoding"),
+                self.config.max_body_bytes,
             )
+        except BodyTooLarge as err:
+            raise HTTPException(413, str(err)) from None
         except ProtocolError as err:
+            release_turn(self.rt, who, err.model_id, err.seq_id)
             raise HTTPException(400, f"malformed ForwardBackwardRequest protobuf: {err}") from None
-        model = self.model(req.model_id, owner(request))
+        model = self.model(req.model_id, who)
 
         def job() -> Outcome:
             client = self.rt.client(req.model_id)
@@ -233,153 +348,16 @@ class Api:
         return await self.ordered(request, kind, model, req.seq_id, job)
 
     async def optim_step(self, body: s.OptimStep, request: Request) -> dict[str, object]:
-        model = self.model(body.model_id, owner(request))
-        params = dict(body.adam_params or body.optim_params or body.optimizer_params or {})
+        who = owner(request)
+        with self.turn(who, body.model_id, body.seq_id):
+            model = self.model(body.model_id, who)
+            params = adam_params(body.adam_params or body.optim_params or body.optimizer_params)
 
         def job() -> Outcome:
-            kind = params.pop("type", "adamw")
-            if kind not in ("adamw", "adam"):
-                raise UserError(f"optimizer {kind!r} is not supported; the model uses adamw")
-            result = self.rt.client(model.model_id).optim_step(AdamParams(**params)).result()
+            result = self.rt.client(model.model_id).optim_step(params).result()
             return Outcome({"metrics": result.metrics or {}, "type": "optim_step"})
 
         return await self.ordered(request, "optim_step", model, body.seq_id, job)
-
-    async def save_weights(self, body: s.SaveWeights, request: Request) -> dict[str, object]:
-        model = self.model(body.model_id, owner(request))
-        name = body.path or f"checkpoint-{body.seq_id}"
-        job = self.save_job(model, "weights", name, body.overwrite, body.user_metadata)
-        return await self.ordered(request, "save_weights", model, body.seq_id, job)
-
-    def save_job(
-        self,
-        model: ModelRow,
-        kind: CheckpointKind,
-        name: str,
-        overwrite: bool,
-        metadata: dict[str, str] | None,
-    ) -> Job:
-        segment = "weights" if kind == "weights" else "sampler_weights"
-        tinker_path = f"tinker://{model.model_id}/{segment}/{name}"
-
-        def job() -> Outcome:
-            previous = self.store.checkpoint(tinker_path, model.owner)
-            if not overwrite and previous is not None:
-                raise UserError(f"checkpoint {tinker_path} exists; save with overwrite=True")
-            client = self.rt.client(model.model_id)
-            save = client.save_state if kind == "weights" else client.save_weights_for_sampler
-            # The save replaces the directory atomically (a failed save keeps the old one), so
-            # an overwrite only has to evict the sampler loaded from the old files, after it.
-            directory = save(name).result().path
-            if previous is not None:
-                self.rt.evict_weights(previous.dir)
-            self.store.add_checkpoint(
-                CheckpointRow(
-                    tinker_path,
-                    model.owner,
-                    model.model_id,
-                    kind,
-                    name,
-                    directory,
-                    dict(metadata or {}),
-                    _dir_size(directory),
-                    time.time(),
-                )
-            )
-            kind_name = "save_weights" if kind == "weights" else "save_weights_for_sampler"
-            return Outcome({"path": tinker_path, "type": kind_name})
-
-        return job
-
-    async def save_for_sampler(
-        self, body: s.SaveWeightsForSampler, request: Request
-    ) -> dict[str, object]:
-        model = self.model(body.model_id, owner(request))
-        if body.path:
-            job = self.save_job(model, "sampler", body.path, True, body.user_metadata)
-            return await self.ordered(request, "save_weights_for_sampler", model, body.seq_id, job)
-        sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
-
-        def ephemeral() -> Outcome:
-            client = self.rt.client(model.model_id)
-            directory = client.save_weights_for_sampler(f".ephemeral-{sampler_id}").result().path
-            self.store.add_sampler(
-                SamplerRow(
-                    sampler_id,
-                    model.owner,
-                    model.session_id,
-                    model.base_model,
-                    None,
-                    directory,
-                    model.lora,
-                )
-            )
-            return Outcome({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
-
-        return await self.ordered(
-            request, "save_weights_for_sampler", model, body.seq_id, ephemeral
-        )
-
-    async def load_weights(self, body: s.LoadWeights, request: Request) -> dict[str, object]:
-        who = owner(request)
-        ckpt = self.checkpoint(body.path, who)
-        if body.optimizer and ckpt.kind != "weights":
-            raise HTTPException(400, f"{body.path} holds sampler weights: no optimizer state")
-        source = self.store.model(ckpt.model_id, who)
-        if source is None:
-            raise not_found(f"checkpoint {body.path!r}")
-        if body.model_id is not None:
-            model = self.model(body.model_id, who)
-            if body.seq_id is None:
-                raise HTTPException(400, "load_weights on an existing model needs seq_id")
-
-            def load() -> Outcome:
-                client = self.rt.client(model.model_id)
-                client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
-                return Outcome({"path": body.path, "type": "load_weights"})
-
-            return await self.ordered(request, "load_weights", model, body.seq_id, load)
-        return await self.create_from_checkpoint(body, request, ckpt, source)
-
-    async def create_from_checkpoint(
-        self, body: s.LoadWeights, request: Request, ckpt: CheckpointRow, source: ModelRow
-    ) -> dict[str, object]:
-        """load_weights as a model's first request: the model comes from the checkpoint."""
-        who = owner(request)
-        if body.session_id is None or body.model_seq_id is None:
-            raise HTTPException(400, "load_weights needs model_id, or session_id and model_seq_id")
-        self.session(body.session_id, who)
-        self.check_base_model(source.base_model)
-        if body.base_model is not None:
-            self.check_base_model(body.base_model)
-        model_id = f"{body.session_id}:train:{body.model_seq_id}"
-        rid, new = await self.new_future(request, "load_weights", f"create:{model_id}", model_id)
-        if new:
-            metadata = _str_dict(body.user_metadata) or source.user_metadata
-            row = ModelRow(
-                model_id,
-                who,
-                body.session_id,
-                source.base_model,
-                source.lora,
-                metadata,
-                time.time(),
-                time.time(),
-            )
-
-            def job() -> Outcome:
-                self.rt.check_live(row)  # before loading a full model copy for nothing
-                client = self.rt.build_client(model_id, source.lora, 0)
-                try:
-                    client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
-                except BaseException:
-                    client.close()
-                    raise
-                self.rt.add_model(row, client)
-                return Outcome({"model_id": model_id, "path": body.path, "type": "load_weights"})
-
-            self.rt.submit(self.rt.admin, rid, job)
-        return {"request_id": rid, "model_id": model_id}
 
     # futures
     async def retrieve_future(self, body: s.RetrieveFuture, request: Request) -> Any:
@@ -398,19 +376,14 @@ class Api:
         return Response(row.result_json or b"{}", media_type="application/json")
 
 
-def _str_dict(values: dict[str, Any] | None) -> dict[str, str]:
+def str_dict(values: dict[str, Any] | None) -> dict[str, str]:
     """user_metadata as the SDK reads it back: string values only."""
     return {str(k): v if isinstance(v, str) else str(v) for k, v in (values or {}).items()}
 
 
-def _dir_size(directory: str) -> int:
-    from pathlib import Path
-
-    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
-
-
 def create_tinker_router(runtime: Runtime) -> APIRouter:
     """The protocol's endpoints under /api/v1."""
+    from posttrain.server.tinker_checkpoints import CheckpointApi
     from posttrain.server.tinker_sampling import SamplingApi
 
     api = Api(runtime)
@@ -424,9 +397,10 @@ def create_tinker_router(runtime: Runtime) -> APIRouter:
     post("/unload_model")(api.unload_model)
     post("/forward_backward")(api.forward_backward)
     post("/optim_step")(api.optim_step)
-    post("/save_weights")(api.save_weights)
-    post("/save_weights_for_sampler")(api.save_for_sampler)
-    post("/load_weights")(api.load_weights)
+    checkpoints = CheckpointApi(api)
+    post("/save_weights")(checkpoints.save_weights)
+    post("/save_weights_for_sampler")(checkpoints.save_for_sampler)
+    post("/load_weights")(checkpoints.load_weights)
     sampling = SamplingApi(api)
     post("/create_sampling_session")(sampling.create_sampling_session)
     get("/samplers/{sampler_id}")(sampling.get_sampler)

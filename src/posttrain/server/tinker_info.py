@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 
 from posttrain.server import tinker_schema as s
 from posttrain.server.runtime import Runtime
 from posttrain.server.store import CheckpointRow, ModelRow
 from posttrain.server.tinker_api import not_found, owner
+from posttrain.server.tinker_schema import INT64_MAX
 
 CHECKPOINT_TYPES = {"weights": "training", "sampler": "sampler"}
+MAX_PAGE = 10_000  # training runs per page
 
 
 def _time(seconds: float) -> str:
@@ -96,10 +99,13 @@ class InfoApi:
         return row
 
     async def training_runs(
-        self, request: Request, limit: int = 20, offset: int = 0
+        self,
+        request: Request,
+        limit: Annotated[int, Query(ge=0, le=MAX_PAGE)] = 20,
+        offset: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
     ) -> dict[str, object]:
         rows = self.store.models(owner(request))
-        page = rows[max(offset, 0) : max(offset, 0) + max(limit, 0)]
+        page = rows[offset : offset + limit]
         return {
             "training_runs": [self.run_json(r) for r in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},

@@ -12,7 +12,7 @@ from posttrain.server import tinker_schema as s
 from posttrain.server.proto import encode_sample_response, sample_response_to_json
 from posttrain.server.runtime import Outcome
 from posttrain.server.store import SamplerRow
-from posttrain.server.tinker_api import Api, not_found, owner
+from posttrain.server.tinker_api import Api, in_client_terms, not_found, owner
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 
 
@@ -96,24 +96,27 @@ class SamplingApi:
         if any(unsupported.values()):
             names = [k for k, v in unsupported.items() if v]
             raise HTTPException(400, f"not supported by posttrain serve: {', '.join(names)}")
-        if any(c.type != "encoded_text" or c.tokens is None for c in body.prompt.chunks):
-            raise HTTPException(400, "prompt chunks must be encoded_text (token ids)")
-        if not 1 <= body.num_samples <= 1024:
-            raise HTTPException(400, f"num_samples must be in [1, 1024], got {body.num_samples}")
-        prompt = ModelInput.from_ints([t for c in body.prompt.chunks for t in c.tokens or []])
+        # Built here, not in the job: what they refuse is the caller's to fix (a 400 naming it).
+        try:
+            prompt = ModelInput.from_ints([t for c in body.prompt.chunks for t in c.tokens])
+            params = SamplingParams(**body.sampling_params.model_dump())
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from None
         key = None if body.seq_id is None else f"{row.sampling_session_id}#sample{body.seq_id}"
         rid, new = await self.api.new_future(request, "sample", key, row.sampling_session_id)
         if new:
-            params = body.sampling_params.model_dump()
 
             def job() -> Outcome:
                 client = self.rt.sampler_for_row(row)
-                resp = client.sample(prompt, body.num_samples, SamplingParams(**params)).result()
+                resp = client.sample(prompt, body.num_samples, params).result()
                 if body.prompt_logprobs:
                     lps = client.compute_logprobs(prompt).result()
                     resp = SampleResponse(resp.sequences, lps)
                 return Outcome(sample_response_to_json(resp), encode_sample_response(resp))
 
-            self.rt.submit(self.rt.sampling, rid, job)
+            names = self.api.path_names()
+            if row.weights_dir is not None:
+                names[row.weights_dir] = row.model_path or f"sampler {row.sampling_session_id}"
+            self.rt.submit(self.rt.sampling, rid, in_client_terms(job, names))
         ids = [f"{rid}:{i}" for i in range(body.num_samples)]
         return {"request_id": rid, "sample_sequence_ids": ids}
