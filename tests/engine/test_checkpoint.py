@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from posttrain.engine import checkpoint
+from posttrain.engine import atomic_replace, checkpoint
 from posttrain.engine.checkpoint import (
     checkpoint_kind,
     is_complete_checkpoint,
@@ -198,6 +200,15 @@ def test_crash_while_replacing_keeps_the_old_checkpoint(
     with pytest.raises(OSError, match="power cut"):
         save_checkpoint(path, model=model, trainer_state={"step": 2})
     monkeypatch.undo()
+
+    def failing_exchange(a, b) -> bool:
+        raise OSError("power cut during exchange")
+
+    monkeypatch.setattr(atomic_replace, "_exchange", failing_exchange)
+    with pytest.raises(OSError, match="power cut during exchange"):
+        save_checkpoint(path, model=model, trainer_state={"step": 2})
+    # Without an atomic exchange (not Linux): two renames, the second one failing.
+    monkeypatch.setattr(atomic_replace, "_exchange", lambda a, b: False)
     real_rename = os.rename
 
     def failing_swap(src, dst) -> None:
@@ -205,7 +216,7 @@ def test_crash_while_replacing_keeps_the_old_checkpoint(
             raise OSError("power cut during swap")
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "rename", failing_swap)
+    monkeypatch.setattr(atomic_replace.os, "rename", failing_swap)
     with pytest.raises(OSError, match="power cut during swap"):
         save_checkpoint(path, model=model, trainer_state={"step": 2})
     monkeypatch.undo()
@@ -313,3 +324,72 @@ def test_list_and_prune_keep_the_newest(lora_model, tmp_path: Path) -> None:
     assert prune_checkpoints(tmp_path, keep_last=5) == []
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         prune_checkpoints(tmp_path, keep_last=0)
+
+
+def _old_copy(path: Path) -> Path:
+    """Move a checkpoint aside as a kill between the two renames of a replacement leaves it."""
+    return path.rename(path.with_name(f".{path.name}.old-{uuid.uuid4().hex}"))
+
+
+def test_a_replacement_killed_between_its_renames_is_undone_by_every_reader(
+    lora_model, tmp_path: Path
+) -> None:
+    model, _ = lora_model
+    for look_up in (
+        lambda p: load_checkpoint(p, model=model),
+        lambda p: is_complete_checkpoint(p) or pytest.fail("not complete"),
+        lambda p: checkpoint_kind(p),
+        lambda p: list_checkpoints(p.parent) == [p] or pytest.fail("not listed"),
+        lambda p: prune_checkpoints(p.parent, keep_last=1),
+        lambda p: save_checkpoint(p, model=model, trainer_state={"step": 7}),
+    ):
+        path = save_checkpoint(tmp_path / "7", model=model, trainer_state={"step": 7})
+        _old_copy(path)
+        look_up(path)
+        assert load_checkpoint(path, model=model) == {"step": 7}
+        assert _leftovers(tmp_path) == []
+    # A complete checkpoint under the name: the old copy is what is left over, and goes.
+    stale = _old_copy(save_checkpoint(tmp_path / "8", model=model, trainer_state={"step": 1}))
+    save_checkpoint(tmp_path / "8", model=model, trainer_state={"step": 2})
+    assert list_checkpoints(tmp_path) == [tmp_path / "7", tmp_path / "8"]
+    assert not stale.exists() and _leftovers(tmp_path) == []
+    assert load_checkpoint(tmp_path / "8", model=model) == {"step": 2}
+
+
+def test_a_save_deletes_what_a_killed_save_of_its_name_left(lora_model, tmp_path: Path) -> None:
+    model, _ = lora_model
+    for debris in (".openai.tmp-k1ll3d", ".openai.deleting-0f", ".other.tmp-abc123"):
+        (tmp_path / debris).mkdir()
+    save_weights(tmp_path / "openai", model)
+    assert _leftovers(tmp_path) == [".other.tmp-abc123"]  # another name's: not ours to judge
+
+
+def test_loads_see_one_whole_checkpoint_while_another_thread_replaces_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A load reads one checkpoint's files, never half the old and half the new ones."""
+    versions = []
+    for seed in (1, 2):
+        model, _ = _build(tiny_model_dir, "lora", seed=seed)
+        versions.append((model, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    probe, _ = _build(tiny_model_dir, "lora", seed=3)
+    path = save_checkpoint(tmp_path / "ck", model=versions[0][0], trainer_state={"v": 0})
+    stop = threading.Event()
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            i = 1 - i
+            save_checkpoint(path, model=versions[i][0], trainer_state={"v": i})
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(30):
+            v = load_checkpoint(path, model=probe, restore_rng=False)["v"]
+            assert isinstance(v, int)
+            for name, value in probe.named_parameters():
+                assert torch.equal(value, versions[v][1][name]), name
+    finally:
+        stop.set()
+        thread.join()

@@ -1,9 +1,11 @@
 """Checkpoints: PEFT adapter or full safetensors weights, plus optimizer, RNG and trainer state.
 
-A checkpoint is a directory. It is written to a temporary sibling, fsynced and renamed into
-place, so a crash never leaves a half checkpoint at its path. `checkpoint.json`, written last,
-lists every file with its size: a directory without it, or missing a file it lists, is
-incomplete and loading it is an error, never a silent fresh start.
+A checkpoint is a directory. It is written to a temporary sibling, fsynced and put in place by
+`atomic_replace`, so its path always holds a complete checkpoint, the old one or the new one,
+even when the writer is killed while replacing it; every function here that reads or lists
+checkpoints first undoes what such a kill left (`atomic_replace.recover`). `checkpoint.json`,
+written last, lists every file with its size: a directory without it, or missing a file it
+lists, is incomplete and loading it is an error, never a silent fresh start.
 
 A LoRA checkpoint holds exactly what `PeftModel.save_pretrained` writes (`adapter_config.json`,
 `adapter_model.safetensors`), so PEFT and vLLM load it as-is; a full one holds what
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -31,6 +34,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from posttrain.engine import atomic_replace
+from posttrain.engine.atomic_replace import name_lock
 from posttrain.engine.resume_state import (
     optimizer_state_by_index,
     optimizer_state_by_name,
@@ -52,6 +57,9 @@ _REQUIRED: dict[CheckpointKind, tuple[str, ...]] = {
     "lora": (ADAPTER_CONFIG, ADAPTER_WEIGHTS),
     "full": ("config.json",),
 }
+# A step checkpoint's name, and the old copy an interrupted replacement of it leaves.
+_STEP = re.compile(r"[0-9]+")
+_OLD_STEP = re.compile(r"\.([0-9]+)\.old-[0-9a-f]{32}")
 # adapter_config.json fields that change which weights exist or how they are applied.
 _LORA_FIELDS = (
     *("peft_type", "r", "lora_alpha", "target_modules", "exclude_modules", "modules_to_save"),
@@ -85,21 +93,29 @@ def save_checkpoint(
     # Everything that can be refused is checked before the first byte is written.
     state_text = _encode_trainer_state(trainer_state)
     optim_state = optimizer_state_by_name(model, optimizer) if optimizer is not None else None
-    _check_replaceable(final)
+    with name_lock(final):
+        _recover(final)
+        # What an earlier writer of this name left when killed (this process's own saves in
+        # progress excepted).
+        atomic_replace.remove_debris(final.parent, lambda name: name == final.name)
+        _check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        _write_weights(tmp, model)
-        if optim_state is not None:
-            torch.save(optim_state, tmp / OPTIMIZER_FILE)
-        if include_rng:
-            torch.save(rng_state(), tmp / RNG_FILE)
-        (tmp / TRAINER_STATE_FILE).write_text(state_text)
-        _write_manifest(tmp, kind, optimizer=optim_state is not None, rng=include_rng)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_replace.writing(tmp):
+        try:
+            _write_weights(tmp, model)
+            if optim_state is not None:
+                torch.save(optim_state, tmp / OPTIMIZER_FILE)
+            if include_rng:
+                torch.save(rng_state(), tmp / RNG_FILE)
+            (tmp / TRAINER_STATE_FILE).write_text(state_text)
+            _write_manifest(tmp, kind, optimizer=optim_state is not None, rng=include_rng)
+            with name_lock(final):
+                _check_replaceable(final)  # again: another thread may have written meanwhile
+                atomic_replace.publish(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return final
 
 
@@ -117,6 +133,17 @@ def load_checkpoint(
 ) -> dict[str, JSONValue]:
     """Restore weights in place, optimizer state (if given) and RNG; return the trainer state."""
     root = Path(path)
+    with name_lock(root):  # no save of this name swaps the files while they are read
+        _recover(root)
+        return _load(root, model, optimizer, restore_rng)
+
+
+def _load(
+    root: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    restore_rng: bool,
+) -> dict[str, JSONValue]:
     manifest = _read_manifest(root)
     kind = _model_kind(model)
     if manifest.kind != kind:
@@ -155,25 +182,51 @@ def load_checkpoint(
 
 def checkpoint_kind(path: str | Path) -> CheckpointKind:
     """The kind ("lora" or "full") recorded in a complete checkpoint's manifest."""
-    return _read_manifest(Path(path)).kind
+    root = Path(path)
+    with name_lock(root):
+        _recover(root)
+        return _read_manifest(root).kind
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:
-    """True when `path` has a manifest and every file it lists, at the listed size."""
-    try:
-        _read_manifest(Path(path))
-    except (FileNotFoundError, ValueError):
-        return False
-    return True
+    """True when `path` has a manifest and every file it lists, at the listed size (after
+    putting back the old copy an interrupted replacement left, as every reader does)."""
+    return checkpoint_problem(path) is None
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """What makes `path` not a complete checkpoint (missing, incomplete, corrupt), or None."""
+    root = Path(path)
+    with name_lock(root):
+        _recover(root)
+        try:
+            _read_manifest(root)
+        except (FileNotFoundError, ValueError) as exc:
+            return str(exc)
+    return None
+
+
+def step_directories(directory: str | Path) -> list[Path]:
+    """Every directory in `directory` named by an integer step, complete or not, oldest first.
+
+    Recovers first, so a step whose replacement was interrupted is listed under its name.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    names = [p.name for p in root.iterdir()]
+    interrupted = {m.group(1) for name in names if (m := _OLD_STEP.fullmatch(name))}
+    for step in interrupted:
+        with name_lock(root / step):
+            _recover(root / step)
+    steps = interrupted | {name for name in names if _STEP.fullmatch(name)}
+    found = [root / step for step in steps if (root / step).is_dir()]
+    return sorted(found, key=lambda p: int(p.name))
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Complete checkpoints in `directory` named by integer step, oldest first."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    steps = [p for p in root.iterdir() if p.name.isascii() and p.name.isdigit()]
-    return sorted((p for p in steps if is_complete_checkpoint(p)), key=lambda p: int(p.name))
+    return [p for p in step_directories(directory) if _is_complete(p)]
 
 
 def prune_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
@@ -185,17 +238,33 @@ def prune_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest is never deleted), got {keep_last}")
     root = Path(directory)
-    if root.is_dir():
-        for stale in root.iterdir():
-            if stale.name.startswith(".") and (".tmp-" in stale.name or ".deleting-" in stale.name):
-                shutil.rmtree(stale, ignore_errors=True)
-    doomed = list_checkpoints(directory)[:-keep_last]
+    doomed = list_checkpoints(root)[:-keep_last]  # recovers interrupted replacements first
+    remove_step_debris(root)
     for old in doomed:
         # Rename first so a crash mid-delete leaves a hidden directory, not a half checkpoint.
-        hidden = old.with_name(f".{old.name}.deleting-{uuid.uuid4().hex}")
-        old.rename(hidden)
+        with name_lock(old):
+            hidden = old.with_name(f".{old.name}.deleting-{uuid.uuid4().hex}")
+            old.rename(hidden)
         shutil.rmtree(hidden)
     return doomed
+
+
+def remove_step_debris(directory: str | Path) -> None:
+    """Delete the hidden `.N.tmp-*` and `.N.deleting-*` directories that killed writes and
+    deletions of step checkpoints left in `directory` (call as its one writer)."""
+    atomic_replace.remove_debris(Path(directory), lambda name: _STEP.fullmatch(name) is not None)
+
+
+def _recover(root: Path) -> None:
+    atomic_replace.recover(root, _is_complete)
+
+
+def _is_complete(root: Path) -> bool:
+    try:
+        _read_manifest(root)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
 
 
 def _adapter_name(model: PeftModel) -> str:
@@ -292,23 +361,6 @@ def _write_manifest(tmp: Path, kind: CheckpointKind, *, optimizer: bool, rng: bo
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     _fsync(tmp / MANIFEST)
     _fsync(tmp)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final`; an old checkpoint there is moved aside first, deleted after."""
-    if not final.exists():
-        os.rename(tmp, final)
-        _fsync(final.parent)
-        return
-    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex}")
-    os.rename(final, old)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        os.rename(old, final)
-        raise
-    _fsync(final.parent)
-    shutil.rmtree(old)
 
 
 def _read_manifest(root: Path) -> _Manifest:
