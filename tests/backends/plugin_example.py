@@ -10,7 +10,7 @@ always checkpoint).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +84,13 @@ class LocalPlugin:
         await self.inner.register(model)
 
     async def train(
-        self, model: TrainableModel, trajectory_groups: Sequence[TrajectoryGroup], **options: Any
+        self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], **options: Any
     ) -> TrainResult:
         self.calls.append(f"train {sorted(options)}")
         return await self.inner.train(model, trajectory_groups, **options)
 
     async def train_sft(
-        self, model: TrainableModel, trajectories: Sequence[Trajectory], **options: Any
+        self, model: TrainableModel, trajectories: Iterable[Trajectory], **options: Any
     ) -> TrainResult:
         self.calls.append(f"train_sft {sorted(options)}")
         return await self.inner.train_sft(model, trajectories, **options)

@@ -133,29 +133,6 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
     await backend.close()
 
 
-async def test_a_failed_register_leaves_nothing_behind(tiny_model_dir, tmp_path):
-    backend = LocalBackend(tmp_path / "runs")
-    missing = tmp_path / "no-such-model"
-    wrong = TrainableModel(name="x", project="p", base_model=str(missing), lora_rank=4)
-    with pytest.raises(FileNotFoundError) as caught:
-        await wrong.register(backend)
-    message = str(caught.value)
-    # It names the path and the two ways to fix it.
-    assert str(missing) in message and "make-tiny-model" in message and "hub id" in message
-    run_dir = tmp_path / "runs" / "p" / "models" / "x"
-    assert not (run_dir / "model.json").exists()
-    not_a_model = tmp_path / "empty"
-    not_a_model.mkdir()
-    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
-        await TrainableModel(name="x", project="p", base_model=str(not_a_model)).register(backend)
-    # The corrected path registers under the same name (it used to be refused as "already
-    # holds model 'x' with base_model=<the wrong path>").
-    fixed = TrainableModel(name="x", project="p", base_model=str(tiny_model_dir), lora_rank=4)
-    await fixed.register(backend)
-    assert json.loads((run_dir / "model.json").read_text())["base_model"] == str(tiny_model_dir)
-    await backend.close()
-
-
 async def test_a_failed_step_leaves_the_last_good_state(tiny_model_dir, tmp_path):
     """Two ways a step's checkpoint fails after its updates: a stray directory where the
     checkpoint goes, and a run_state that is not JSON. Each time the step, the checkpoints and

@@ -56,6 +56,7 @@ def test_progress_line_says_what_tok_s_is():
     assert progress_line(2, 10, row) == (
         "rl step    2/10  reward 0.500  acc 0.250  loss     n/a  tok/s   1,234  elapsed    3.0s"
     )
+    assert progress_line(2, 10, row, eta_s=125.2).endswith("elapsed    3.0s  eta 2m05s")
 
 
 def test_job_state_round_trips_and_refuses_unknown_keys():

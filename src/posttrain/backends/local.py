@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import ClassVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
 from posttrain.backends.client_models import ModelClients
+from posttrain.backends.inputs import group_list, trajectory_list
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, resolve_sft
+from posttrain.backends.preflight import preflight_register
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.engine.devices import AUTO, resolve_device
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
@@ -21,7 +24,11 @@ BACKEND = "LocalBackend"
 
 
 class LocalBackend:
-    """Models live under `path/<project>/models/<name>/`; checkpoints every step by default."""
+    """Models live under `path/<project>/models/<name>/`; checkpoints every step by default.
+
+    `device="auto"` trains on CUDA where this machine has it, else on the CPU; an explicit
+    "cuda" on a machine without CUDA is an error here, at construction.
+    """
 
     capabilities: ClassVar[Capabilities] = LOCAL
     rl_options: ClassVar[type] = LocalRLOptions
@@ -31,16 +38,16 @@ class LocalBackend:
         self,
         path: str | Path = ".posttrain",
         *,
-        device: str = "cpu",
+        device: str = AUTO,
         num_workers: int = 1,
         micro_batch_tokens: int = 8192,
         keep_checkpoints: int = 3,
     ) -> None:
+        self.device = resolve_device(device, option=f"{BACKEND} device")
         self._models: ModelClients[LocalTrainingClient] = ModelClients(
             path, keep_checkpoints, backend=BACKEND, capabilities=self.capabilities
         )
         self.path = Path(path)
-        self.device = device
         self.num_workers = num_workers
         self.micro_batch_tokens = micro_batch_tokens
         self.keep_checkpoints = keep_checkpoints
@@ -51,6 +58,10 @@ class LocalBackend:
         return self._models.model_dir(model)
 
     async def register(self, model: TrainableModel) -> None:
+        """Load the base model, or resume the latest checkpoint; a base model this machine cannot
+        get is an error before anything loads."""
+        await preflight_register(BACKEND, model)
+
         def make_client(directory: Path) -> LocalTrainingClient:
             return create_training_client(
                 model.base_model,
@@ -77,22 +88,26 @@ class LocalBackend:
     async def train(
         self,
         model: TrainableModel,
-        trajectory_groups: Sequence[TrajectoryGroup],
+        trajectory_groups: Iterable[TrajectoryGroup],
         **options: Unpack[LocalRLOptions],
     ) -> TrainResult:
-        """One RL step on `trajectory_groups`; returns the new step and its metrics."""
+        """One RL step on `trajectory_groups` (any iterable, read once); returns the new step
+        and its metrics."""
         config = resolve_rl(options, LocalRLOptions, BACKEND)
-        return await self._models.train(model, trajectory_groups, config)
+        groups = group_list(trajectory_groups, f"{BACKEND}.train()")
+        return await self._models.train(model, groups, config)
 
     async def train_sft(
         self,
         model: TrainableModel,
-        trajectories: Sequence[Trajectory],
+        trajectories: Iterable[Trajectory],
         **options: Unpack[SFTOptions],
     ) -> TrainResult:
-        """Supervised fine-tuning on `trajectories` (their trainable segments), then one step."""
+        """Supervised fine-tuning on `trajectories` (any iterable, read once; their trainable
+        segments), then one step."""
         config = resolve_sft(options, BACKEND)
-        return await self._models.train_sft(model, trajectories, config)
+        listed = trajectory_list(trajectories, f"{BACKEND}.train_sft()")
+        return await self._models.train_sft(model, listed, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's weights, optimizer, RNG and run_state now, as `checkpoints/<step>`.

@@ -2,21 +2,28 @@
 
 Checks options against the backend's capabilities, conflicting options, options the chosen loss
 would ignore, and whether the configured advantage flow produces token-varying advantages
-(found statically and by probing it on synthetic groups) for a backend that cannot carry them.
+(found statically and by probing it on synthetic groups) for a backend that cannot carry them;
+and, before `register` loads anything, that the model's base model can be had here.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from posttrain.algo.losses import LossConfig, check_config
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
+from posttrain.engine.model_source import HubUnreachableError, check_base_model
 from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.trainer.rl import loss_fn_config
 from posttrain.types import TrajectoryGroup
+
+if TYPE_CHECKING:
+    from posttrain.model import TrainableModel
 
 _RL_DEFAULTS = {f.name: f.default for f in fields(RLConfig)}
 _SFT_DEFAULTS = {f.name: f.default for f in fields(SFTConfig)}
@@ -231,3 +238,12 @@ def preflight_sft(
         problems.append(Problem("min_lr_ratio", "has no effect with lr_schedule='constant'"))
     if problems:
         raise PreflightError(backend, problems)
+
+
+async def preflight_register(backend: str, model: TrainableModel) -> None:
+    """Raise unless the model's base model is an existing directory or a hub id that is cached
+    or that the hub confirms (`engine.model_source`): before any model loads or service call."""
+    try:
+        await asyncio.to_thread(check_base_model, model.base_model)
+    except (FileNotFoundError, HubUnreachableError) as exc:
+        raise type(exc)(f"{backend} cannot register model {model.name!r}: {exc}") from exc

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, Unpack, runtime_checkable
 
 from posttrain.backends.options import RLOptions, SFTOptions
@@ -15,21 +15,23 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class TrainableBackend(Protocol):
-    """Every backend offers these with at least the shared options (`RLOptions`, `SFTOptions`)."""
+    """Every backend offers these with at least the shared options (`RLOptions`, `SFTOptions`).
+
+    `train` and `train_sft` take any iterable (a generator included) and read it once."""
 
     async def register(self, model: TrainableModel) -> None: ...
 
     async def train(
         self,
         model: TrainableModel,
-        trajectory_groups: Sequence[TrajectoryGroup],
+        trajectory_groups: Iterable[TrajectoryGroup],
         **options: Unpack[RLOptions],
     ) -> TrainResult: ...
 
     async def train_sft(
         self,
         model: TrainableModel,
-        trajectories: Sequence[Trajectory],
+        trajectories: Iterable[Trajectory],
         **options: Unpack[SFTOptions],
     ) -> TrainResult: ...
 

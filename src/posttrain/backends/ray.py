@@ -7,7 +7,7 @@ on a multi-node cluster must be storage every node sees.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Unpack
@@ -16,6 +16,7 @@ from typing_extensions import TypedDict
 
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import ModelClients
+from posttrain.backends.inputs import group_list, trajectory_list
 from posttrain.backends.options import (
     RLConfig,
     SFTConfig,
@@ -24,9 +25,11 @@ from posttrain.backends.options import (
     check_options,
     resolve_sft,
 )
+from posttrain.backends.preflight import preflight_register
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.ray import RayTrainingClient
+from posttrain.engine.devices import AUTO, resolve_worker_device
 from posttrain.engine.ray_actor import Sharding
 from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
 from posttrain.model import TrainableModel
@@ -72,7 +75,8 @@ class RayBackend:
     `ray_config` (timeouts, threads, collective backend) are passed to the executor.
     `sharding="fsdp2"` shards each model's decoder across the workers with FSDP2 instead of
     holding a full replica on each (same results; see `engine.fsdp`), overriding
-    `ray_config.sharding`.
+    `ray_config.sharding`. `device="auto"` is CUDA when each worker gets a GPU share
+    (`resources_per_worker={"GPU": ...}`), else the CPU.
     """
 
     capabilities = RAY
@@ -88,7 +92,7 @@ class RayBackend:
         num_workers: int = 2,
         address: str | None = None,
         resources_per_worker: Mapping[str, float] | None = None,
-        device: str = "cpu",
+        device: str = AUTO,
         micro_batch_tokens: int = 8192,
         keep_checkpoints: int = 3,
         ray_config: RayConfig | None = None,
@@ -103,7 +107,11 @@ class RayBackend:
         self.num_workers = num_workers
         self.address = address
         self.resources_per_worker = resources_per_worker
-        self.device = device
+        given = (ray_config or RayConfig()).resources_per_worker
+        gpus = float(
+            (given if resources_per_worker is None else resources_per_worker).get("GPU", 0)
+        )
+        self.device = resolve_worker_device(device, gpus, option=f"{BACKEND} device")
         self.micro_batch_tokens = micro_batch_tokens
         if sharding is not None:
             ray_config = replace(ray_config or RayConfig(), sharding=sharding)
@@ -113,6 +121,10 @@ class RayBackend:
         return self._models.model_dir(model)
 
     async def register(self, model: TrainableModel) -> None:
+        """Start the workers on the base model, or resume the latest checkpoint; a base model
+        this machine cannot get is an error before any worker starts."""
+        await preflight_register(BACKEND, model)
+
         def make_client(directory: Path) -> RayTrainingClient:
             client = create_training_client(
                 model.base_model,
@@ -141,13 +153,15 @@ class RayBackend:
     async def train(
         self,
         model: TrainableModel,
-        trajectory_groups: Sequence[TrajectoryGroup],
+        trajectory_groups: Iterable[TrajectoryGroup],
         **options: Unpack[RayRLOptions],
     ) -> TrainResult:
-        """One RL step on `trajectory_groups`; returns the new step and its metrics."""
+        """One RL step on `trajectory_groups` (any iterable, read once); returns the new step
+        and its metrics."""
         check_options(options, RayRLOptions, BACKEND)
         config = RayRLConfig(**options)
-        result = await self._models.train(model, trajectory_groups, config)
+        groups = group_list(trajectory_groups, f"{BACKEND}.train()")
+        result = await self._models.train(model, groups, config)
         if config.check_weights_in_sync:
             await self.check_weights_in_sync(model)
         return result
@@ -155,12 +169,14 @@ class RayBackend:
     async def train_sft(
         self,
         model: TrainableModel,
-        trajectories: Sequence[Trajectory],
+        trajectories: Iterable[Trajectory],
         **options: Unpack[SFTOptions],
     ) -> TrainResult:
-        """Supervised fine-tuning on `trajectories` (their trainable segments), then one step."""
+        """Supervised fine-tuning on `trajectories` (any iterable, read once; their trainable
+        segments), then one step."""
         config = resolve_sft(options, BACKEND)
-        return await self._models.train_sft(model, trajectories, config)
+        listed = trajectory_list(trajectories, f"{BACKEND}.train_sft()")
+        return await self._models.train_sft(model, listed, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's state now as `checkpoints/<step>` (see LocalBackend.checkpoint)."""

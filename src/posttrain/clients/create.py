@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal, overload
 import torch
 
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.dispatch import Dispatch, InProcessExecutor
 from posttrain.engine.models import (
     LoraSettings,
@@ -25,6 +26,7 @@ from posttrain.engine.models import (
     load_tokenizer,
     parse_dtype,
 )
+from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import Worker, WorkerConfig
 
 if TYPE_CHECKING:
@@ -86,6 +88,7 @@ def create_training_client(
     storage_dir: str | Path | None = ...,
     seed: int = ...,
     executor: Literal["local"] = ...,
+    compute_thread: ComputeThread | None = ...,
 ) -> LocalTrainingClient: ...
 
 
@@ -120,7 +123,7 @@ def create_training_client(
     train_attn: bool = True,
     train_mlp: bool = True,
     train_unembed: bool = True,
-    device: str = "cpu",
+    device: str = AUTO,
     dtype: str = "float32",
     num_workers: int = 1,
     micro_batch_tokens: int = 8192,
@@ -131,14 +134,18 @@ def create_training_client(
     address: str | None = None,
     resources_per_worker: Mapping[str, float] | None = None,
     ray_config: RayConfig | None = None,
+    compute_thread: ComputeThread | None = None,
 ) -> LocalTrainingClient:
     """Load `base_model` (a local directory or hub id), optionally wrap it with LoRA, and return
     a client over `num_workers` data-parallel replicas.
 
-    `lora_rank=None` trains all weights. Replicas start bit-identical. With `executor="ray"`
-    the result is a `RayTrainingClient`: `address=None` starts a local Ray, otherwise joins
-    that cluster; `resources_per_worker` (e.g. {"CPU": 1, "GPU": 1}) and `address` override
-    the fields of `ray_config` (timeouts, threads, collective backend).
+    `lora_rank=None` trains all weights. Replicas start bit-identical. `device="auto"` is
+    CUDA where this machine has it, else the CPU; an explicit "cuda" without CUDA is an error.
+    With `executor="ray"` the result is a `RayTrainingClient`: `address=None` starts a local
+    Ray, otherwise joins that cluster; `resources_per_worker` (e.g. {"CPU": 1, "GPU": 1}) and
+    `address` override the fields of `ray_config` (timeouts, threads, collective backend), and
+    "auto" is CUDA when each worker gets a GPU share. `compute_thread` (local only) runs the
+    client's calls on that thread, shared with other clients, instead of a thread of its own.
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -146,17 +153,24 @@ def create_training_client(
         raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
     if executor == "local" and (address, resources_per_worker, ray_config) != (None, None, None):
         raise ValueError("address, resources_per_worker and ray_config need executor='ray'")
+    if executor == "ray" and compute_thread is not None:
+        raise ValueError("compute_thread needs executor='local': Ray workers compute elsewhere")
     parse_dtype(dtype)  # a bad dtype fails here, before any model loads or Ray starts
+    ray = None
+    if executor == "ray":
+        ray = _ray_config(ray_config, address, resources_per_worker)
+        device = resolve_worker_device(device, ray.num_gpus, option="device")
+    else:
+        device = resolve_device(device, option="device")
     lora = _lora_settings(lora_rank, lora_alpha, train_attn, train_mlp, train_unembed)
     config = WorkerConfig(
         micro_batch_tokens=micro_batch_tokens, logprob_chunk_size=logprob_chunk_size, device=device
     )
     spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed)
     storage = Path(storage_dir) if storage_dir else Path(tempfile.mkdtemp(prefix="posttrain-"))
-    if executor == "ray":
-        ray = _ray_config(ray_config, address, resources_per_worker, device)
+    if ray is not None:
         return _ray_client(spec, num_workers, ray, storage)
-    return _local_client(spec, num_workers, storage)
+    return _local_client(spec, num_workers, storage, compute_thread)
 
 
 def _lora_settings(
@@ -171,7 +185,9 @@ def _lora_settings(
     )
 
 
-def _local_client(spec: WorkerSpec, num_workers: int, storage: Path) -> LocalTrainingClient:
+def _local_client(
+    spec: WorkerSpec, num_workers: int, storage: Path, compute_thread: ComputeThread | None
+) -> LocalTrainingClient:
     """Replicas in this process: one built from the spec, the others deep copies of it."""
     first = spec.build()
     workers = [first] + [
@@ -188,6 +204,7 @@ def _local_client(spec: WorkerSpec, num_workers: int, storage: Path) -> LocalTra
         storage_dir=storage,
         base_model=spec.base_model,
         worker_factory=spec.build,
+        compute_thread=compute_thread,
     )
 
 
@@ -195,7 +212,6 @@ def _ray_config(
     given: RayConfig | None,
     address: str | None,
     resources_per_worker: Mapping[str, float] | None,
-    device: str,
 ) -> RayConfig:
     """`given` (or the defaults) with `address` and `resources_per_worker` applied."""
     from posttrain.engine.ray_executor import RayConfig
@@ -205,8 +221,6 @@ def _ray_config(
         ray = replace(ray, address=address)
     if resources_per_worker is not None:
         ray = replace(ray, resources_per_worker=dict(resources_per_worker))
-    if device.startswith("cuda") and ray.num_gpus <= 0:
-        raise ValueError(f"device={device!r} needs resources_per_worker with a 'GPU' share > 0")
     return ray
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from posttrain.engine.model_source import is_path_like
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -19,9 +20,6 @@ DTYPES: dict[str, torch.dtype] = {
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
-
-# What the Hub accepts as a repository id: "name" or "org/name".
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -39,14 +37,15 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def _check_source(name_or_path: str | Path) -> str:
-    """A local model directory (checked now) or a hub id (left to transformers to fetch)."""
+    """A local model directory (checked now) or a hub id (left to transformers to fetch; see
+    `model_source.check_base_model` for the up-front check of a hub id)."""
     text = str(name_or_path)
     path = Path(text).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: it is not a saved model directory")
         return str(path)
-    if isinstance(name_or_path, Path) or text.startswith((".", "~")) or not _HUB_ID.match(text):
+    if isinstance(name_or_path, Path) or is_path_like(text):
         raise FileNotFoundError(f"base model path {text} does not exist")
     return text  # a hub id such as "Qwen/Qwen3-0.6B"
 

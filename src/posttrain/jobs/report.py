@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from posttrain.trainer.progress import duration
+
 # Keys whose values depend on the machine, not on the run (left out when comparing runs).
 TIMING_KEYS = frozenset({"elapsed_s", "step_s", "tokens_per_s", "sample_tokens_per_s"})
 
@@ -73,8 +75,11 @@ def _step(row: Mapping[str, object]) -> int:
     return step if isinstance(step, int) else 0
 
 
-def progress_line(step: int, steps: int, metrics: Mapping[str, float]) -> str:
-    """One line per RL step: step, reward, accuracy, loss, throughput, elapsed.
+def progress_line(
+    step: int, steps: int, metrics: Mapping[str, float], *, eta_s: float | None = None
+) -> str:
+    """One line per RL step: step, reward, accuracy, loss, throughput, elapsed, and the time
+    left (`eta_s`, when given).
 
     `tok/s` is the whole step's: sampled tokens over the step's wall time (sampling, training
     and logging; the checkpoint save after them is not counted), not the sampler's speed alone,
@@ -82,10 +87,11 @@ def progress_line(step: int, steps: int, metrics: Mapping[str, float]) -> str:
     """
     # No loss when every group had zero reward variance (nothing to train on this step).
     loss = f"{metrics['loss']:+.4f}" if math.isfinite(metrics["loss"]) else "    n/a"
+    eta = f"  eta {duration(eta_s)}" if eta_s is not None else ""
     return (
         f"rl step {step:>4}/{steps}  reward {metrics['reward']:.3f}  "
         f"acc {metrics['accuracy']:.3f}  loss {loss}  "
-        f"tok/s {metrics['tokens_per_s']:>7,.0f}  elapsed {metrics['elapsed_s']:6.1f}s"
+        f"tok/s {metrics['tokens_per_s']:>7,.0f}  elapsed {metrics['elapsed_s']:6.1f}s{eta}"
     )
 
 

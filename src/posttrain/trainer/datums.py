@@ -16,6 +16,16 @@ import torch
 from posttrain.types import Datum, ModelInput, Trajectory
 
 
+def require_sequence(items: object, name: str) -> None:
+    """The trainer reads its inputs more than once: a one-shot iterable (a generator) would be
+    empty the second time, a step that trains nothing. Backends pass lists (`backends.inputs`)."""
+    if not isinstance(items, Sequence):
+        raise TypeError(
+            f"{name} must be a sequence (a list or tuple), got a {type(items).__name__}: "
+            "it is read more than once; pass list(...) of it"
+        )
+
+
 def trajectory_arrays(
     trajectory: Trajectory, *, allow_missing_logprobs: bool
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -13,8 +13,9 @@ import torch
 from posttrain.algo.advantages import AdvantageConfig, compute_group_advantages, reduction_weights
 from posttrain.clients.protocol import TrainingClient
 from posttrain.trainer.config import RLConfig
-from posttrain.trainer.datums import pad_masks, rl_datum, with_weights
+from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
+from posttrain.trainer.progress import Progress
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import AdamParams, Datum, TrajectoryGroup
 
@@ -51,6 +52,7 @@ def loss_fn_config(config: RLConfig) -> dict[str, float | str | bool | None]:
 
 def prepare_batch(groups: Sequence[TrajectoryGroup], config: RLConfig) -> PreparedBatch:
     """Advantages per group, then one datum per trajectory of every kept group."""
+    require_sequence(groups, "the trajectory groups")
     if not groups:
         raise ValueError("train() got an empty list of trajectory groups; pass at least one group")
     result = compute_group_advantages(
@@ -168,14 +170,16 @@ async def train_rl_batch(
         grad_clip_norm=config.grad_clip,
     )
     loss_cfg = loss_fn_config(config)
-    for part in split_minibatches(len(datums), config.num_minibatches):
-        mini = weighted([datums[i] for i in part], [batch.masks[i] for i in part], config)
-        out = await client.forward_backward(mini, config.policy_loss, loss_cfg)
-        if recorder is not None:
-            recorder.record(mini, out)
-        step = await client.optim_step(adam)
-        metrics.add_update(
-            out.metrics, step.metrics or {}, num_tokens=sum(int(batch.masks[i].sum()) for i in part)
-        )
+    parts = split_minibatches(len(datums), config.num_minibatches)
+    with Progress("train", len(parts), "update") as progress:
+        for part in parts:
+            mini = weighted([datums[i] for i in part], [batch.masks[i] for i in part], config)
+            out = await client.forward_backward(mini, config.policy_loss, loss_cfg)
+            if recorder is not None:
+                recorder.record(mini, out)
+            step = await client.optim_step(adam)
+            tokens = sum(int(batch.masks[i].sum()) for i in part)
+            metrics.add_update(out.metrics, step.metrics or {}, num_tokens=tokens)
+            progress.update()
     metrics.num_trajectories = len(datums)
     return metrics

@@ -10,8 +10,9 @@ from posttrain.algo.advantages import reduction_weights
 from posttrain.clients.protocol import TrainingClient
 from posttrain.engine.optim import lr_multiplier
 from posttrain.trainer.config import SFTConfig
-from posttrain.trainer.datums import pad_masks, sft_datum, with_weights
+from posttrain.trainer.datums import pad_masks, require_sequence, sft_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
+from posttrain.trainer.progress import Progress
 from posttrain.types import AdamParams, TokenSegment, Trajectory
 
 # Called after each update with its index and {"loss": ..., "learning_rate": ...}.
@@ -33,6 +34,7 @@ def sft_batches(trajectories: Sequence[Trajectory], config: SFTConfig) -> list[l
 
     Also checks that the schedule fits them, so every input error surfaces before an update.
     """
+    require_sequence(trajectories, "the SFT trajectories")
     usable = [t for t in trajectories if t.num_trainable_tokens > 0]
     if not usable:
         raise ValueError(
@@ -94,22 +96,38 @@ async def train_sft_batches(
 ) -> StepMetrics:
     """The updates of `train_sft` on batches from `sft_batches` (already validated)."""
     metrics = StepMetrics(num_trajectories=num_trajectories)
-    for index, batch in enumerate(batches):
-        pairs = [sft_datum(t) for t in batch]
-        masks = [m for _, m in pairs]
-        weights_BT = reduction_weights(pad_masks(masks), "token_mean")
-        datums = [with_weights(d, weights_BT[i, : m.numel()]) for i, (d, m) in enumerate(pairs)]
-        adam = AdamParams(
-            learning_rate=learning_rate(config, index, len(batches)),
-            weight_decay=config.weight_decay,
-            grad_clip_norm=config.grad_clip,
-        )
-        out = await client.forward_backward(datums, "cross_entropy", {})
-        step = await client.optim_step(adam)
-        optim = step.metrics or {}
-        metrics.add_update(out.metrics, optim, num_tokens=int(sum(m.sum() for m in masks)))
-        if on_update is not None:
-            # The rate the optimizer reports it applied (a remote one may not: the rate sent).
-            lr = optim.get("learning_rate:mean", adam.learning_rate)
-            on_update(index, {"loss": out.metrics["loss:sum"], "learning_rate": lr})
+    with Progress("train_sft", len(batches), "update") as progress:
+        for index, batch in enumerate(batches):
+            out = await _sft_update(client, batch, config, index, len(batches), metrics, on_update)
+            progress.update(loss=out)
     return metrics
+
+
+async def _sft_update(
+    client: TrainingClient,
+    batch: Sequence[Trajectory],
+    config: SFTConfig,
+    index: int,
+    total: int,
+    metrics: StepMetrics,
+    on_update: OnUpdate | None,
+) -> float:
+    """Update `index` of `total` on one batch; returns its loss (a token mean)."""
+    pairs = [sft_datum(t) for t in batch]
+    masks = [m for _, m in pairs]
+    weights_BT = reduction_weights(pad_masks(masks), "token_mean")
+    datums = [with_weights(d, weights_BT[i, : m.numel()]) for i, (d, m) in enumerate(pairs)]
+    adam = AdamParams(
+        learning_rate=learning_rate(config, index, total),
+        weight_decay=config.weight_decay,
+        grad_clip_norm=config.grad_clip,
+    )
+    out = await client.forward_backward(datums, "cross_entropy", {})
+    step = await client.optim_step(adam)
+    optim = step.metrics or {}
+    metrics.add_update(out.metrics, optim, num_tokens=int(sum(m.sum() for m in masks)))
+    if on_update is not None:
+        # The rate the optimizer reports it applied (a remote one may not: the rate sent).
+        lr = optim.get("learning_rate:mean", adam.learning_rate)
+        on_update(index, {"loss": out.metrics["loss:sum"], "learning_rate": lr})
+    return out.metrics["loss:sum"]

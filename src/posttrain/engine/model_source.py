@@ -1,0 +1,144 @@
+"""Where a base model comes from, checked before anything loads: a local directory or a hub id.
+
+A path that does not exist is an error naming it. A hub id is fine when the Hugging Face cache
+holds it, or when the hub answers a short HEAD for its config. Without either (no network, or
+`HF_HUB_OFFLINE=1`) it is an error naming `HF_HUB_OFFLINE` and how to get the model locally,
+instead of transformers' minute of retries ending in a traceback. Nothing is downloaded here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+# What the Hub accepts as a repository id: "name" or "org/name".
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_TIMEOUT_S = 5.0
+_TRUE = {"1", "on", "yes", "true"}
+MODEL_HINT = (
+    "give an existing model directory (one with config.json, e.g. built by "
+    "`posttrain make-tiny-model DIR`) or a Hugging Face hub id such as 'Qwen/Qwen3-0.6B'"
+)
+
+
+class HubUnreachableError(ConnectionError):
+    """A hub id that is not in the local cache, while the hub cannot be asked for it."""
+
+
+def is_path_like(spec: str) -> bool:
+    """Whether `spec` can only be a path: it starts like one (/ . ~), ends like a directory,
+    or is not shaped like a hub id ("name" or "org/name"; a third part or a `\\` is a path)."""
+    return (
+        spec.startswith(("/", ".", "~")) or spec.endswith(("/", os.sep)) or not HUB_ID.match(spec)
+    )
+
+
+def check_base_model(spec: str | Path, *, timeout_s: float = HUB_TIMEOUT_S) -> None:
+    """Raise unless `spec` names a model this process can load.
+
+    A directory must hold config.json; a path-like value that does not exist raises
+    FileNotFoundError naming it; a hub id missing from the cache raises HubUnreachableError when
+    the hub is off (HF_HUB_OFFLINE) or does not answer within `timeout_s`, and
+    FileNotFoundError when it answers that there is no such model.
+    """
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"base_model {text!r}: {path} has no config.json, so it is not a saved model "
+                f"directory; {MODEL_HINT}"
+            )
+        return
+    if text.startswith("tiny:"):
+        raise FileNotFoundError(
+            f"base_model {text!r}: a tiny: spec is built by a `posttrain train` job or the server "
+            "(`posttrain serve --base-model tiny:...`), not loaded here; build it with "
+            "`posttrain make-tiny-model DIR` and pass DIR"
+        )
+    if isinstance(spec, Path) or is_path_like(text):
+        raise FileNotFoundError(f"base_model path {text!r} does not exist; {MODEL_HINT}")
+    check_hub_model(text, timeout_s=timeout_s)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as set now, or as huggingface_hub read it."""
+    from huggingface_hub import constants
+
+    env = (
+        os.environ.get(k, "").strip().lower() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+    return any(v in _TRUE for v in env) or bool(constants.HF_HUB_OFFLINE)
+
+
+def in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds the model's config (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_hub_model(repo_id: str, *, timeout_s: float = HUB_TIMEOUT_S) -> None:
+    """A hub id: in the cache, else asked of the hub with one HEAD bounded by `timeout_s`."""
+    if in_hub_cache(repo_id):
+        return
+    if hub_offline():
+        raise HubUnreachableError(
+            _no_copy(repo_id, "HF_HUB_OFFLINE is set, so the hub is not asked")
+            + "; or unset HF_HUB_OFFLINE where there is network"
+        )
+    error = _head_config(repo_id, timeout_s)
+    if error is None:
+        return  # the hub has it: transformers downloads it when the model loads
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(error, GatedRepoError):
+        raise FileNotFoundError(
+            f"base_model {repo_id!r} is gated on the Hugging Face hub: accept its terms on the "
+            "model's page and log in (`hf auth login`, or set HF_TOKEN)"
+        ) from error
+    if isinstance(error, RepositoryNotFoundError):
+        raise FileNotFoundError(
+            f"base_model {repo_id!r} is neither a local directory nor a model on the Hugging Face "
+            f"hub (or it is private: log in with `hf auth login`); {MODEL_HINT}"
+        ) from error
+    raise HubUnreachableError(
+        _no_copy(repo_id, f"the hub did not answer ({error})")
+        + "; or set HF_HUB_OFFLINE=1 to use only local copies"
+    ) from error
+
+
+def _no_copy(repo_id: str, why: str) -> str:
+    # "org/name" is also a relative path: say so, for a directory name mistyped or not there.
+    meant = (
+        f" (if you meant a local directory: ./{repo_id} does not exist)" if "/" in repo_id else ""
+    )
+    return (
+        f"base_model {repo_id!r} is not in the local Hugging Face cache and {why}{meant}. Get "
+        f"it locally where there is network (`hf download {repo_id}` fills the cache), or save "
+        "it to a directory and pass that path as base_model"
+    )
+
+
+def _head_config(repo_id: str, timeout_s: float) -> BaseException | None:
+    """HEAD the model's config.json: None if the hub has it, else the error. The request runs
+    in a daemon thread joined for `timeout_s`, so a DNS lookup that hangs cannot hold us."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    outcome: list[BaseException | None] = []
+
+    def head() -> None:
+        try:
+            get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=timeout_s)
+            outcome.append(None)
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=head, name="posttrain-hub-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return TimeoutError(f"no answer within {timeout_s:g}s")
+    return outcome[0]

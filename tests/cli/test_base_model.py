@@ -1,0 +1,137 @@
+"""A base model that cannot be had here is refused up front by `explain`, `doctor`, `train` and
+`register`, with an error naming the path, or naming HF_HUB_OFFLINE for a hub id with no local
+copy. It used to pass `explain` ("preflight: ok"), then `train` spent a minute on hub retries.
+
+No test here touches the network: the hub is off (HF_HUB_OFFLINE=1) and the cache is an empty
+(or hand-made) directory; asking the hub at all fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+
+from posttrain.backends.local import LocalBackend
+from posttrain.cli.main import main
+from posttrain.engine.model_source import HubUnreachableError, check_base_model, is_path_like
+from posttrain.model import TrainableModel
+
+HUB_ID = "posttrain-tests/no-such-model"
+
+
+@pytest.fixture(autouse=True)
+def offline_hub(monkeypatch, tmp_path):
+    """The hub switched off, an empty cache, and any request to the hub a test failure."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the hub was asked: tests must not touch the network")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", no_network)
+    return cache
+
+
+def job(tmp_path: Path, base_model: str) -> Path:
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'[run]\ntask = "reverse"\noutput_dir = "{tmp_path / "runs"}"\n'
+        f"[model]\nbase_model = {json.dumps(base_model)}\n"
+    )
+    return config
+
+
+@pytest.mark.parametrize(
+    ("spec", "path_like"),
+    [
+        ("/abs/model", True),
+        ("./model", True),
+        ("../model", True),
+        ("~/model", True),
+        ("models/", True),
+        ("runs/demo/base_model", True),  # three parts: no hub id has them
+        ("Qwen/Qwen3-0.6B", False),
+        ("gpt2", False),
+        ("models/mine", False),  # could be either: asked of the cache, the error says both
+    ],
+)
+def test_path_like(spec, path_like):
+    assert is_path_like(spec) is path_like
+
+
+def test_a_missing_path_names_it(tmp_path):
+    missing = tmp_path / "nope" / "model"
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"base_model path '{missing}' does not exist")
+    ):
+        check_base_model(str(missing))
+    with pytest.raises(FileNotFoundError, match=r"does not exist.*make-tiny-model.*hub id"):
+        check_base_model("runs/demo/base_model")
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        check_base_model(str(tmp_path))
+
+
+def test_a_hub_id_offline_names_hf_hub_offline_unless_cached(offline_hub):
+    with pytest.raises(HubUnreachableError) as caught:
+        check_base_model(HUB_ID)
+    message = str(caught.value)
+    assert f"base_model {HUB_ID!r} is not in the local Hugging Face cache" in message
+    assert "HF_HUB_OFFLINE is set" in message and f"hf download {HUB_ID}" in message
+    assert f"./{HUB_ID} does not exist" in message  # it could have been a relative directory
+    # The same id with a copy in the cache (laid out as huggingface_hub lays it out) passes.
+    repo = offline_hub / "models--posttrain-tests--no-such-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    check_base_model(HUB_ID)
+
+
+@pytest.mark.parametrize("kind", ["path", "hub"])
+def test_explain_and_doctor_refuse_it(tmp_path, capsys, kind):
+    spec = str(tmp_path / "no-such-model") if kind == "path" else HUB_ID
+    expected = f"path {spec!r} does not exist" if kind == "path" else "HF_HUB_OFFLINE is set"
+    config = job(tmp_path, spec)
+    assert main(["explain", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "preflight: problems" in out and "[model] base_model: base_model" in out
+    assert expected in out
+    assert main(["explain", str(config), "--json"]) == 1
+    [problem] = json.loads(capsys.readouterr().out)["preflight"]["problems"]
+    assert (problem["call"], problem["option"]) == ("model", "[model] base_model")
+    assert main(["doctor", "--config", str(config), "--storage", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    [row] = [line for line in out.splitlines() if line.startswith("FAIL  base model")]
+    assert expected in row
+    assert "PASS  backend" in out  # reported once, on its own row
+
+
+def test_doctor_passes_a_model_directory_and_a_tiny_spec(tmp_path, capsys, tiny_model_dir):
+    for spec, detail in ((str(tiny_model_dir), "a model directory"), ("tiny:qwen2:tiny", "built")):
+        config = job(tmp_path, spec)
+        main(["doctor", "--config", str(config), "--storage", str(tmp_path)])
+        [row] = [x for x in capsys.readouterr().out.splitlines() if "base model" in x]
+        assert row.startswith("PASS") and detail in row
+
+
+def test_train_refuses_it_before_writing_anything(tmp_path, capsys):
+    config = job(tmp_path, str(tmp_path / "no-such-model"))
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "preflight: [model] base_model: base_model path" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+async def test_register_refuses_a_hub_id_with_no_local_copy(tmp_path):
+    backend = LocalBackend(tmp_path)
+    model = TrainableModel(name="m", project="p", base_model=HUB_ID)
+    with pytest.raises(HubUnreachableError, match=r"cannot register model 'm'.*HF_HUB_OFFLINE"):
+        await model.register(backend)
+    assert not (tmp_path / "p" / "models" / "m" / "model.json").exists()
+    await backend.close()
