@@ -53,7 +53,8 @@ class ServesOpenAI(Protocol):
 class TrainableModel:
     """A model to post-train. `base_model` is a local directory or a hub id.
 
-    `lora_rank=None` trains every weight; otherwise LoRA adapters of that rank are trained.
+    `lora_rank=None` or `lora_rank=0` (the TOML spelling) trains every weight (full
+    fine-tuning; 0 is stored as None); otherwise LoRA adapters of that rank are trained.
     `run_state` is JSON the caller wants restored on resume (a data cursor, a controller's
     state); it is saved with every checkpoint. `report_metrics` names where `log` also sends
     its rows besides history.jsonl: "tensorboard", "wandb", "mlflow" (packages not installed
@@ -72,6 +73,7 @@ class TrainableModel:
     _backend: TrainableBackend | None = field(default=None, init=False, repr=False)
     _dir: Path | None = field(default=None, init=False, repr=False)
     _step: int = field(default=0, init=False, repr=False)
+    _resume_step: int | None = field(default=None, init=False, repr=False)
     _sinks: list[Sink] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,9 +81,12 @@ class TrainableModel:
             value = getattr(self, key)
             if not value or "/" in value or value in {".", ".."}:
                 raise ValueError(f"TrainableModel.{key} must be a plain name, got {value!r}")
+        if self.lora_rank == 0:  # the job's TOML spells full fine-tuning 0: one meaning
+            self.lora_rank = None
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(
-                f"lora_rank must be >= 1 or None (full fine-tuning), got {self.lora_rank}"
+                f"lora_rank must be >= 1 for LoRA, or 0 / None for full fine-tuning, got "
+                f"{self.lora_rank}"
             )
         if self.report_metrics is not None:
             if isinstance(self.report_metrics, str):
@@ -91,9 +96,35 @@ class TrainableModel:
                 )
             self.report_metrics = check_sinks(self.report_metrics, "TrainableModel.report_metrics")
 
-    async def register(self, backend: TrainableBackend) -> None:
-        """Attach to `backend`: load the base model, or resume from the latest checkpoint."""
-        await backend.register(self)
+    async def register(self, backend: TrainableBackend, *, resume_step: int | None = None) -> None:
+        """Attach to `backend`: load the base model, or resume from the latest checkpoint.
+
+        A latest checkpoint that is damaged is an error, never a silent older resume.
+        `resume_step=N` resumes from the checkpoint of step N instead (0 with no checkpoint 0:
+        from the base model); the checkpoints of later steps are moved aside, not deleted.
+        """
+        if resume_step is not None and (
+            not isinstance(resume_step, int) or isinstance(resume_step, bool) or resume_step < 0
+        ):
+            raise ValueError(f"resume_step must be a step number >= 0 or None, got {resume_step!r}")
+        self._resume_step = resume_step
+        try:
+            await backend.register(self)
+            if self._resume_step is not None:  # the backend did not take it
+                self.detach()
+                raise ValueError(
+                    f"{type(backend).__name__} cannot resume model {self.name!r} from a chosen "
+                    f"step (resume_step={resume_step}); it registered from its latest "
+                    "checkpoint, and is detached again: close the backend, and register "
+                    "without resume_step or with LocalBackend/RayBackend"
+                )
+        finally:
+            self._resume_step = None
+
+    def take_resume_step(self) -> int | None:
+        """For a backend's register(): the `resume_step` given to `register` (once)."""
+        step, self._resume_step = self._resume_step, None
+        return step
 
     def attach(self, backend: TrainableBackend, directory: Path, step: int) -> None:
         """Called by a backend's register(). The metric sinks open first: if one refuses, the

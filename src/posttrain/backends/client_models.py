@@ -23,8 +23,9 @@ from typing import Generic, TypeVar
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
+from posttrain.backends.resume import resume_point, set_aside
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.checkpoint import is_complete_checkpoint, list_checkpoints, prune_checkpoints
+from posttrain.engine.checkpoint import is_complete_checkpoint, prune_checkpoints
 from posttrain.model import RunState, TrainableModel
 from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.trainer.metrics import StepMetrics
@@ -73,6 +74,9 @@ class ModelClients(Generic[ClientT]):
         """
         directory = self.model_dir(model)
         check_model_json(directory, model)
+        # Before the client is made: a damaged latest checkpoint costs no model load.
+        resume_step = model.take_resume_step()
+        resume = resume_point(model, directory / "checkpoints", resume_step)
         try:
             client = await asyncio.to_thread(make_client, directory)
         except FileNotFoundError as exc:
@@ -80,14 +84,13 @@ class ModelClients(Generic[ClientT]):
         attached = False
         try:
             step, run_state = 0, None
-            checkpoints = list_checkpoints(directory / "checkpoints")
-            if checkpoints:
-                latest = checkpoints[-1]
-                await client.load_state(str(latest), with_optimizer=True)
-                step, run_state = read_trainer_state(latest)
+            if resume.checkpoint is not None:
+                await client.load_state(str(resume.checkpoint), with_optimizer=True)
+                step, run_state = read_trainer_state(resume.checkpoint)
             model.attach(backend, directory, step)  # opens the metric sinks, which may refuse
             attached = True
             write_model_json(directory, model)
+            set_aside(resume.later, directory / "checkpoints", resume_step)
         except BaseException:
             client.close()
             if attached:
@@ -187,7 +190,8 @@ class ModelClients(Generic[ClientT]):
         return path
 
     async def _save(self, model: TrainableModel, step: int) -> str:
-        state = {"step": step, "run_state": model.run_state, "model": model.config_dict()}
+        record = model_record(model.directory, model)
+        state = {"step": step, "run_state": model.run_state, "model": record}
         saved = await self.client(model).save_state(str(step), trainer_state=state)
         return saved.path
 
@@ -223,10 +227,12 @@ def check_model_json(directory: Path, model: TrainableModel) -> None:
     if not path.exists():
         return
     saved = json.loads(path.read_text())
-    config = model.config_dict()
+    config = model_record(directory, model)
     missing = [key for key in IDENTITY_KEYS if key not in saved]
     if missing:
         raise ValueError(f"{path} has no {', '.join(missing)}: it is not a posttrain model.json")
+    # A model.json written before base models inside the directory were stored relative.
+    saved = {**saved, "base_model": portable_base_model(str(saved["base_model"]), directory)}
     if any(saved[key] != config[key] for key in IDENTITY_KEYS):
         raise ValueError(
             f"{directory} already holds model {model.name!r} with base_model="
@@ -239,4 +245,24 @@ def write_model_json(directory: Path, model: TrainableModel) -> None:
     """Check (as `check_model_json`), then write the model's settings to `model.json`."""
     check_model_json(directory, model)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "model.json").write_text(json.dumps(model.config_dict(), indent=2) + "\n")
+    record = model_record(directory, model)
+    (directory / "model.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def model_record(directory: Path, model: TrainableModel) -> dict[str, object]:
+    """The model's settings as written under `directory` (model.json, checkpoints): a base
+    model inside the directory is named relative to it, so the directory can be moved or
+    copied and resumed elsewhere."""
+    return {**model.config_dict(), "base_model": portable_base_model(model.base_model, directory)}
+
+
+def portable_base_model(base_model: str, directory: Path) -> str:
+    """`./<path>` for a base model directory inside `directory`; any other value as it is."""
+    path = Path(base_model)
+    if base_model.startswith("./") or not path.exists():  # relative already, or a hub id
+        return base_model
+    try:
+        inside = path.resolve().relative_to(directory.resolve())
+    except ValueError:
+        return base_model
+    return f"./{inside.as_posix()}"

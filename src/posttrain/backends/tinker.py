@@ -16,14 +16,17 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Unpack, get_args
 
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import check_model_json, write_model_json
+from posttrain.backends.inputs import group_list, trajectory_list
 from posttrain.backends.options import RLOptions, SFTOptions, resolve_rl, resolve_sft
-from posttrain.backends.preflight import preflight_rl, preflight_sft
+from posttrain.backends.preflight import preflight_register, preflight_rl, preflight_sft
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
 from posttrain.model import OpenAIEndpoint, TrainableModel
@@ -94,7 +97,12 @@ class TinkerBackend:
         return self.path / model.project / "models" / model.name
 
     async def register(self, model: TrainableModel) -> None:
-        """Create the model's LoRA on the service, or resume it from its latest checkpoint."""
+        """Create the model's LoRA on the service, or resume it from its latest checkpoint.
+
+        The base model must be at hand here too (its tokenizer loads locally): checked first.
+        A registration that fails after the service made the model frees it there, and leaves
+        the model as it was (not attached, its run_state untouched).
+        """
         if model.lora_rank is None:
             raise ValueError(
                 f"{BACKEND} trains LoRA adapters only: give TrainableModel a lora_rank "
@@ -102,8 +110,11 @@ class TinkerBackend:
             )
         directory = self.model_dir(model)
         check_model_json(directory, model)  # written below, once the service has the model
+        await preflight_register(BACKEND, model)
         service = self.service_client()
-        latest = latest_checkpoint(directory)
+        resume_step = model.take_resume_step()
+        latest, later = resume_record(directory, resume_step)
+        run_state = None
         if latest is None:
             training = await service.create_lora_training_client(
                 model.base_model, rank=model.lora_rank, seed=model.seed
@@ -113,19 +124,25 @@ class TinkerBackend:
             training = await service.create_training_client_from_state_with_optimizer(
                 latest["path"]
             )
-            step = int(latest["step"])
-            model.run_state = dict(latest.get("run_state", {}))
+            step, run_state = int(latest["step"]), dict(latest.get("run_state", {}))
+        client, attached = None, False
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, model.base_model)
-            self._clients[id(model)] = TinkerTrainingClient(training, tokenizer)
+            client = TinkerTrainingClient(training, tokenizer)
             model.attach(self, directory, step)  # opens the metric sinks, which may refuse
+            attached = True
             write_model_json(directory, model)
+            set_aside_records(directory, later, resume_step)
         except BaseException:
-            client = self._clients.pop(id(model), None)
             if client is not None:
                 client.close()
+            if attached:
+                model.detach()
             await self._release(training)
             raise
+        self._clients[id(model)] = client
+        if run_state is not None:  # last: a failed registration leaves the model as it was
+            model.run_state = run_state
 
     def client(self, model: TrainableModel) -> TinkerTrainingClient:
         try:
@@ -139,14 +156,16 @@ class TinkerBackend:
     async def train(
         self,
         model: TrainableModel,
-        trajectory_groups: Sequence[TrajectoryGroup],
+        trajectory_groups: Iterable[TrajectoryGroup],
         **options: Unpack[TinkerRLOptions],
     ) -> TrainResult:
-        """One RL step through the shared trainer; the loss runs on the server."""
+        """One RL step through the shared trainer on `trajectory_groups` (any iterable, read
+        once); the loss runs on the server."""
         config = resolve_tinker_rl(options)
-        preflight_rl(BACKEND, self.capabilities, config, trajectory_groups)
+        groups = group_list(trajectory_groups, f"{BACKEND}.train()")
+        preflight_rl(BACKEND, self.capabilities, config, groups)
         client = self.client(model)
-        batch = prepare_batch(trajectory_groups, config)  # bad input fails before any update
+        batch = prepare_batch(groups, config)  # bad input fails before any update
         return await self._step(
             model, lambda: train_rl_batch(client, batch, config), config.save_checkpoint
         )
@@ -154,16 +173,18 @@ class TinkerBackend:
     async def train_sft(
         self,
         model: TrainableModel,
-        trajectories: Sequence[Trajectory],
+        trajectories: Iterable[Trajectory],
         **options: Unpack[SFTOptions],
     ) -> TrainResult:
+        """Supervised fine-tuning on `trajectories` (any iterable, read once), then one step."""
         config = resolve_sft(options, BACKEND)
+        listed = trajectory_list(trajectories, f"{BACKEND}.train_sft()")
         preflight_sft(BACKEND, self.capabilities, config)
         client = self.client(model)
-        batches = sft_batches(trajectories, config)  # bad input fails before any update
+        batches = sft_batches(listed, config)  # bad input fails before any update
         return await self._step(
             model,
-            lambda: train_sft_batches(client, batches, config, num_trajectories=len(trajectories)),
+            lambda: train_sft_batches(client, batches, config, num_trajectories=len(listed)),
             config.save_checkpoint,
         )
 
@@ -320,17 +341,64 @@ def load_tokenizer(base_model: str) -> object:
     return AutoTokenizer.from_pretrained(base_model)
 
 
-def latest_checkpoint(directory: Path) -> dict[str, Any] | None:
+def read_index(directory: Path) -> list[dict[str, Any]]:
     index = directory / INDEX
     if not index.exists():
-        return None
+        return []
     records = []
     for line in index.read_text().splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line cut short by a crash: the checkpoints before it still count
+    return records
+
+
+def latest_checkpoint(directory: Path) -> dict[str, Any] | None:
+    records = read_index(directory)
     return max(records, key=lambda r: int(r["step"])) if records else None
+
+
+def resume_record(
+    directory: Path, resume_step: int | None
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The index record to resume from (None: a fresh model) and the records after it.
+
+    Without `resume_step`, the latest; with it, the last record of that step (0 with none:
+    the base model). Records of later steps are set aside once the registration succeeds.
+    """
+    records = read_index(directory)
+    if resume_step is None:
+        return (max(records, key=lambda r: int(r["step"])) if records else None), []
+    chosen = [r for r in records if int(r["step"]) == resume_step]
+    if not chosen and resume_step != 0:
+        steps = sorted({int(r["step"]) for r in records})
+        raise ValueError(
+            f"resume_step={resume_step}: {directory / INDEX} has no checkpoint of that step "
+            f"(steps there: {steps or 'none'}); pick one of them, or 0 for the base model"
+        )
+    later = [r for r in records if int(r["step"]) > resume_step]
+    return (chosen[-1] if chosen else None), later
+
+
+def set_aside_records(
+    directory: Path, later: list[dict[str, Any]], resume_step: int | None
+) -> None:
+    """Move the index records after an explicit `resume_step` to a file of their own (kept,
+    like LocalBackend's set-aside step directories), so the steps trained from there on are
+    the index's latest. The index is rewritten atomically."""
+    if not later:
+        return
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    aside = directory / f"checkpoints.set-aside-after-step-{resume_step}-{stamp}.jsonl"
+    aside.write_text("".join(json.dumps(r) + "\n" for r in later))
+    kept = [r for r in read_index(directory) if r not in later]
+    tmp = directory / f".{INDEX}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / INDEX)
 
 
 def append_index(directory: Path, record: dict[str, Any]) -> None:
