@@ -1,6 +1,9 @@
 """Every example in docs/ runs: the python blocks of each page in order in one process (on a
 tiny model, in a temporary directory, against a real `posttrain serve` where a page uses one),
-and the `posttrain` commands of its bash blocks (all but `serve`, which a page's python uses)."""
+and the `posttrain` commands of its bash blocks (all but `serve`, which a page's python uses).
+
+A block whose info string names a file (```toml file=job.toml```) is that file's content: it
+is written into the directory before the page's python blocks run, and before its commands."""
 
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ def blocks(page: Path, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", page.read_text(), flags=re.S)
 
 
+def write_files(page: Path, directory: Path) -> None:
+    """The page's file blocks (```LANG file=NAME```), written into `directory`."""
+    for name, text in re.findall(r"```\w+ file=(\S+)\n(.*?)```", page.read_text(), flags=re.S):
+        (directory / name).write_text(text)
+
+
 def commands(page: Path) -> list[list[str]]:
     lines = [line for block in blocks(page, "bash") for line in block.splitlines()]
     return [
@@ -46,6 +55,7 @@ def test_every_page_has_runnable_examples():
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")], ids=lambda p: p.name)
 def test_python_examples_run(page: Path, tmp_path: Path):
     tiny = tmp_path / "tiny"
+    write_files(page, tmp_path)
     script = "\n".join(blocks(page, "python")).replace("/tmp/tiny", str(tiny))
     server = None
     if SERVER_URL in script:
@@ -54,7 +64,11 @@ def test_python_examples_run(page: Path, tmp_path: Path):
         script = script.replace(SERVER_URL, server.url)
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600
+            [sys.executable, "-c", script],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
     finally:
         if server is not None:
@@ -65,6 +79,7 @@ def test_python_examples_run(page: Path, tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=lambda p: p.name)
 def test_commands_run(page: Path, tmp_path: Path):
+    write_files(page, tmp_path)
     for args in commands(page):
         args = [str(ROOT / a) if a.startswith("src/") else a for a in args]
         proc = subprocess.run(

@@ -22,9 +22,11 @@ if TYPE_CHECKING:
     from posttrain.backends.ray import RayBackend
     from posttrain.backends.tinker import TinkerBackend
     from posttrain.clients.create import create_training_client
+    from posttrain.evaluation import Evaluation, evaluate
     from posttrain.jobs.sft_data import load_sft_dataset
     from posttrain.model import TrainableModel
     from posttrain.rollout import TrajectoryBuilder, gather_groups
+    from posttrain.tasks import DatasetTask, Problem, ResolvedTask, Task, resolve_task
 
 __version__ = "0.1.0"
 
@@ -41,6 +43,13 @@ def __getattr__(name: str) -> object:
         "gather_groups": "posttrain.rollout",
         "TrajectoryBuilder": "posttrain.rollout",
         "load_sft_dataset": "posttrain.jobs.sft_data",
+        "evaluate": "posttrain.evaluation",
+        "Evaluation": "posttrain.evaluation",
+        "DatasetTask": "posttrain.tasks",
+        "Problem": "posttrain.tasks",
+        "ResolvedTask": "posttrain.tasks",
+        "Task": "posttrain.tasks",
+        "resolve_task": "posttrain.tasks",
     }
     if name in lazy:
         import importlib
@@ -51,14 +60,19 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AdamParams",
+    "DatasetTask",
     "Datum",
     "EncodedTextChunk",
+    "Evaluation",
     "LocalBackend",
     "ModelInput",
+    "Problem",
     "RayBackend",
+    "ResolvedTask",
     "SampleResponse",
     "SampledSequence",
     "SamplingParams",
+    "Task",
     "TinkerBackend",
     "TokenSegment",
     "TrainResult",
@@ -69,6 +83,8 @@ __all__ = [
     "TrajectoryGroup",
     "__version__",
     "create_training_client",
+    "evaluate",
     "gather_groups",
     "load_sft_dataset",
+    "resolve_task",
 ]

@@ -128,3 +128,25 @@ def test_a_config_with_a_bad_backend_fails(tmp_path, capsys):
     config.write_text("[rl]\nstep = 1\n")
     code, out = _doctor(capsys, "--config", str(config), "--storage", str(tmp_path))
     assert code == 1 and "FAIL  config" in out and "unknown key 'step'" in out
+
+
+def test_threads_are_reported_and_oversubscription_warned(tmp_path, capsys, monkeypatch):
+    from posttrain.engine.threads import usable_cores
+
+    monkeypatch.delenv("POSTTRAIN_NUM_THREADS", raising=False)
+    cores = usable_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 4))
+    code, out = _doctor(capsys, "--storage", str(tmp_path))
+    assert code == 0  # a warning, not a failure
+    line = next(line for line in out.splitlines() if line.split()[1:2] == ["threads"])
+    assert line.startswith("WARN  threads")
+    assert f"posttrain computes with {cores + 4} torch thread(s) (OMP_NUM_THREADS=" in line
+    assert f"on {cores} usable core(s)" in line and f"set OMP_NUM_THREADS={cores}" in line
+
+
+def test_a_bad_thread_count_fails_naming_the_variable(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("POSTTRAIN_NUM_THREADS", "two")
+    code, out = _doctor(capsys, "--storage", str(tmp_path))
+    assert code == 1
+    assert "FAIL  threads" in out and "POSTTRAIN_NUM_THREADS='two' is not a whole number" in out

@@ -153,6 +153,43 @@ def test_job_record_keeps_the_backend_table_and_a_resume_may_change_it():
     assert config_changes(first, other) == ["[rl] learning_rate: 1e-05 in the run, 1.0 now"]
 
 
+def test_a_resume_compares_the_task_tables_and_tolerates_new_keys_at_their_default():
+    first = config_record(parse_config({"run": {"task": "reverse"}, "task": {"max_length": 4}}))
+    # A key posttrain added after the run started (max_bad_rollouts), left at its default: no
+    # change; set away from it, a change.
+    del first["rl"]["max_bad_rollouts"]
+    same = config_record(parse_config({"run": {"task": "reverse"}, "task": {"max_length": 4}}))
+    assert config_changes(first, same) == []
+    tolerant = parse_config(
+        {"run": {"task": "reverse"}, "task": {"max_length": 4}, "rl": {"max_bad_rollouts": 0.1}}
+    )
+    assert config_changes(first, config_record(tolerant)) == [
+        "[rl] max_bad_rollouts: not in the run's job.json, 0.1 now"
+    ]
+    other = config_record(parse_config({"run": {"task": "reverse"}, "task": {"max_length": 5}}))
+    assert config_changes(first, other) == ["[task] max_length: 4 in the run, 5 now"]
+    without = config_record(parse_config({"run": {"task": "reverse"}}))
+    assert config_changes(first, without) == [
+        "[task]: in the run's job.json, not in the config now"
+    ]
+    data = config_record(parse_config({"data": {"train": "t.jsonl", "reward": "contains"}}))
+    assert data["run"]["task"] == "data" and data["data"]["reward"] == "contains"
+    exact = config_record(parse_config({"data": {"train": "t.jsonl"}}))
+    assert config_changes(data, exact) == ["[data] reward: 'contains' in the run, 'exact' now"]
+
+
+def test_lora_rank_zero_is_full_fine_tuning_in_toml_and_python():
+    from posttrain.model import TrainableModel
+
+    assert parse_config({}).model.lora_rank == 0
+    # The job passes [model] lora_rank as it is; TrainableModel reads 0 as None: one meaning.
+    model = TrainableModel(name="m", project="p", base_model="b", lora_rank=0)
+    assert model.lora_rank is None and model.config_dict()["lora_rank"] is None
+    assert TrainableModel(name="m", project="p", base_model="b", lora_rank=4).lora_rank == 4
+    with pytest.raises(ValueError, match="lora_rank must be >= 1 for LoRA, or 0 / None for full"):
+        TrainableModel(name="m", project="p", base_model="b", lora_rank=-2)
+
+
 def test_secrets_are_keys_whose_words_name_one():
     secret = ["api_key", "apiKey", "API_KEY", "hf_token", "authtoken", "client_secret", "password"]
     secret += ["db-password", "access.keys", "aws_credentials"]

@@ -6,7 +6,8 @@ import pytest
 
 from chat_templates import template as chat_template
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.jobs.rollouts import completion_text, derive_seed, evaluate, sample_groups
+from posttrain.evaluation import evaluate
+from posttrain.jobs.rollouts import completion_text, derive_seed, sample_groups
 from posttrain.rollout import assistant_closing
 from posttrain.tasks import Problem, ReverseTask
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
@@ -34,7 +35,10 @@ class ScriptedSampler:
 
     async def sample_many(self, prompts, num_samples, params):
         self.calls.append((len(prompts), num_samples, params))
-        return [SampleResponse([self._sequence(t) for t in texts[:num_samples]]) for texts in self.script]
+        return [
+            SampleResponse([self._sequence(t) for t in texts[:num_samples]])
+            for texts in self.script
+        ]
 
 
 def test_completion_text_drops_only_the_end_of_turn(tokenizer):
@@ -67,7 +71,9 @@ async def test_sample_groups_rewards_each_completion(tokenizer):
     problems = [Problem("reverse abc", "cba"), Problem("reverse xyz", "zyx")]
     sampler = ScriptedSampler(tokenizer, [["cba", "abc", "cba|len"], ["zyx", "zyx", "zy"]])
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
-    groups = await sample_groups(sampler, ReverseTask(), problems, 3, params)  # type: ignore[arg-type]
+    step = await sample_groups(sampler, ReverseTask(), problems, 3, params)  # type: ignore[arg-type]
+    groups = step.groups
+    assert (step.bad_rollouts, step.rollouts) == (0, 6)
     assert len(sampler.calls) == 1 and sampler.calls[0] == (2, 3, params)  # one batched call
     assert [g.rewards for g in groups] == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
     first = groups[0].trajectories[0]
@@ -83,6 +89,6 @@ async def test_evaluate_is_greedy_accuracy(tokenizer):
     problems = [Problem("reverse abc", "cba"), Problem("reverse xyz", "zyx")]
     sampler = ScriptedSampler(tokenizer, [["cba"], ["zy"]])
     result = await evaluate(sampler, ReverseTask(), problems, max_tokens=8)  # type: ignore[arg-type]
-    assert result.accuracy == 0.5 and result.completions == ["cba", "zy"]
-    (_, num_samples, params), = sampler.calls
+    assert result.accuracy == 0.5 and result.completions == [["cba"], ["zy"]]
+    ((_, num_samples, params),) = sampler.calls
     assert num_samples == 1 and params.temperature == 0.0 and params.max_tokens == 8

@@ -83,23 +83,32 @@ def test_blank_lines_are_skipped(tokenizer, tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("{not json", r"d\.jsonl:2: "),
+        ("{not json", r"d\.jsonl:2: invalid JSON: "),
+        ("[1, 2]", r"d\.jsonl:2: each line must be a JSON object, got list"),
         (
             json.dumps({"msgs": []}),
-            r'd\.jsonl:2: each line must be a JSON object with a "messages" list',
+            r"d\.jsonl:2: no field 'messages' \(a chat\), nor both 'prompt' and 'answer' "
+            r"\(a prompt and its answer\); the line has 'msgs'",
         ),
-        (json.dumps({"messages": []}), r"d\.jsonl:2: messages must be a non-empty list"),
+        (
+            json.dumps({"prompt": "x", "answer": ["y"]}),
+            r"d\.jsonl:2: field 'answer' must be a string, got \['y'\]",
+        ),
+        (
+            json.dumps({"messages": []}),
+            r"d\.jsonl:2: field 'messages': messages must be a non-empty list",
+        ),
         (
             json.dumps({"messages": [{"role": "user", "content": "x"}]}),
-            r"d\.jsonl:2: messages has no assistant turn",
+            r"d\.jsonl:2: field 'messages': messages has no assistant turn",
         ),
         (
             json.dumps({"messages": [{"role": "user", "text": "x"}]}),
-            r"d\.jsonl:2: messages\[0\] must be",
+            r"d\.jsonl:2: field 'messages': messages\[0\] must be",
         ),
         (
             json.dumps({"messages": [{"role": "bot", "content": "x"}]}),
-            r"d\.jsonl:2: messages\[0\] needs a role in",
+            r"d\.jsonl:2: field 'messages': messages\[0\] needs a role in",
         ),
     ],
 )
@@ -135,7 +144,7 @@ def test_path_only_gives_the_checked_conversations(tokenizer, tmp_path):
     assert [t.messages for t in trajectories] == [tuple(first), tuple(second)]
     assert trajectories == [conversation_to_trajectory(m, tokenizer) for m in (first, second)]
     (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1: messages\[0\] must be"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: field 'messages': messages\[0\] must be"):
         load_sft_dataset(tmp_path / "bad.jsonl")  # checked without a tokenizer too
 
 
@@ -180,3 +189,39 @@ def test_exported_at_top_level():
     import posttrain
 
     assert posttrain.load_sft_dataset is load_sft_dataset
+
+
+def test_prompt_answer_pairs_train_only_the_answer(tokenizer, tmp_path):
+    """A prompt/answer line is a user turn and the assistant's answer (a number answer as its
+    decimal), with the system prompt before it; only the answer's tokens are trainable."""
+    from posttrain.jobs.sft_data import SFTFields
+
+    path = _write(
+        tmp_path / "d.jsonl",
+        [{"q": "2+2=", "a": 4}, {"messages": [{"role": "user", "content": "x"},
+                                               {"role": "assistant", "content": "y"}]}],
+    )  # fmt: skip
+    fields = SFTFields(prompt="q", answer="a", system_prompt="be brief")
+    assert load_sft_dataset(path, fields=fields) == [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "2+2="},
+            {"role": "assistant", "content": "4"},
+        ],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y"},
+        ],
+    ]
+    first, _ = load_sft_dataset(path, tokenizer, fields=fields)
+    assert [list(s.tokens) for s in first.segments if s.trainable] == [
+        [ord("4"), tokenizer.eos_token_id]
+    ]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2="}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert list(first.segments[0].tokens) == list(prompt) and not first.segments[0].trainable

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,56 @@ def test_cli_train_and_its_errors(tmp_path, capsys, monkeypatch):
     typo.write_text("[rl]\nstep = 3\n")
     assert main(["train", str(typo)]) == 2
     assert "[rl] unknown key 'step'; did you mean 'steps'?" in capsys.readouterr().err
+
+
+async def test_a_copied_run_directory_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """`cp -r` of a run stopped after RL step 1, the original deleted: the copy resumes at
+    step 2 on its own tiny base model, and nothing in it names where the run was."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Killed):
+        await run_job(_config(Path("first")), on_step=_kill_after(1), echo=lambda _: None)
+    shutil.copytree(tmp_path / "first", tmp_path / "elsewhere" / "copy")
+    shutil.rmtree(tmp_path / "first")
+    run_dir = tmp_path / "elsewhere" / "copy" / "test" / "models" / "job"
+    written = [run_dir / "model.json", run_dir / "job.json"]
+    written += list((run_dir / "checkpoints").glob("*/trainer_state.json"))
+    for path in written:
+        assert str(tmp_path) not in path.read_text(), path
+    assert json.loads((run_dir / "model.json").read_text())["base_model"] == "./base_model"
+    monkeypatch.chdir(tmp_path / "elsewhere")  # and from another working directory
+    lines: list[str] = []
+    await run_job(_config(Path("first")), resume=run_dir, echo=lines.append)
+    assert lines[1] == "resuming after RL step 1/2 (model step 2)"
+    assert [line.split()[2] for line in lines if line.startswith("rl step")] == ["2/2"]
+    assert [(r["phase"], r["step"]) for r in _rows(run_dir)][-2:] == [("rl", 2), ("eval", 2)]
+    assert not (tmp_path / "first").exists()  # nothing was written where the run came from
+
+
+def test_cli_refuses_a_damaged_latest_checkpoint_and_resumes_an_earlier_step(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[run]\ntask = "addition"\n[model]\nbase_model = "tiny:llama:tiny"\n'
+        "[rl]\nsteps = 2\nprompts_per_step = 2\ngroup_size = 2\nmax_tokens = 4\n[eval]\nheld_out = 2\n"
+    )
+    assert main(["train", str(config)]) == 0
+    run_dir = "runs/posttrain/models/run"
+    weights = tmp_path / run_dir / "checkpoints" / "2" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 1)
+    capsys.readouterr()
+    assert main(["train", str(config), "--resume", run_dir]) == 2
+    err = capsys.readouterr().err
+    assert f"latest checkpoint {run_dir}/checkpoints/2 is damaged" in err
+    assert "size differs from checkpoint.json for model.safetensors" in err
+    assert "--resume-step 1" in err
+    assert main(["train", str(config), "--resume-step", "1"]) == 2
+    assert "--resume-step needs --resume DIR" in capsys.readouterr().err
+    assert main(["train", str(config), "--resume", run_dir, "--resume-step", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming after RL step 1/2 (model step 1)" in out
+    assert sum(line.startswith("rl step") for line in out.splitlines()) == 1
 
 
 def test_cli_demo_prints_its_config(capsys):

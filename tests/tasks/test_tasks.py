@@ -29,7 +29,7 @@ def test_reverse_problems():
         assert verb == "reverse"
         assert 3 <= len(word) <= 6 and word.isalpha() and word.islower()
         assert p.answer == word[::-1]
-    assert {len(p.answer) for p in problems} == {3, 4, 5, 6}
+    assert {len(p.reference()) for p in problems} == {3, 4, 5, 6}
 
 
 def test_addition_problems():

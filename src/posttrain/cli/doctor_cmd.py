@@ -1,9 +1,9 @@
 """`posttrain doctor [--config JOB.toml]`: is this machine ready? A pass / warn / fail table.
 
 Checks Python, torch, the optional dependencies (which extra installs each), write access and
-free disk at the storage path, the configured backend, and the configured server: `--server`,
-else the config's `[backend] base_url`, else `$TINKER_BASE_URL`, asked with the configured
-API key (`[backend] api_key`, else `$TINKER_API_KEY`). Exit status 1 on any fail.
+free disk at the storage path, the configured task, backend and base model, and the configured
+server: `--server`, else the config's `[backend] base_url`, else `$TINKER_BASE_URL`, asked with
+the configured API key (`[backend] api_key`, else `$TINKER_API_KEY`). Exit status 1 on any fail.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from posttrain.jobs.config import JobConfig
 
 Status = Literal["pass", "warn", "fail"]
 MIN_FREE_GB = 5.0
@@ -99,6 +102,23 @@ def check_torch() -> Check:
     )
     return Check(
         "torch", "pass", f"{torch.__version__}, {device}, {torch.get_num_threads()} threads"
+    )
+
+
+def check_threads() -> Check:
+    """torch's thread settings; a warning for oversubscription (more threads than usable cores,
+    or a load average above them), which makes compute several times slower."""
+    try:
+        from posttrain.engine.threads import thread_report
+
+        report = thread_report()
+    except ImportError as exc:
+        return Check("threads", "fail", f"torch not importable: {exc}")
+    if report.error:  # posttrain's commands refuse to start with it
+        return Check("threads", "fail", report.error)
+    warnings = report.warnings()
+    return Check(
+        "threads", "warn" if warnings else "pass", "; ".join([report.describe(), *warnings])
     )
 
 
@@ -186,6 +206,24 @@ def configured_server(
     return None
 
 
+def check_base_model(spec: str) -> Check:
+    """The config's base model can be had here: a model directory, or a hub id in the local
+    cache or confirmed by the hub within seconds (never downloaded)."""
+    from posttrain.engine import model_source
+
+    if spec.startswith("tiny:"):
+        return Check("base model", "pass", f"{spec} (built by the job)")
+    try:
+        model_source.check_base_model(spec)
+    except (FileNotFoundError, model_source.HubUnreachableError) as exc:
+        return Check("base model", "fail", str(exc))
+    if Path(spec).expanduser().exists():
+        return Check("base model", "pass", f"{spec} (a model directory)")
+    cached = model_source.in_hub_cache(spec)
+    where = "in the Hugging Face cache" if cached else "on the hub, not yet downloaded"
+    return Check("base model", "pass", f"{spec} ({where})")
+
+
 def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | None]:
     """The config's backend, its `[backend]` table and output_dir; an unreadable config fails."""
     from posttrain.jobs.backend import job_problems
@@ -195,18 +233,34 @@ def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | 
         config = load_config(path)
     except (ValueError, FileNotFoundError) as exc:
         return [Check("config", "fail", str(exc))], {}, None
-    found, problems = job_problems(config)
+    found, problems = job_problems(config, base_model=False)  # checked on its own row below
     backend_problems = [p for p in problems if p.call == "backend"]
     if backend_problems:
         check = Check("backend", "fail", "; ".join(str(p) for p in backend_problems))
     else:
         source = found.info.capabilities_source if found else "?"
         check = Check("backend", "pass", f"{config.run.backend} (capabilities: {source})")
-    return [Check("config", "pass", str(path)), check], dict(config.backend), config.run.output_dir
+    checks = [Check("config", "pass", str(path)), check_task(config), check]
+    checks.append(check_base_model(config.model.base_model))
+    return checks, dict(config.backend), config.run.output_dir
+
+
+def check_task(config: JobConfig) -> Check:
+    """The config's task resolves (imported, built, its data read) as `posttrain train`'s."""
+    from posttrain.jobs.backend import task_problems
+
+    resolved, problems = task_problems(config)
+    if resolved is None:
+        return Check("task", "fail", "; ".join(str(p) for p in problems))
+    counts = ""
+    if resolved.kind == "data":
+        details = resolved.details
+        counts = f", {details['train_problems']} training / {details['held_out_problems']} held-out problems"
+    return Check("task", "pass", f"{resolved.spec} ({resolved.kind}: {resolved.target}{counts})")
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
-    checks = [check_python(), check_torch(), *check_optional()]
+    checks = [check_python(), check_torch(), check_threads(), *check_optional()]
     backend: dict[str, object] = {}
     output_dir = None
     if args.config is not None:

@@ -1,4 +1,4 @@
-"""`posttrain explain CONFIG [--json]`: the resolved job, its backend, preflight and plan.
+"""`posttrain explain CONFIG [--json]`: the resolved job, its task, backend, preflight and plan.
 
 Nothing is built or trained. Exit status: 0 when the job can run, 1 when preflight refuses
 it, 2 when the config itself cannot be read.
@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from posttrain.backends.registry import BackendInfo
-from posttrain.jobs.backend import JobProblem, job_problems
+from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, task_problems
 from posttrain.jobs.config import JobConfig, load_config, redact_secrets
+from posttrain.tasks.resolve import ResolvedTask
 
 # What each plan entry counts.
 PLAN_NOTES = {
@@ -33,7 +34,8 @@ PLAN_NOTES = {
     "completion is trained with its prompt); null without a local tokenizer",
     "rl_trained_tokens_per_step_max_estimate": "prompt estimate + sampled maximum: tokens in "
     "one step's forward/backward passes, at most",
-    "held_out_problems": "greedy evaluation problems, before RL, every [eval] every steps, after",
+    "held_out_problems": "greedy evaluation problems, before RL, every [eval] every steps, after "
+    "([eval] held_out, or all a dataset task has if fewer); null when the task does not resolve",
 }
 
 
@@ -79,28 +81,30 @@ def dataset_rows(config: JobConfig, tokenizer: object | None) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"SFT dataset {str(path)!r} does not exist")
         return sum(1 for line in path.read_text().splitlines() if line.strip())
-    from posttrain.jobs.sft_data import load_sft_dataset
+    from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
 
-    return len(load_sft_dataset(path, tokenizer))  # type: ignore[arg-type]
+    return len(load_sft_dataset(path, tokenizer, fields=sft_fields(config.data)))  # type: ignore[arg-type]
 
 
-def prompt_tokens(config: JobConfig, tokenizer: object | None) -> int | None:
+def prompt_tokens(
+    config: JobConfig, task: ResolvedTask | None, tokenizer: object | None
+) -> int | None:
     """Prompt tokens of RL step 1's prompts, rendered as the job renders them."""
-    if tokenizer is None:
+    if tokenizer is None or task is None:
         return None
-    from posttrain.jobs.rollouts import derive_seed, user_message
-    from posttrain.rollout import TrajectoryBuilder
-    from posttrain.tasks import get_task
+    from posttrain.evaluation import prompt_builders
+    from posttrain.jobs.rollouts import derive_seed
+    from posttrain.rollout import assistant_closing
 
     rng = random.Random(derive_seed(config.run.seed, "rl", 0))  # as the job draws step 1
-    problems = get_task(config.run.task).make_prompts(rng, config.rl.prompts_per_step)
-    builders = [TrajectoryBuilder(tokenizer) for _ in problems]
-    for builder, problem in zip(builders, problems, strict=True):
-        builder.prompt(user_message(problem))
+    problems = task.task.make_prompts(rng, config.rl.prompts_per_step)
+    builders = prompt_builders(tokenizer, problems, assistant_closing(tokenizer))
     return sum(len(b.tokens) for b in builders)
 
 
-def plan(config: JobConfig) -> tuple[dict[str, int | None], list[JobProblem]]:
+def plan(
+    config: JobConfig, task: ResolvedTask | None = None
+) -> tuple[dict[str, int | None], list[JobProblem]]:
     """Step counts, batch shape and tokens per step the job will run (see PLAN_NOTES)."""
     tokenizer = load_tokenizer(config)
     problems: list[JobProblem] = []
@@ -113,7 +117,8 @@ def plan(config: JobConfig) -> tuple[dict[str, int | None], list[JobProblem]]:
     total = config.sft.examples + rows
     completions = config.rl.prompts_per_step * config.rl.group_size
     sampled = completions * config.rl.max_tokens
-    prompts = prompt_tokens(config, tokenizer)
+    prompts = prompt_tokens(config, task, tokenizer)
+    held_out = len(task.task.held_out(config.eval.seed, config.eval.held_out)) if task else None
     prompt_estimate = prompts * config.rl.group_size if prompts is not None else None
     return {
         "sft_examples": config.sft.examples,
@@ -129,7 +134,7 @@ def plan(config: JobConfig) -> tuple[dict[str, int | None], list[JobProblem]]:
         "rl_trained_tokens_per_step_max_estimate": (
             prompt_estimate + sampled if prompt_estimate is not None else None
         ),
-        "held_out_problems": config.eval.held_out,
+        "held_out_problems": held_out,
     }, problems
 
 
@@ -150,11 +155,14 @@ def _backend(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
 
 def explain(config: JobConfig) -> dict[str, object]:
     found, problems = job_problems(config)
+    task, more = task_problems(config)
+    problems += more
     info = found.info if found is not None else None
-    steps, plan_problems = plan(config)
+    steps, plan_problems = plan(config, task)
     problems += plan_problems
     return {
         "config": _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend))),
+        "task": task.record() if task is not None else {"spec": config.run.task, "resolved": False},
         "backend": _backend(config, info),
         "preflight": {
             "ok": not problems,
@@ -178,12 +186,13 @@ def _print_table(title: str, rows: dict[str, object], indent: str = "  ") -> Non
 
 def _print(path: Path, report: dict[str, object]) -> None:
     _print_table(f"config ({path}):", report["config"])  # type: ignore[arg-type]
+    _print_table("task:", report["task"])  # type: ignore[arg-type]
     _print_table("backend:", report["backend"])  # type: ignore[arg-type]
     preflight = report["preflight"]
     assert isinstance(preflight, dict)
     print("preflight: ok" if preflight["ok"] else "preflight: problems")
     for p in preflight["problems"]:
-        where = p["option"] if p["call"] == "backend" else f"{p['call']}() {p['option']}"
+        where = p["option"] if p["call"] in PLAIN_CALLS else f"{p['call']}() {p['option']}"
         print(f"  - {where}: {p['message']}")
     print("plan:")
     for key, value in report["plan"].items():  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""`posttrain train CONFIG.toml [--resume DIR]` and `posttrain demo [TASK]`."""
+"""`posttrain train CONFIG.toml [--resume DIR [--resume-step N]]` and `posttrain demo [TASK]`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         metavar="DIR",
         help="continue the run in DIR (<output_dir>/<project>/models/<name>) from its last checkpoint",
     )
+    train.add_argument(
+        "--resume-step",
+        type=int,
+        metavar="N",
+        help="with --resume: continue from the checkpoint of step N (DIR/checkpoints/N; 0 with "
+        "no such checkpoint: the base model) instead of the latest, which a damaged latest "
+        "checkpoint needs; the checkpoints after N are moved aside, not deleted",
+    )
     train.set_defaults(handler=run_train)
     demo = subparsers.add_parser(
         "demo",
@@ -58,7 +66,10 @@ def run_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"posttrain train: error: {exc}", file=sys.stderr)
         return 2
-    return _run(config, args.resume)
+    if args.resume_step is not None and args.resume is None:
+        print("posttrain train: error: --resume-step needs --resume DIR", file=sys.stderr)
+        return 2
+    return _run(config, args.resume, args.resume_step)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -82,7 +93,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return _run(replace(config, run=replace(config.run, name=name)), None)
 
 
-def _run(config: JobConfig, resume: Path | None) -> int:
+def _run(config: JobConfig, resume: Path | None, resume_step: int | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from posttrain.jobs.backend import JobPreflightError
@@ -92,7 +103,7 @@ def _run(config: JobConfig, resume: Path | None) -> int:
     hf_logging.disable_progress_bar()
     try:
         # run_job runs the job's preflight before any work: a refused configuration costs nothing.
-        asyncio.run(run_job(config, resume=resume))
+        asyncio.run(run_job(config, resume=resume, resume_step=resume_step))
     except JobPreflightError as exc:
         for problem in exc.problems:
             print(f"posttrain train: preflight: {problem}", file=sys.stderr)

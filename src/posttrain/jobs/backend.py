@@ -19,25 +19,31 @@ from posttrain.backends.preflight import PreflightError, preflight_rl, preflight
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
 from posttrain.backends.schema import OptionSchema, constructor_hints, constructor_parameters
+from posttrain.engine.devices import resolve_device, resolve_worker_device
+from posttrain.engine.model_source import HubUnreachableError, check_base_model
 from posttrain.jobs.config import REDACTED, JobConfig, is_secret
+from posttrain.jobs.job_task import JobTaskError, resolve_job_task
+from posttrain.tasks.resolve import ResolvedTask
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value
 
 # Constructor arguments the job fills in itself, and where their value comes from.
 JOB_SUPPLIED = {"path": "[run] output_dir", "keep_checkpoints": "[run] keep_checkpoints"}
-Call = Literal["backend", "train", "train_sft"]
+PLAIN_CALLS = ("model", "task", "backend")  # problems named by their option alone
+Call = Literal["model", "task", "backend", "train", "train_sft"]
 
 
 @dataclass(frozen=True)
 class JobProblem:
-    """Something that stops the job, found before any work: in the backend itself (`call` is
-    "backend") or in the options one of its calls would get."""
+    """Something that stops the job, found before any work: in its base model (`call` is
+    "model"), its task ("task"), the backend itself ("backend") or in the options one of its
+    calls would get."""
 
     call: Call
     option: str
     message: str
 
     def __str__(self) -> str:
-        where = self.option if self.call == "backend" else f"{self.call}() {self.option}"
+        where = self.option if self.call in PLAIN_CALLS else f"{self.call}() {self.option}"
         return f"{where}: {self.message}"
 
 
@@ -120,29 +126,32 @@ def create_backend(found: JobBackend) -> TrainableBackend:
 
 
 def job_problems(
-    config: JobConfig, *, resume: bool = False, path: Path | None = None
+    config: JobConfig, *, resume: bool = False, path: Path | None = None, base_model: bool = True
 ) -> tuple[JobBackend | None, list[JobProblem]]:
-    """Everything that would stop this job, found without building anything: the backend
-    (name, import, hooks), its `[backend]` options, what the job needs of it (sampling, SFT,
-    resume) and preflight of the options each call would get. `path` is where the backend
-    keeps its models, `[run] output_dir` unless given. The backend is None when its name does
-    not resolve."""
+    """Everything that would stop this job, found without building anything: the base model
+    (unless `base_model=False`), the backend (name, import, hooks), its `[backend]` options,
+    what the job needs of it (sampling, SFT, resume) and preflight of the options each call
+    would get. `path` is where the backend keeps its models, `[run] output_dir` unless given.
+    The backend is None when its name does not resolve."""
     spec = config.run.backend
+    model_problems = base_model_problems(config.model.base_model) if base_model else []
     try:
         info = describe(spec)
         factory = load(spec) if info.importable else None
     except (ValueError, ImportError) as exc:
-        return None, [JobProblem("backend", "[run] backend", str(exc))]
+        return None, [*model_problems, JobProblem("backend", "[run] backend", str(exc))]
     if factory is None:
         install = f"; install it with pip install 'posttrain[{info.extra}]'" if info.extra else ""
         message = f"{spec!r} cannot be imported: {info.import_error}{install}"
-        return JobBackend(info, None, None), [JobProblem("backend", "[run] backend", message)]
-    problems: list[JobProblem] = []
+        problem = JobProblem("backend", "[run] backend", message)
+        return JobBackend(info, None, None), [*model_problems, problem]
+    problems = model_problems
     try:
         kwargs = constructor_kwargs(config, factory, path or Path(config.run.output_dir))
     except ValueError as exc:
         kwargs = None
         problems.append(JobProblem("backend", "[backend]", str(exc)))
+    problems += _device_problems(info, kwargs or {})
     problems += _needs(info, config, resume)
     problems += _preflight(
         "train",
@@ -158,6 +167,45 @@ def job_problems(
             ),
         )
     return JobBackend(info, factory, kwargs), problems
+
+
+def task_problems(config: JobConfig) -> tuple[ResolvedTask | None, list[JobProblem]]:
+    """The job's task, resolved (`resolve_job_task`), or the problem that stops it."""
+    try:
+        return resolve_job_task(config), []
+    except JobTaskError as exc:
+        where = f" (config {exc.source})" if exc.source is not None else ""
+        return None, [JobProblem("task", exc.option, f"{exc.detail}{where}")]
+
+
+def base_model_problems(spec: str) -> list[JobProblem]:
+    """`[model] base_model` can be had here: an existing directory, or a hub id that is cached
+    or that the hub confirms within seconds (a `tiny:` spec is built by the job itself)."""
+    if spec.startswith("tiny:"):
+        return []
+    try:
+        check_base_model(spec)
+    except (FileNotFoundError, HubUnreachableError) as exc:
+        return [JobProblem("model", "[model] base_model", str(exc))]
+    return []
+
+
+def _device_problems(info: BackendInfo, kwargs: dict[str, object]) -> list[JobProblem]:
+    """`[backend] device` of a built-in backend, checked as its constructor will check it."""
+    device = kwargs.get("device")
+    if info.source != "builtin" or not isinstance(device, str):
+        return []
+    option = "[backend] device"
+    try:
+        if info.name == "ray":
+            resources = kwargs.get("resources_per_worker")
+            gpus = float(resources.get("GPU", 0)) if isinstance(resources, dict) else 0.0
+            resolve_worker_device(device, gpus, option=option)
+        elif info.name == "local":
+            resolve_device(device, option=option)
+    except ValueError as exc:
+        return [JobProblem("backend", option, str(exc))]
+    return []
 
 
 def _needs(info: BackendInfo, config: JobConfig, resume: bool) -> list[JobProblem]:

@@ -1,6 +1,10 @@
 """The `posttrain train` job's TOML configuration, as frozen dataclasses, one per table.
 
-Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`. `[sft]` and `[rl]` also
+Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`, `[task]`, `[data]`.
+`[run] task` names the task: a built-in ("reverse"), a dotted path ("mypkg.tasks:make_task"),
+an entry point of the `posttrain.tasks` group, or "data" for the dataset task that `[data]`
+describes (the default when there is a `[data]` table). `[task]` holds a task factory's
+keyword arguments. `[sft]` and `[rl]` also
 accept every option of `backend.train_sft` / `backend.train` (`SFTConfig` / `LocalRLOptions`);
 the job passes each backend the options it declares, and preflight refuses the others.
 `[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
@@ -23,7 +27,8 @@ from typing import Literal, get_args
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.tiny import Arch, Size
-from posttrain.tasks import get_task
+from posttrain.tasks.resolve import TaskError, task_kind
+from posttrain.tasks.rewards import BUILTIN_REWARDS
 from posttrain.trainer.config import RLConfig, SFTConfig, check_field_types
 
 ARCHES: tuple[str, ...] = get_args(Arch)
@@ -36,13 +41,15 @@ SECRET_WORDS = (
     *("password", "passwords", "passwd", "credential", "credentials"),
 )
 REDACTED = "***"
+DATA_TASK = "data"  # `[run] task` for the dataset task of the `[data]` table
+NO_DATA_TABLE = 'needs a [data] table naming the JSONL files, e.g. [data] train = "train.jsonl"'
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """What to train on and where the run lives: `<output_dir>/<project>/models/<name>/`."""
 
-    task: str = "reverse"  # a name in posttrain.tasks.TASKS
+    task: str = "reverse"  # built-in name, "pkg.module:factory", entry-point name, or "data"
     name: str = "run"
     project: str = "posttrain"
     output_dir: str = "runs"  # relative to the working directory
@@ -52,7 +59,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        get_task(self.task)  # raises for an unknown task, naming the choices
+        if self.task != DATA_TASK:
+            try:
+                task_kind(self.task)  # an unknown name lists the known ones; nothing imported
+            except TaskError as exc:  # `_build` puts "[run] " before it
+                raise ValueError(str(exc)) from None
         resolve_backend(self.backend)  # raises for an unknown name, listing the known ones
         if self.keep_checkpoints < 1:
             raise ValueError(f"[run] keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
@@ -108,6 +119,9 @@ class RLJobConfig:
     top_p: float = 1.0
     max_tokens: int = 16
     lr_warmup_steps: int = 0  # linear warm-up of learning_rate over the first steps
+    # Fraction of a step's rollouts whose reward may fail (raise, NaN, not a number): they are
+    # dropped and counted (`bad_rollouts`); more fails the step with the first error.
+    max_bad_rollouts: float = 0.0
     trainer: RLConfig = field(default_factory=RLConfig)  # the rest of [rl]: train options
 
     def __post_init__(self) -> None:
@@ -121,6 +135,10 @@ class RLJobConfig:
         if self.group_size < 2:
             raise ValueError(
                 f"[rl] group_size must be >= 2 (advantages compare within a group), got {self.group_size}"
+            )
+        if not 0 <= self.max_bad_rollouts < 1:
+            raise ValueError(
+                f"[rl] max_bad_rollouts is a fraction in [0, 1), got {self.max_bad_rollouts}"
             )
         if not self.temperature > 0:
             raise ValueError(f"[rl] temperature must be > 0 to explore, got {self.temperature}")
@@ -152,6 +170,33 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """A dataset task: JSONL files (relative to the config file) and a reward; see
+    `posttrain.tasks.dataset` for the line format and the held-out split rule."""
+
+    train: str = ""  # JSONL of training problems (required)
+    held_out: str | None = None  # JSONL of held-out problems; None: split off `train`
+    held_out_fraction: float | None = None  # with no held_out file: 0.1 unless set
+    prompt_field: str | None = None  # a string field ("prompt" unless messages_field is set)
+    messages_field: str | None = None  # or a chat: a list of {"role", "content"}
+    answer_field: str = "answer"
+    system_prompt: str | None = None
+    reward: str = "exact"  # exact, contains, number, regex, math, or "pkg.module:function"
+    tolerance: float | None = None  # reward "number": absolute tolerance (default 1e-6)
+    pattern: str | None = None  # reward "regex": the pattern that extracts the answer
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.train:
+            raise ValueError("[data] train is required: the JSONL file of training problems")
+        if ":" not in self.reward and self.reward not in BUILTIN_REWARDS:
+            raise ValueError(
+                f"[data] reward {self.reward!r} is unknown{_hint(self.reward, BUILTIN_REWARDS)} "
+                f"(built-in: {', '.join(BUILTIN_REWARDS)}; or a function 'pkg.module:function')"
+            )
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A whole `posttrain train` job; `source` is the TOML file it came from, if any."""
 
@@ -161,14 +206,20 @@ class JobConfig:
     rl: RLJobConfig = field(default_factory=RLJobConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     backend: Mapping[str, object] = field(default_factory=dict[str, object])  # [backend] kwargs
+    task: Mapping[str, object] = field(default_factory=dict[str, object])  # [task] kwargs
+    data: DataConfig | None = None  # [data]: the dataset task
     source: Path | None = field(default=None, compare=False)
+
+    @property
+    def base_dir(self) -> Path:
+        """Where relative paths in the config point from: the config file's directory."""
+        return self.source.parent if self.source is not None else Path.cwd()
 
     def dataset_path(self) -> Path | None:
         """`[sft] dataset`, resolved against the config file's directory."""
         if self.sft.dataset is None:
             return None
-        base = self.source.parent if self.source is not None else Path.cwd()
-        return base / self.sft.dataset
+        return self.base_dir / self.sft.dataset
 
 
 def is_secret(key: str) -> bool:
@@ -218,7 +269,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         "rl": RLJobConfig,
         "eval": EvalConfig,
     }
-    names = [*tables, "backend"]
+    names = [*tables, "backend", "task", "data"]
     for name, value in data.items():
         if name not in names:
             raise ValueError(
@@ -226,12 +277,37 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
             )
         if not isinstance(value, dict):
             raise ValueError(f"[{name}] must be a table, got {value!r}")
-    built = {name: _build(cls, dict(data.get(name) or {}), name) for name, cls in tables.items()}  # type: ignore[call-overload]
-    backend = dict(data.get("backend") or {})  # type: ignore[call-overload]
-    for key, value in backend.items():
-        if isinstance(value, dict):
-            raise ValueError(f"[backend] {key} must be a value, got a table")
-    return JobConfig(**built, backend=backend, source=source)  # type: ignore[arg-type]
+    run: dict[str, object] = dict(data.get("run") or {})  # type: ignore[call-overload]
+    _check_task_tables(run.get("task"), data)
+    if "data" in data:
+        run.setdefault("task", DATA_TASK)
+    built = {
+        name: _build(cls, run if name == "run" else dict(data.get(name) or {}), name)  # type: ignore[call-overload]
+        for name, cls in tables.items()
+    }
+    free = {}
+    for name in ("backend", "task"):
+        free[name] = dict(data.get(name) or {})  # type: ignore[call-overload]
+        for key, value in free[name].items():
+            if isinstance(value, dict):
+                raise ValueError(f"[{name}] {key} must be a value, got a table")
+    dataset = _build(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
+    return JobConfig(**built, **free, data=dataset, source=source)  # type: ignore[arg-type]
+
+
+def _check_task_tables(task: object, data: Mapping[str, object]) -> None:
+    """`[data]` goes with `[run] task = "data"` (or none), `[task]` with any other task."""
+    if "data" in data and task not in (None, DATA_TASK):
+        raise ValueError(
+            f"[data] describes a dataset task, but [run] task = {task!r}; remove [run] task (or "
+            f'set it to "{DATA_TASK}") to train on the dataset, or remove [data]'
+        )
+    if task == DATA_TASK and "data" not in data:
+        raise ValueError(f'[run] task = "{DATA_TASK}" {NO_DATA_TABLE}')
+    if "task" in data and "data" in data:
+        raise ValueError(
+            "[task] holds a task factory's arguments; a dataset task is set up in [data]"
+        )
 
 
 def _build(cls: type, table: dict[str, object], name: str) -> object:

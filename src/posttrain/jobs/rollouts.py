@@ -1,18 +1,29 @@
-"""Task rollouts for the job: one batched sampling call per RL step, and held-out evaluation."""
+"""Task rollouts for the job: one batched sampling call per RL step, rewarded, with a bound on
+rollouts whose reward fails.
+
+A rollout whose reward raises or is not a finite number is bad. Up to `max_bad_rollouts` (a
+fraction of the step's rollouts) are counted and dropped whole: no trajectory is built for
+them, and a group left empty is dropped too. More than that fails the step with the first
+(in prompt order) bad rollout's error, before anything is trained.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.backends.sampling import SamplingClient
+from posttrain.evaluation import Sampler, completion_text, prompt_builders
 from posttrain.jobs.sft_data import conversation_to_trajectory
-from posttrain.rollout import TrajectoryBuilder, TurnClosing, assistant_closing
-from posttrain.tasks import Problem, Task, is_correct
-from posttrain.types import SampledSequence, SamplingParams, Trajectory, TrajectoryGroup
+from posttrain.rollout import assistant_closing
+from posttrain.tasks import Problem, Task
+from posttrain.tasks.rewards import RewardError, score
+from posttrain.types import SamplingParams, Trajectory, TrajectoryGroup
+
+__all__ = ["SampledStep", "completion_text", "derive_seed", "sample_groups", "sft_examples"]
 
 
 def derive_seed(*parts: object) -> int:
@@ -21,64 +32,71 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def user_message(problem: Problem) -> dict[str, str]:
-    return {"role": "user", "content": problem.prompt}
-
-
-def completion_text(
-    tokenizer: PreTrainedTokenizerBase, sequence: SampledSequence, closing: TurnClosing
-) -> str:
-    """The completion without the end of turn it stopped on: the template's closing through its
-    EOS (Llama 2's " " EOS) when it ends with all of it, else its final token. Any other
-    special token stays visible as text, so a completion that emits one never equals an answer."""
-    tokens = sequence.tokens
-    if sequence.stop_reason == "stop":
-        end = closing.through_end
-        tokens = tokens[: -len(end)] if tuple(tokens[-len(end) :]) == end else tokens[:-1]
-    return str(tokenizer.decode(tokens, skip_special_tokens=False))
-
-
 def sft_examples(
     task: Task, problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase
 ) -> list[Trajectory]:
-    """Warm-up conversations: each problem answered by the task's reference solution."""
+    """Warm-up conversations: each problem's chat answered by the task's reference solution."""
     closing = assistant_closing(tokenizer)
     return [
         conversation_to_trajectory(
-            [user_message(p), {"role": "assistant", "content": task.solution(p)}],
-            tokenizer,
-            closing,
+            [*p.chat(), {"role": "assistant", "content": task.solution(p)}], tokenizer, closing
         )
         for p in problems
     ]
 
 
+@dataclass(frozen=True)
+class SampledStep:
+    """One RL step's rewarded groups, and how many rollouts were dropped as bad."""
+
+    groups: list[TrajectoryGroup]
+    bad_rollouts: int
+    rollouts: int  # sampled, bad ones included
+
+
 async def sample_groups(
-    sampler: SamplingClient,
+    sampler: Sampler,
     task: Task,
     problems: Sequence[Problem],
     group_size: int,
     params: SamplingParams,
-) -> list[TrajectoryGroup]:
+    *,
+    max_bad_rollouts: float = 0.0,
+) -> SampledStep:
     """`group_size` completions of each problem, all in one `sample_many` call, rewarded."""
     tokenizer = sampler.tokenizer
     closing = assistant_closing(tokenizer)
-    prompted = [TrajectoryBuilder(tokenizer, closing=closing) for _ in problems]
-    prompts = [b.prompt(user_message(p)) for b, p in zip(prompted, problems, strict=True)]
-    responses = await sampler.sample_many(prompts, group_size, params)
+    prompted = prompt_builders(tokenizer, problems, closing)
+    responses = await sampler.sample_many([b.tokens for b in prompted], group_size, params)
+    texts = [
+        [completion_text(tokenizer, s, closing) for s in response.sequences]
+        for response in responses
+    ]
+    results = await asyncio.gather(
+        *(
+            score(task, problem, text, sequence.stop_reason)
+            for problem, response, row in zip(problems, responses, texts, strict=True)
+            for sequence, text in zip(response.sequences, row, strict=True)
+        ),
+        return_exceptions=True,
+    )
+    bad = [r for r in results if isinstance(r, BaseException)]
+    check_bad_rollouts(bad, len(results), max_bad_rollouts)
+    rewards = iter(results)
     groups: list[TrajectoryGroup] = []
-    for problem, response, base in zip(problems, responses, prompted, strict=True):
+    for problem, response, base, row in zip(problems, responses, prompted, texts, strict=True):
         trajectories: list[Trajectory] = []
-        for sequence in response.sequences:
+        for sequence, text in zip(response.sequences, row, strict=True):
+            reward = next(rewards)
+            if isinstance(reward, BaseException):
+                continue  # dropped whole: never a trajectory without its reward
             builder = base.fork()
             builder.completion(sequence)
-            text = completion_text(tokenizer, sequence, closing)  # type: ignore[arg-type]
-            correct = is_correct(problem, text, sequence.stop_reason)
             trajectories.append(
                 builder.build(
-                    task.reward(problem, text, sequence.stop_reason),
+                    reward,
                     metrics={
-                        "accuracy": float(correct),
+                        "accuracy": float(reward >= 1.0),
                         "completion_tokens": float(len(sequence.tokens)),
                     },
                     metadata={
@@ -88,32 +106,21 @@ async def sample_groups(
                     },
                 )
             )
-        groups.append(TrajectoryGroup(tuple(trajectories)))
-    return groups
+        if trajectories:
+            groups.append(TrajectoryGroup(tuple(trajectories)))
+    return SampledStep(groups, len(bad), len(results))
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    """Greedy accuracy on a problem set, with each completion for inspection."""
-
-    accuracy: float
-    completions: list[str]
-
-
-async def evaluate(
-    sampler: SamplingClient, task: Task, problems: Sequence[Problem], max_tokens: int
-) -> Evaluation:
-    """Greedy (temperature 0) accuracy of the current weights on `problems`."""
-    tokenizer = sampler.tokenizer
-    closing = assistant_closing(tokenizer)
-    prompts = [TrajectoryBuilder(tokenizer).prompt(user_message(p)) for p in problems]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
-    responses = await sampler.sample_many(prompts, 1, params)
-    texts: list[str] = []
-    correct = 0
-    for problem, response in zip(problems, responses, strict=True):
-        sequence = response.sequences[0]
-        text = completion_text(tokenizer, sequence, closing)  # type: ignore[arg-type]
-        correct += is_correct(problem, text, sequence.stop_reason)
-        texts.append(text)
-    return Evaluation(accuracy=correct / len(problems), completions=texts)
+def check_bad_rollouts(bad: Sequence[BaseException], total: int, max_fraction: float) -> None:
+    """Raise the first bad rollout's error when more than `max_fraction` of `total` are bad
+    (or all of them are); anything but a RewardError is raised as it is."""
+    for error in bad:
+        if not isinstance(error, RewardError):
+            raise error  # not the reward's fault (a bug, a cancellation): never tolerated
+    if not bad:
+        return
+    if len(bad) > max_fraction * total or len(bad) == total:
+        raise RewardError(
+            f"{bad[0]} ({len(bad)} of {total} rollouts of this step failed; [rl] "
+            f"max_bad_rollouts = {max_fraction} tolerates {int(max_fraction * total)})"
+        ) from bad[0]

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from posttrain.engine.checkpoint import list_checkpoints
+from posttrain.engine.checkpoint import step_directories
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig, parse_tiny_spec, redact_secrets
 from posttrain.model import RunState
@@ -18,6 +18,9 @@ RESUMABLE_CHANGES = frozenset(
     {"run.output_dir", "run.name", "run.project", "run.keep_checkpoints", "rl.steps"}
 )
 JOB_FILE = "job.json"
+OPTIONAL_TABLES = ("task", "data")  # in job.json only when the config has them
+# job.json's record of the resolved task (`ResolvedTask.record()`): spec, kind, target, ...
+RESOLVED_KEY = "resolved_task"
 
 
 def locate_run(config: JobConfig, resume: str | Path | None) -> tuple[Path, str, str]:
@@ -43,12 +46,23 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         record[table] = values
     # For the record (a resume may run elsewhere), without the secrets it may hold.
     record["backend"] = redact_secrets(config.backend)
+    # Only when set, so the job.json of a run from before these tables still compares equal.
+    if config.task:
+        record["task"] = dict(config.task)
+    if config.data is not None:
+        record["data"] = asdict(config.data)
     return record
 
 
 def config_changes(saved: Mapping[str, object], record: dict[str, dict[str, object]]) -> list[str]:
     """How `record` differs from the run's saved job.json, in the settings a resume keeps."""
-    changed: list[str] = []
+    changed = [
+        f"[{table}]: in the run's {JOB_FILE}, not in the config now"
+        for table in OPTIONAL_TABLES
+        if table in saved and table not in record
+    ]
+    # A key added to posttrain after the run started, left at its default, changes nothing.
+    defaults = config_record(JobConfig())
     for table, values in record.items():
         if table in ("eval", "backend"):  # where and how a run is evaluated may change
             continue
@@ -60,6 +74,8 @@ def config_changes(saved: Mapping[str, object], record: dict[str, dict[str, obje
         for key, value in values.items():
             if f"{table}.{key}" in RESUMABLE_CHANGES:
                 continue
+            if key not in saved_table and defaults.get(table, {}).get(key, value) == value:
+                continue
             if key not in saved_table:
                 changed.append(f"[{table}] {key}: not in the run's {JOB_FILE}, {value!r} now")
             elif saved_table[key] != value:
@@ -67,18 +83,27 @@ def config_changes(saved: Mapping[str, object], record: dict[str, dict[str, obje
     return changed
 
 
-def prepare_run_dir(run_dir: Path, config: JobConfig, *, resume: bool) -> Path:
-    """A fresh run needs a directory without checkpoints; a resumed one the same settings."""
-    record = config_record(config)
+def prepare_run_dir(
+    run_dir: Path, config: JobConfig, *, resume: bool, task: Mapping[str, object] | None = None
+) -> Path:
+    """A fresh run needs a directory without checkpoints; a resumed one the same settings and,
+    for a dataset task, the same data files (`task` is `ResolvedTask.record()`, kept in
+    job.json under RESOLVED_KEY)."""
+    record: dict[str, object] = dict(config_record(config))
     if resume:
-        changed = config_changes(json.loads((run_dir / JOB_FILE).read_text()), record)
+        saved = json.loads((run_dir / JOB_FILE).read_text())
+        changed = config_changes(saved, config_record(config))
+        changed += data_changes(saved.get(RESOLVED_KEY), task)
         if changed:
             raise ValueError(
                 f"cannot resume {run_dir} with a different config (only [rl] steps, [eval] and "
                 "where the run lives may change): " + "; ".join(changed)
             )
         return run_dir
-    checkpoints = list_checkpoints(run_dir / "checkpoints") if run_dir.is_dir() else []
+    if task is not None:
+        record[RESOLVED_KEY] = dict(task)
+    # Any step directory, complete or damaged: a damaged one is a run's too, not a fresh start.
+    checkpoints = step_directories(run_dir / "checkpoints")
     if checkpoints:
         raise ValueError(
             f"{run_dir} already holds a run (checkpoint {checkpoints[-1].name}); continue it with "
@@ -89,6 +114,21 @@ def prepare_run_dir(run_dir: Path, config: JobConfig, *, resume: bool) -> Path:
         (run_dir / stale).unlink(missing_ok=True)
     (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return run_dir
+
+
+def data_changes(saved: object, task: Mapping[str, object] | None) -> list[str]:
+    """Which data files of a dataset task differ from the run's (by sha256)."""
+    if not isinstance(saved, dict) or task is None or "sha256" not in saved:
+        return []
+    before, now = saved["sha256"], task.get("sha256")
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return []
+    return [
+        f"[data] {key}: the file changed since the run started (sha256 {before[key][:12]}... "
+        f"then, {now.get(key, 'no file')[:12]}... now); resuming would train on other problems"
+        for key in before
+        if before[key] != now.get(key)
+    ]
 
 
 def resolve_base_model(spec: str, run_dir: Path) -> Path | str:
@@ -104,7 +144,8 @@ def resolve_base_model(spec: str, run_dir: Path) -> Path | str:
         shutil.rmtree(partial, ignore_errors=True)
         make_tiny_model(partial, arch=arch, size=size, seed=seed or 0)  # type: ignore[arg-type]
         partial.rename(path)
-    # Absolute, so model.json names the same base model whatever directory a resume runs from.
+    # Absolute, so it loads whatever directory a resume runs from; model.json names it
+    # relative to the run (`./base_model`), so the run directory can be moved or copied.
     return path.resolve()
 
 

@@ -1,8 +1,11 @@
 """Chat conversations -> SFT trajectories: assistant turns trainable, everything else context.
 
-`load_sft_dataset(path)` reads a JSONL file of `{"messages": [...]}` lines and returns the
-checked conversations; `load_sft_dataset(path, tokenizer)` returns them as trajectories ready
-for `backend.train_sft` (`conversation_to_trajectory` on each).
+`load_sft_dataset(path)` reads a JSONL file whose lines are chats (`{"messages": [...]}`) or
+prompt/answer pairs (`{"prompt": "...", "answer": "..."}`, a user turn and the assistant's
+answer), and returns the checked conversations; `load_sft_dataset(path, tokenizer)` returns
+them as trajectories ready for `backend.train_sft` (`conversation_to_trajectory` on each).
+The field names are arguments (the job passes its `[data]` table's), and `system_prompt`, when
+given, goes before each conversation that has none.
 
 Each assistant turn's trainable tokens are what a sampler would produce for it: the content,
 what the template puts before the end-of-turn token (Llama 2's space) and that token, which it
@@ -15,13 +18,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias, overload
+from typing import TYPE_CHECKING, TypeAlias, overload
 
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.rollout import TurnClosing, assistant_closing, render_chat
 from posttrain.types import TokenSegment, Trajectory
+
+if TYPE_CHECKING:
+    from posttrain.jobs.config import DataConfig
 
 ROLES = ("system", "user", "assistant", "tool")
 Conversation: TypeAlias = list[dict[str, str]]
@@ -79,23 +86,53 @@ def check_messages(messages: object) -> None:
         raise ValueError("messages has no assistant turn: nothing to train on")
 
 
-@overload
-def load_sft_dataset(path: str | Path, tokenizer: None = None) -> list[Conversation]: ...
+@dataclass(frozen=True)
+class SFTFields:
+    """Where a line keeps its chat, or its prompt and answer; and a system prompt to add."""
+
+    messages: str = "messages"
+    prompt: str = "prompt"
+    answer: str = "answer"
+    system_prompt: str | None = None
+
+
+def sft_fields(data: DataConfig | None) -> SFTFields:
+    """How the job reads `[sft] dataset` lines: with its `[data]` table's field names, if any."""
+    if data is None:
+        return SFTFields()
+    return SFTFields(
+        messages=data.messages_field or "messages",
+        prompt=data.prompt_field or "prompt",
+        answer=data.answer_field,
+        system_prompt=data.system_prompt,
+    )
 
 
 @overload
-def load_sft_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]: ...
+def load_sft_dataset(
+    path: str | Path, tokenizer: None = None, *, fields: SFTFields = SFTFields()
+) -> list[Conversation]: ...
+
+
+@overload
+def load_sft_dataset(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, *, fields: SFTFields = SFTFields()
+) -> list[Trajectory]: ...
 
 
 def load_sft_dataset(
-    path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    fields: SFTFields = SFTFields(),
 ) -> list[Conversation] | list[Trajectory]:
-    """A JSONL file of `{"messages": [...]}` lines -> its conversations, checked.
+    """A JSONL file of chats or prompt/answer pairs -> its conversations, checked.
 
     With a `tokenizer` (e.g. `backend.sampling_client(model).tokenizer`), one SFT trajectory
-    per conversation instead, for `backend.train_sft`. Errors name the file and line.
+    per conversation instead, for `backend.train_sft`: only assistant turns are trained.
+    Errors name the file, the line and the field.
     """
-    conversations = read_conversations(Path(path))
+    conversations = read_conversations(Path(path), fields)
     if tokenizer is None:
         return [c for _, c in conversations]
     closing = assistant_closing(tokenizer)
@@ -108,7 +145,9 @@ def load_sft_dataset(
     return trajectories
 
 
-def read_conversations(path: Path) -> list[tuple[int, Conversation]]:
+def read_conversations(
+    path: Path, fields: SFTFields = SFTFields()
+) -> list[tuple[int, Conversation]]:
     """(line number, messages) of each non-blank line, each checked by `check_messages`."""
     if not path.is_file():
         raise FileNotFoundError(f"SFT dataset {str(path)!r} does not exist")
@@ -117,13 +156,45 @@ def read_conversations(path: Path) -> list[tuple[int, Conversation]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or "messages" not in record:
-                raise ValueError('each line must be a JSON object with a "messages" list')
-            check_messages(record["messages"])
+            messages = _conversation(line, fields)
+            check_messages(messages)
         except ValueError as exc:  # json.JSONDecodeError is a ValueError too
             raise ValueError(f"{path}:{number}: {exc}") from None
-        conversations.append((number, [dict(m) for m in record["messages"]]))
+        conversations.append((number, messages))
     if not conversations:
         raise ValueError(f"SFT dataset {str(path)!r} has no conversations")
     return conversations
+
+
+def _conversation(line: str, fields: SFTFields) -> Conversation:
+    """One line's chat: its messages field, or a user prompt and the assistant's answer."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"each line must be a JSON object, got {type(record).__name__}")
+    if fields.messages in record:
+        messages = record[fields.messages]
+        try:
+            check_messages(messages)
+        except ValueError as exc:
+            raise ValueError(f"field {fields.messages!r}: {exc}") from None
+        chat = [dict(m) for m in messages]
+    elif fields.prompt in record and fields.answer in record:
+        prompt, answer = record[fields.prompt], record[fields.answer]
+        if isinstance(answer, int | float) and not isinstance(answer, bool):
+            answer = str(answer)
+        for name, value in ((fields.prompt, prompt), (fields.answer, answer)):
+            if not isinstance(value, str):
+                raise ValueError(f"field {name!r} must be a string, got {value!r}")
+        chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+    else:
+        has = ", ".join(map(repr, record)) or "no fields"
+        raise ValueError(
+            f"no field {fields.messages!r} (a chat), nor both {fields.prompt!r} and "
+            f"{fields.answer!r} (a prompt and its answer); the line has {has}"
+        )
+    if fields.system_prompt and chat[0]["role"] != "system":
+        chat.insert(0, {"role": "system", "content": fields.system_prompt})
+    return chat

@@ -1,4 +1,4 @@
-"""The `posttrain train` job: build or load a model, SFT warm-up, then RL on a built-in task.
+"""The `posttrain train` job: build or load a model, SFT warm-up, then RL on a task.
 
 Phases: optional SFT warm-up (one `train_sft` call), greedy held-out evaluation, RL steps
 (`prompts_per_step` x `group_size` samples in one batched call, rewards, `backend.train`,
@@ -27,14 +27,22 @@ from posttrain.backends.options import RLOptions, SFTOptions
 from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
 from posttrain.backends.registry import BackendInfo
 from posttrain.backends.sampling import SamplingClient
-from posttrain.jobs.backend import JobPreflightError, call_options, create_backend, job_problems
+from posttrain.evaluation import evaluate
+from posttrain.jobs.backend import (
+    JobPreflightError,
+    call_options,
+    create_backend,
+    job_problems,
+    task_problems,
+)
 from posttrain.jobs.config import JobConfig, load_config
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
-from posttrain.jobs.rollouts import derive_seed, evaluate, sample_groups, sft_examples
+from posttrain.jobs.rollouts import derive_seed, sample_groups, sft_examples
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
-from posttrain.jobs.sft_data import load_sft_dataset
+from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
 from posttrain.model import TrainableModel
-from posttrain.tasks import Problem, Task, get_task
+from posttrain.tasks import Problem, Task
+from posttrain.trainer.progress import INTERVAL_S, duration, report_progress
 from posttrain.types import SamplingParams, Trajectory
 
 
@@ -62,46 +70,73 @@ class _Run:
     held_out: list[Problem]
     echo: Callable[[str], None]
     start: float
+    rl_began: tuple[float, int] = (0.0, 0)  # (when, steps done then): this run's RL rate
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def rl_eta(self, done: int, steps: int) -> float:
+        """Seconds left for the RL steps after `done`, at this run's pace (evaluations too)."""
+        began, first = self.rl_began
+        return (time.perf_counter() - began) / max(done - first, 1) * (steps - done)
 
-def train(config_path: str | Path, *, resume: str | Path | None = None) -> JobResult:
-    """Run the job in a TOML file (blocking); `resume` is a run directory to continue."""
-    return asyncio.run(run_job(load_config(config_path), resume=resume))
+
+def train(
+    config_path: str | Path, *, resume: str | Path | None = None, resume_step: int | None = None
+) -> JobResult:
+    """Run the job in a TOML file (blocking); `resume` is a run directory to continue, from
+    its latest checkpoint or from the checkpoint of model step `resume_step`."""
+    return asyncio.run(run_job(load_config(config_path), resume=resume, resume_step=resume_step))
 
 
 async def run_job(
     config: JobConfig,
     *,
     resume: str | Path | None = None,
+    resume_step: int | None = None,
     on_step: Callable[[int], None] | None = None,
     echo: Callable[[str], None] = print,
+    progress_bar: bool | None = None,
+    progress_interval_s: float = INTERVAL_S,
 ) -> JobResult:
-    """Run (or, with `resume`, continue) a job; `on_step(k)` is called after RL step k."""
+    """Run (or, with `resume`, continue) a job; `on_step(k)` is called after RL step k.
+
+    A resume starts from the run's latest checkpoint, or from model step `resume_step`'s
+    (`TrainableModel.register`: a damaged latest checkpoint is an error that offers it).
+
+    Long loops inside a phase (the SFT warm-up's updates) show a bar on a terminal
+    (`progress_bar=None`: when stderr is one), else a line through `echo` every
+    `progress_interval_s`, each with a rate and an ETA; each RL step prints a line with its ETA.
+    """
     start = time.perf_counter()
+    if resume_step is not None and resume is None:
+        raise ValueError("resume_step (--resume-step) continues a run: give its directory too")
     backend_path, project, name = locate_run(config, resume)
     found, problems = job_problems(config, resume=resume is not None, path=backend_path)
-    if problems or found is None:  # before any work: nothing is written for a job that cannot run
-        raise JobPreflightError(problems)
-    task = get_task(config.run.task)
+    resolved, more = task_problems(config)
+    problems += more
+    if problems or found is None or resolved is None:
+        raise JobPreflightError(problems)  # before any work: nothing is written for such a job
     run_dir = prepare_run_dir(
-        backend_path / project / "models" / name, config, resume=resume is not None
+        backend_path / project / "models" / name,
+        config,
+        resume=resume is not None,
+        task=resolved.record(),
     )
+    task = resolved.task
     base = resolve_base_model(config.model.base_model, run_dir)
     model = TrainableModel(
         name=name,
         project=project,
         base_model=str(base),
-        lora_rank=config.model.lora_rank or None,
+        lora_rank=config.model.lora_rank,  # 0: full fine-tuning, as TrainableModel takes it
         lora_alpha=config.model.lora_alpha,
         dtype=config.model.dtype,
         seed=config.run.seed,
     )
     backend = create_backend(found)
-    await model.register(backend)
     try:
+        await model.register(backend, resume_step=resume_step)
         run = _Run(
             config=config,
             task=task,
@@ -114,7 +149,8 @@ async def run_job(
             echo=echo,
             start=start,
         )
-        return await _run_phases(run, on_step)
+        with report_progress(echo, bar=progress_bar, interval_s=progress_interval_s):
+            return await _run_phases(run, on_step)
     finally:
         await backend.close()
 
@@ -136,6 +172,7 @@ async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobRe
     elif done and done < config.rl.steps and config.eval.every and done % config.eval.every == 0:
         await _evaluate(run, done, f"after step {done}")
     before = state.accuracy_before
+    run.rl_began = (time.perf_counter(), done)
     for k in range(done, config.rl.steps):
         await _rl_step(run, state, k)
         if on_step is not None:
@@ -143,7 +180,7 @@ async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobRe
         if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
             await _evaluate(run, k + 1, f"after step {k + 1}")
     after = await _evaluate(run, config.rl.steps, "after RL")
-    title = f"{config.run.task}: {config.run.project}/{config.run.name}"
+    title = f"{run.task.name}: {config.run.project}/{config.run.name}"
     plot = plot_curves(run.metrics.rows(), run.model.directory / "curve.png", title)
     n = len(run.held_out)
     run.echo(
@@ -171,7 +208,7 @@ async def _warm_up(run: _Run, state: JobState) -> None:
         examples += sft_examples(run.task, problems, tokenizer)  # type: ignore[arg-type]
     dataset = config.dataset_path()
     if dataset is not None:
-        examples += load_sft_dataset(dataset, tokenizer)  # type: ignore[arg-type]
+        examples += load_sft_dataset(dataset, tokenizer, fields=sft_fields(config.data))  # type: ignore[arg-type]
     run.echo(f"sft warm-up: {len(examples)} examples, {config.sft.trainer.epochs} epochs")
     began = time.perf_counter()
     options = cast(SFTOptions, call_options(config.sft.trainer, run.info.train_sft_options))
@@ -220,7 +257,15 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
         top_p=config.top_p,
         seed=derive_seed(run.config.run.seed, "sample", k),
     )
-    groups = await sample_groups(run.sampler, run.task, problems, config.group_size, params)
+    step = await sample_groups(
+        run.sampler,
+        run.task,
+        problems,
+        config.group_size,
+        params,
+        max_bad_rollouts=config.max_bad_rollouts,
+    )
+    groups = step.groups
     sampled = sum(len(t.segments[-1].tokens) for g in groups for t in g.trajectories)
     sample_s = time.perf_counter() - began
     warmup = min(1.0, (k + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
@@ -232,7 +277,8 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
     state.rl_steps_done = k + 1
     state.save(run.model.run_state)
     result = await run.backend.train(run.model, groups, **options)
-    logged = await run.model.log(groups, metrics=result.metrics, step=result.step)
+    bad = {"bad_rollouts": float(step.bad_rollouts)}
+    logged = await run.model.log(groups, metrics={**result.metrics, **bad}, step=result.step)
     # No loss when every group had zero reward variance: nothing was trained this step.
     loss = result.metrics.get("loss", math.nan)
     row = {
@@ -240,6 +286,7 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
         "accuracy": logged["accuracy"],
         "loss": loss,
         "learning_rate": learning_rate,
+        **bad,
         "sampled_tokens": float(sampled),
         "sample_tokens_per_s": sampled / sample_s if sample_s > 0 else 0.0,
     }
@@ -247,18 +294,22 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
     row.update(tokens_per_s=sampled / step_s, step_s=step_s, elapsed_s=run.elapsed())
     run.metrics.write("rl", k + 1, row)
     await _checkpoint(run)
-    run.echo(progress_line(k + 1, config.steps, row))
+    run.echo(progress_line(k + 1, config.steps, row, eta_s=run.rl_eta(k + 1, config.steps)))
 
 
 async def _evaluate(run: _Run, rl_step: int, label: str) -> float:
     """Greedy held-out accuracy, logged as a `val` row and an `eval` metrics row."""
     max_tokens = run.config.eval.max_tokens or run.config.rl.max_tokens
-    result = await evaluate(run.sampler, run.task, run.held_out, max_tokens)
+    began = time.perf_counter()
+    result = await evaluate(run.sampler, run.task, run.held_out, max_tokens=max_tokens)
+    seconds = time.perf_counter() - began
     await run.model.log(
         split="val", metrics={"accuracy": result.accuracy, "rl_step": float(rl_step)}
     )
     run.metrics.write("eval", rl_step, {"accuracy": result.accuracy, "elapsed_s": run.elapsed()})
+    n = len(run.held_out)
     run.echo(
-        f"held-out accuracy {label}: {result.accuracy:.1%} ({len(run.held_out)} problems, greedy)"
+        f"held-out accuracy {label}: {result.accuracy:.1%} ({n} problems, greedy, "
+        f"{duration(seconds)}, {n / max(seconds, 1e-9):.1f} problems/s)"
     )
     return result.accuracy

@@ -1,13 +1,17 @@
-"""Built-in tasks with verifiable rewards, by name."""
+"""Tasks: built-in ones by name, your own by dotted path or entry point, and dataset tasks
+(JSONL files and a reward) that need no code. `resolve_task` finds any of them."""
 
 from __future__ import annotations
 
 import difflib
 
 from posttrain.tasks.addition import AdditionTask
-from posttrain.tasks.protocol import Problem, Task, is_correct, is_held_out
+from posttrain.tasks.dataset import DatasetTask
+from posttrain.tasks.protocol import Problem, Task, is_correct, is_held_out, missing_methods
+from posttrain.tasks.resolve import BUILTIN_TASKS, ResolvedTask, TaskError, resolve_task
 from posttrain.tasks.reverse import ReverseTask
 
+# The built-in tasks with their default settings.
 TASKS: dict[str, Task] = {
     "reverse": ReverseTask(),
     "addition": AdditionTask(),
@@ -27,12 +31,18 @@ def get_task(name: str) -> Task:
 
 
 __all__ = [
+    "BUILTIN_TASKS",
     "TASKS",
     "AdditionTask",
+    "DatasetTask",
     "Problem",
+    "ResolvedTask",
     "ReverseTask",
     "Task",
+    "TaskError",
     "get_task",
     "is_correct",
     "is_held_out",
+    "missing_methods",
+    "resolve_task",
 ]

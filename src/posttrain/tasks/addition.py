@@ -34,4 +34,4 @@ class AdditionTask:
         return 1.0 if is_correct(problem, completion, stop_reason) else 0.0
 
     def solution(self, problem: Problem) -> str:
-        return problem.answer
+        return problem.reference()

@@ -1,16 +1,18 @@
-"""What a built-in task is: problems with one exact answer, a reward, and a fixed held-out split.
+"""What a task is: problems (a chat to answer, maybe a reference answer), a reward, and a
+fixed held-out split.
 
-Every problem belongs to exactly one split, decided by a hash of its prompt: about one problem
-in ten is held out. Training draws skip held-out problems and evaluation draws only them, so
-the evaluation set is disjoint from every training prompt whatever the seeds and sizes.
+For the built-in tasks every problem belongs to exactly one split, decided by a hash of its
+prompt: about one problem in ten is held out. Training draws skip held-out problems and
+evaluation draws only them, so the evaluation set is disjoint from every training prompt
+whatever the seeds and sizes. (Dataset tasks have their own rule: `posttrain.tasks.dataset`.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from posttrain.types import StopReason
@@ -21,20 +23,55 @@ HELD_OUT_MODULUS = 10
 _MAX_DRAWS_PER_PROBLEM = 200
 
 
+# The methods (and attribute) an object needs to be a Task; `missing_methods` checks them.
+TASK_METHODS = ("name", "make_prompts", "held_out", "reward", "solution")
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One prompt (the user message) and its exact answer (the assistant message)."""
+    """One problem: the chat to answer and, when known, its reference answer.
+
+    `messages` is the chat the model answers (system, user, ... turns); empty means a single
+    user message `prompt`. `prompt` is the problem's text either way (for a chat problem, its
+    last user message), used in logs and by the built-in tasks' split. `source` says where the
+    problem came from ("file.jsonl:12"), for errors; `info` holds the rest of its JSONL line,
+    for a custom reward that needs more than the answer.
+    """
 
     prompt: str
-    answer: str
+    answer: str | None = None
+    messages: tuple[Mapping[str, str], ...] = field(default=(), hash=False)
+    source: str = ""
+    info: Mapping[str, object] = field(default_factory=dict[str, object], hash=False)
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages to sample the answer from."""
+        if self.messages:
+            return [dict(m) for m in self.messages]
+        return [{"role": "user", "content": self.prompt}]
+
+    def where(self) -> str:
+        """How errors name this problem: its file and line, else its prompt."""
+        return f"the problem at {self.source}" if self.source else f"the problem {self.prompt!r}"
+
+    def reference(self) -> str:
+        """The reference answer; an error naming the problem when it has none."""
+        if self.answer is None:
+            raise ValueError(f"{self.where()} has no answer (it is needed as a reference here)")
+        return self.answer
 
 
 class Task(Protocol):
-    """A task with a verifiable reward; see `posttrain.tasks.TASKS` for the built-in ones."""
+    """A task with a verifiable reward; see `posttrain.tasks.TASKS` for the built-in ones.
+
+    `reward` may be a coroutine function (an `async def`): the job and `posttrain.evaluate`
+    await what it returns. It must give a finite number; a completion counts as correct
+    (accuracy, pass@k) when its reward is at least 1.
+    """
 
     @property
     def name(self) -> str:
-        """The task's key in `posttrain.tasks.TASKS`."""
+        """A short name for logs and plots."""
         ...
 
     def make_prompts(self, rng: random.Random, n: int) -> list[Problem]:
@@ -45,13 +82,21 @@ class Task(Protocol):
         """`n` distinct held-out problems, the same for the same seed."""
         ...
 
-    def reward(self, problem: Problem, completion: str, stop_reason: StopReason) -> float:
+    def reward(
+        self, problem: Problem, completion: str, stop_reason: StopReason
+    ) -> float | Awaitable[float]:
         """Reward of a completion (its text without the final EOS) that ended with stop_reason."""
         ...
 
     def solution(self, problem: Problem) -> str:
-        """The reference answer, used as the SFT warm-up target."""
+        """The reference answer, used as the SFT warm-up target (`[sft] examples`)."""
         ...
+
+
+def missing_methods(obj: object) -> list[str]:
+    """What `obj` lacks of the Task protocol, in TASK_METHODS order (empty: it is a Task)."""
+    missing = [] if isinstance(getattr(obj, "name", None), str) else ["name (a str)"]
+    return missing + [n for n in TASK_METHODS[1:] if not callable(getattr(obj, n, None))]
 
 
 def is_held_out(problem: Problem) -> bool:

@@ -20,6 +20,9 @@ class ReverseTask:
     partial_credit: float = 0.0  # weight of the per-position match score of a wrong answer
 
     def __post_init__(self) -> None:
+        # Below 1, a wrong answer's reward stays below 1: "reward >= 1" is "correct".
+        if not 0 <= self.partial_credit <= 1:
+            raise ValueError(f"partial_credit must be in [0, 1], got {self.partial_credit}")
         if not 1 <= self.min_length <= self.max_length:
             raise ValueError(
                 f"need 1 <= min_length <= max_length, got {self.min_length}, {self.max_length}"
@@ -41,8 +44,9 @@ class ReverseTask:
             return 1.0
         if stop_reason != "stop" or not self.partial_credit:
             return 0.0
-        matches = sum(a == b for a, b in zip(completion, problem.answer, strict=False))
-        return self.partial_credit * matches / max(len(completion), len(problem.answer))
+        answer = problem.reference()
+        matches = sum(a == b for a, b in zip(completion, answer, strict=False))
+        return self.partial_credit * matches / max(len(completion), len(answer))
 
     def solution(self, problem: Problem) -> str:
-        return problem.answer
+        return problem.reference()

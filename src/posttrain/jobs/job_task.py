@@ -1,0 +1,70 @@
+"""The job's task, resolved one way for `posttrain train`, `--resume`, `explain` and `doctor`:
+`[run] task` through `posttrain.tasks.resolve_task` (with the `[task]` table as the factory's
+arguments), or the dataset task of the `[data]` table. Errors name the key and the config file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from posttrain.jobs.config import DATA_TASK, NO_DATA_TABLE, DataConfig, JobConfig
+from posttrain.tasks.dataset import DatasetTask
+from posttrain.tasks.resolve import ResolvedTask, TaskError, resolve_task
+
+
+class JobTaskError(ValueError):
+    """The job's task does not resolve: `option` is the config key at fault, `detail` why."""
+
+    def __init__(self, option: str, detail: str, source: Path | None) -> None:
+        self.option, self.detail, self.source = option, detail, source
+        where = f" in {source}" if source is not None else ""
+        super().__init__(f"{option}{where}: {detail}")
+
+
+def resolve_job_task(config: JobConfig) -> ResolvedTask:
+    """The job's task, found as `posttrain train`, `--resume`, `explain` and `doctor` all find
+    it; a JobTaskError names `[run] task` (or `[data]`) and the config file."""
+    if config.run.task == DATA_TASK:
+        if config.data is None:  # parse_config refuses it; a JobConfig built in Python may not
+            raise JobTaskError("[run] task", NO_DATA_TABLE, config.source)
+        try:
+            return _data_task(config.data, config.base_dir)
+        except (ValueError, ImportError, FileNotFoundError) as exc:
+            raise JobTaskError("[data]", str(exc), config.source) from exc
+    try:
+        return resolve_task(
+            config.run.task, config.task, search=config.base_dir, options_name="[task]"
+        )
+    except TaskError as exc:
+        raise JobTaskError("[run] task", str(exc), config.source) from exc
+
+
+def _data_task(data: DataConfig, base: Path) -> ResolvedTask:
+    task = DatasetTask.from_jsonl(
+        base / data.train,
+        base / data.held_out if data.held_out else None,
+        held_out_fraction=data.held_out_fraction,
+        prompt_field=data.prompt_field,
+        messages_field=data.messages_field,
+        answer_field=data.answer_field,
+        system_prompt=data.system_prompt,
+        reward=data.reward,
+        tolerance=data.tolerance,
+        pattern=data.pattern,
+        search=base,
+    )
+    files = {"train": data.train, **({"held_out": data.held_out} if data.held_out else {})}
+    details = {
+        "reward": data.reward,
+        "train_problems": len(task.train),
+        "held_out_problems": len(task.held_out_problems),
+        "dropped_from_train": task.dropped_from_train,
+        "sha256": {key: file_digest(base / name) for key, name in files.items()},
+    }
+    return ResolvedTask(task, DATA_TASK, "data", "posttrain.tasks.dataset:DatasetTask", details)
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes: a resumed run checks its data did not change."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()

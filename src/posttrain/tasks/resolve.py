@@ -1,0 +1,168 @@
+"""Finding a task by name: a built-in, a dotted path, or an installed entry point.
+
+- A built-in name ("reverse", "addition") is its class, called with the options.
+- A dotted path "mypkg.tasks:make_task" names a factory (a class or function), called with the
+  options as keyword arguments, or an object that already is a Task (then without options).
+- Any other name is looked up in the `posttrain.tasks` entry-point group, whose entries are
+  dotted paths as above: `[project.entry-points."posttrain.tasks"] mytask = "mypkg.tasks:make"`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from posttrain.tasks.addition import AdditionTask
+from posttrain.tasks.imports import DOTTED_PATH, ImportTargetError, import_object, target_of
+from posttrain.tasks.protocol import TASK_METHODS, Task, missing_methods
+from posttrain.tasks.reverse import ReverseTask
+
+ENTRY_POINT_GROUP = "posttrain.tasks"
+TaskKind = Literal["builtin", "path", "entry_point", "data"]
+BUILTIN_TASKS: dict[str, type] = {"reverse": ReverseTask, "addition": AdditionTask}
+
+
+class TaskError(ValueError):
+    """A task spec that does not resolve to a Task; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ResolvedTask:
+    """A task and how it was found: what job.json records and `posttrain explain` shows."""
+
+    task: Task
+    spec: str  # as given: "reverse", "mypkg.tasks:make_task", an entry-point name, "data"
+    kind: TaskKind
+    target: str  # module:qualname of the factory or object the spec names
+    details: Mapping[str, object] = field(default_factory=dict[str, object])  # e.g. data files
+
+    def record(self) -> dict[str, object]:
+        return {"spec": self.spec, "kind": self.kind, "target": self.target, **self.details}
+
+
+def entry_points() -> dict[str, str]:
+    """Installed tasks: name -> dotted path, from the `posttrain.tasks` entry-point group."""
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def task_kind(spec: str) -> TaskKind:
+    """Which kind of spec this is, without importing anything; an unknown name lists the
+    known ones."""
+    if ":" in spec:
+        if not DOTTED_PATH.match(spec):
+            raise TaskError(
+                f"task {spec!r} is not a dotted path; write it as 'package.module:name'"
+            )
+        return "path"
+    if spec in BUILTIN_TASKS:
+        return "builtin"
+    installed = entry_points()
+    if spec in installed:
+        return "entry_point"
+    known = [*BUILTIN_TASKS, *sorted(set(installed) - set(BUILTIN_TASKS))]
+    close = difflib.get_close_matches(spec, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise TaskError(
+        f"unknown task {spec!r}{hint} (built-in and installed: {', '.join(known)}; a task of "
+        "your own is named by its dotted path, e.g. 'mypkg.tasks:make_task')"
+    )
+
+
+def resolve_task(
+    spec: str,
+    options: Mapping[str, object] | None = None,
+    *,
+    search: Path | None = None,
+    options_name: str = "options",
+) -> ResolvedTask:
+    """The task `spec` names, built with `options` (a factory's keyword arguments).
+
+    `search` is a directory to import dotted paths from after `sys.path` (the job passes its
+    config file's); `options_name` is how errors name the options (the job's `[task]` table).
+    Every failure is a TaskError saying which module, attribute, option or method is at fault.
+    """
+    options = dict(options or {})
+    kind = task_kind(spec)
+    if kind == "builtin":
+        factory: object = BUILTIN_TASKS[spec]
+    else:
+        target = spec if kind == "path" else entry_points()[spec]
+        what = "task" if kind == "path" else f"task {spec!r} (entry point in {ENTRY_POINT_GROUP})"
+        try:
+            factory = import_object(target, what, search=search)
+        except ImportTargetError as exc:
+            raise TaskError(str(exc)) from exc
+    task = _build(factory, spec, options, options_name)
+    return ResolvedTask(task=task, spec=spec, kind=kind, target=target_of(factory))
+
+
+def _build(obj: object, spec: str, options: dict[str, object], options_name: str) -> Task:
+    """`obj` itself when it is a Task, else what calling it with `options` returns."""
+    if not isinstance(obj, type) and not missing_methods(obj):
+        if options:
+            raise TaskError(
+                f"task {spec!r} is a Task object, not a factory: it takes no {options_name} "
+                f"(got {', '.join(options)}); name a factory to pass them to"
+            )
+        return obj  # type: ignore[return-value]
+    if not callable(obj):
+        raise TaskError(
+            f"task {spec!r} is a {type(obj).__name__}, neither a factory nor a Task (it lacks "
+            f"{', '.join(missing_methods(obj))})"
+        )
+    label = getattr(obj, "__qualname__", repr(obj))
+    _check_options(obj, spec, label, options, options_name)
+    try:
+        task = obj(**options)
+    except Exception as exc:  # user code may fail in any way: say whose and how
+        raise TaskError(
+            f"task {spec!r}: {label}({_call_args(options)}) raised {type(exc).__name__}: {exc}"
+        ) from exc
+    missing = missing_methods(task)
+    if missing:
+        raise TaskError(
+            f"task {spec!r}: {label}() returned a {type(task).__name__}, which is not a Task: it "
+            f"lacks {', '.join(missing)} (a Task has {', '.join(TASK_METHODS)}; see "
+            "posttrain.tasks.Task)"
+        )
+    return task  # type: ignore[return-value]  # missing_methods checked it
+
+
+def _check_options(
+    factory: object, spec: str, label: str, options: Mapping[str, object], options_name: str
+) -> None:
+    try:
+        params = inspect.signature(factory).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # not introspectable (a builtin): the call will tell
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in options:
+        if key not in named:
+            close = difflib.get_close_matches(key, named, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            takes = ", ".join(named) or "nothing"
+            raise TaskError(
+                f"task {spec!r}: unknown {options_name} key {key!r}{hint} ({label} takes: {takes})"
+            )
+    required = [
+        n
+        for n, p in params.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    missing = [n for n in required if n not in options]
+    if missing:
+        raise TaskError(
+            f"task {spec!r}: {label} needs {', '.join(map(repr, missing))}; give "
+            f"{' and '.join(f'{m} = ...' for m in missing)} in {options_name}"
+        )
+
+
+def _call_args(options: Mapping[str, object]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())
