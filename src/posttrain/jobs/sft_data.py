@@ -16,7 +16,6 @@ nothing to train on there.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, TypeAlias, overload
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.rollout import TurnClosing, assistant_closing, render_chat
+from posttrain.tasks.dataset import json_object
 from posttrain.types import TokenSegment, Trajectory
 
 if TYPE_CHECKING:
@@ -168,12 +168,7 @@ def read_conversations(
 
 def _conversation(line: str, fields: SFTFields) -> Conversation:
     """One line's chat: its messages field, or a user prompt and the assistant's answer."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"each line must be a JSON object, got {type(record).__name__}")
+    record = json_object(line)
     if fields.messages in record:
         messages = record[fields.messages]
         try:

@@ -39,6 +39,7 @@ from pathlib import Path
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.engine.checkpoint import is_complete_checkpoint
 from posttrain.engine.threads import ComputeThread
 from posttrain.server.config import ServerConfig
 from posttrain.server.sources import UnknownModelError
@@ -257,18 +258,30 @@ class Runtime:
         """Load the base model with a fresh LoRA adapter; called from a worker thread, it loads
         on the compute thread (loading computes: LoRA init, weight copies), where the client's
         calls run too."""
-        return self.compute.call(
-            lambda: create_training_client(
+        return self.compute.call(self._new_client, self.model_dir(model_id), lora, seed)
+
+    def _new_client(
+        self, storage: Path, lora: dict[str, int | bool] | None, seed: int = 0
+    ) -> LocalTrainingClient:
+        """The base model, with a fresh LoRA adapter when `lora` is given (None: the base model
+        alone, for sampling it); run it on the compute thread."""
+        if lora is None:
+            return create_training_client(
                 self.config.model_path,
-                lora_rank=int(lora["rank"]),
-                train_attn=bool(lora["train_attn"]),
-                train_mlp=bool(lora["train_mlp"]),
-                train_unembed=bool(lora["train_unembed"]),
                 device=self.config.device,
-                seed=seed,
-                storage_dir=self.model_dir(model_id),
+                storage_dir=storage,
                 compute_thread=self.compute,
             )
+        return create_training_client(
+            self.config.model_path,
+            lora_rank=int(lora["rank"]),
+            train_attn=bool(lora["train_attn"]),
+            train_mlp=bool(lora["train_mlp"]),
+            train_unembed=bool(lora["train_unembed"]),
+            device=self.config.device,
+            seed=seed,
+            storage_dir=storage,
+            compute_thread=self.compute,
         )
 
     def model_dir(self, model_id: str) -> Path:
@@ -410,28 +423,14 @@ class Runtime:
         """The sampling model, loaded on the compute thread (see `build_client`)."""
         storage = self.config.storage_dir / "sampler-scratch"
         if weights_dir is None or lora is None:
-            return self.compute.call(
-                lambda: create_training_client(
-                    self.config.model_path,
-                    device=self.config.device,
-                    storage_dir=storage,
-                    compute_thread=self.compute,
-                )
-            )
-        if not Path(weights_dir).is_dir():  # checked before loading a model for nothing
-            raise UserError(f"the weights of this sampler are gone (no directory {weights_dir})")
+            return self.compute.call(self._new_client, storage, None)
+        # Checked before loading a model for nothing; also puts back a checkpoint whose
+        # replacement a kill interrupted (engine.atomic_replace), where renames are not atomic.
+        if not is_complete_checkpoint(weights_dir):
+            raise UserError(f"the weights of this sampler are gone (no checkpoint {weights_dir})")
 
         def load() -> LocalTrainingClient:
-            client = create_training_client(
-                self.config.model_path,
-                lora_rank=int(lora["rank"]),
-                train_attn=bool(lora["train_attn"]),
-                train_mlp=bool(lora["train_mlp"]),
-                train_unembed=bool(lora["train_unembed"]),
-                device=self.config.device,
-                storage_dir=storage,
-                compute_thread=self.compute,
-            )
+            client = self._new_client(storage, lora)
             # On the compute thread already, so the load runs inline.
             client.load_state(weights_dir, with_optimizer=False).result()
             return client

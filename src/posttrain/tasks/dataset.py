@@ -22,6 +22,7 @@ import random
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.rewards import BUILTIN_REWARDS, RewardFn, make_reward, number_value
@@ -83,15 +84,21 @@ def read_problems(
     return problems
 
 
-def _problem(
-    line: str, fields: Fields, system_prompt: str | None, needs_answer: bool, source: str
-) -> tuple[str, Problem]:
+def json_object(line: str) -> dict[str, Any]:
+    """One JSONL line's object, or a ValueError saying what the line is instead."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise ValueError(f"each line must be a JSON object, got {type(record).__name__}")
+    return cast(dict[str, Any], record)
+
+
+def _problem(
+    line: str, fields: Fields, system_prompt: str | None, needs_answer: bool, source: str
+) -> tuple[str, Problem]:
+    record = json_object(line)
     key = fields.prompt_key
     option = "messages_field" if fields.messages else "prompt_field"
     if key not in record:
