@@ -12,7 +12,7 @@ group trains). TRL runs its own `trainer.train()` loop in a thread that a callba
 between steps, so the two sides alternate in rounds in one process (the order flips every round:
 A B, B A, ...); each side's first step is a warm-up and is not measured.
 
-    cd /work/main && OMP_NUM_THREADS=2 .venv/bin/python benchmarks/vs_trl.py \\
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/vs_trl.py \\
         [--steps 5] [--rounds 2] [--model-size small] [--threads 2] [--json]
 
 TRL is not a posttrain dependency: `pip install -r benchmarks/requirements-trl.txt`.
