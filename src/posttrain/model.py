@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import os
 import statistics
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,10 @@ class TrainableModel:
     _step: int = field(default=0, init=False, repr=False)
     _resume_step: int | None = field(default=None, init=False, repr=False)
     _sinks: list[Sink] = field(default_factory=list, init=False, repr=False)
+    # openai_client()'s client per event loop (its connections belong to that loop).
+    _openai_clients: weakref.WeakKeyDictionary[
+        asyncio.AbstractEventLoop, tuple[str, AsyncOpenAI]
+    ] = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for key in ("name", "project"):
@@ -167,16 +173,40 @@ class TrainableModel:
     def openai_client(self) -> AsyncOpenAI:
         """An `openai.AsyncOpenAI` for this model; pass `model=model.inference_model_name`.
 
-        A new client each call (its connections belong to the event loop that uses it).
+        Its completions and chat completions ask for token ids by default (`extra_body`
+        `return_token_ids=True`, as ART's client does), which also brings the sampled tokens'
+        logprobs: each choice then becomes a Trajectory on exact tokens
+        (`Trajectory(messages_and_choices=[..., choice])`). A request's own `extra_body` wins.
+        Calls in the same event loop share one client (making one costs milliseconds, and
+        rollouts often ask for it once each); its connections belong to that loop.
         """
-        try:
-            from openai import AsyncOpenAI
-        except ImportError as exc:
-            raise ImportError(
-                "model.openai_client() needs the openai SDK: pip install 'posttrain[server]' openai"
-            ) from exc
         endpoint = self.openai_endpoint()
-        return AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
+        key = f"{endpoint.base_url} {endpoint.api_key}"
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        cached = self._openai_clients.get(loop) if loop is not None else None
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        client = token_id_client_class()(base_url=endpoint.base_url, api_key=endpoint.api_key)
+        if loop is not None:
+            self._openai_clients[loop] = (key, client)
+        return client
+
+    async def get_step(self) -> int:
+        """ART's name for `model.step`: the number of training steps taken."""
+        return self.step
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """ART's name for `inference_model_name`. posttrain serves a model's latest weights
+        only, so `step` may be None or the current step."""
+        if step is not None and step != self.step:
+            raise ValueError(
+                f"model {self.name!r} serves the weights of its current step ({self.step}) "
+                f"only, not step {step}; call get_inference_name() without a step"
+            )
+        return self.inference_model_name
 
     @property
     def inference_model_name(self) -> str:
@@ -214,6 +244,9 @@ class TrainableModel:
         if groups:
             rewards = [t.reward for g in groups for t in g.trajectories]
             row["reward"] = statistics.fmean(rewards)
+            failed = sum(len(g.exceptions) for g in groups)
+            if failed:  # rollouts dropped by gather_trajectory_groups within max_exceptions
+                row["exceptions"] = float(failed)
             row["reward_std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
             row["num_trajectories"] = float(len(rewards))
             for key in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
@@ -245,6 +278,35 @@ class TrainableModel:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# Request fields every completion from openai_client() carries (vLLM's extension).
+TOKEN_ID_DEFAULTS: dict[str, object] = {"return_token_ids": True}
+_TOKEN_ID_CLIENT: list[type] = []
+
+
+def token_id_client_class() -> type[AsyncOpenAI]:
+    """`openai.AsyncOpenAI` that adds TOKEN_ID_DEFAULTS under every completion request's own
+    `extra_body` (made on first use: the openai SDK is an optional dependency)."""
+    if _TOKEN_ID_CLIENT:
+        return _TOKEN_ID_CLIENT[0]
+    try:
+        from openai import AsyncOpenAI
+    except ImportError as exc:
+        raise ImportError(
+            "model.openai_client() needs the openai SDK: pip install 'posttrain[server]' openai"
+        ) from exc
+
+    class TokenIdOpenAI(AsyncOpenAI):
+        # `_prepare_options` is the SDK's hook for changing a request before it is built.
+        async def _prepare_options(self, options):  # type: ignore[no-untyped-def]
+            options = await super()._prepare_options(options)
+            if options.method == "post" and options.url in ("/completions", "/chat/completions"):
+                options.extra_json = {**TOKEN_ID_DEFAULTS, **(options.extra_json or {})}
+            return options
+
+    _TOKEN_ID_CLIENT.append(TokenIdOpenAI)
+    return TokenIdOpenAI
+
+
 def _json_float(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -256,6 +318,7 @@ def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, object]:
         "metrics": dict(trajectory.metrics),
         "metadata": dict(trajectory.metadata),
         "messages": [dict(m) for m in trajectory.messages],
+        **({"tools": [dict(t) for t in trajectory.tools]} if trajectory.tools else {}),
         "segments": [
             {
                 "tokens": list(s.tokens),

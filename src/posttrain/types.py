@@ -1,5 +1,5 @@
 """Plain data shared by every layer: model inputs, datums, sampling and optimizer settings,
-trajectories and results.
+trajectories (defined in `posttrain.trajectories`, re-exported here) and results.
 
 The first five mirror the `tinker` SDK's names and constructors (`ModelInput.from_ints`,
 `Datum(model_input=..., loss_fn_inputs=...)`, `SamplingParams`, `AdamParams`), so code moves
@@ -10,13 +10,46 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 import numpy as np
 import torch
 
-JSONScalar: TypeAlias = str | int | float | bool | None
+from posttrain.trajectories import (
+    ChoiceLike,
+    JSONScalar,
+    MessageOrChoice,
+    Messages,
+    TokenSegment,
+    Trajectory,
+    TrajectoryGroup,
+)
+
+__all__ = [
+    "INT_KEYS",
+    "AdamParams",
+    "ChoiceLike",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardOutput",
+    "JSONScalar",
+    "MessageOrChoice",
+    "Messages",
+    "ModelInput",
+    "OptimStepResponse",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingParams",
+    "StopReason",
+    "TensorLike",
+    "TokenSegment",
+    "TrainResult",
+    "Trajectory",
+    "TrajectoryGroup",
+    "to_tensor",
+]
+
 TensorLike: TypeAlias = torch.Tensor | np.ndarray | Sequence[float] | Sequence[int]
 
 # Keys whose values are token ids; every other loss_fn_input is float32 (as in the tinker SDK).
@@ -320,72 +353,6 @@ class ForwardBackwardOutput:
 @dataclass(frozen=True)
 class OptimStepResponse:
     metrics: dict[str, float] | None = None
-
-
-@dataclass(frozen=True)
-class TokenSegment:
-    """A run of tokens in a trajectory. Sampled runs are trainable and carry sampler logprobs."""
-
-    tokens: tuple[int, ...]
-    trainable: bool = False
-    logprobs: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
-            if len(self.logprobs) != len(self.tokens):
-                raise ValueError(
-                    f"TokenSegment.logprobs has {len(self.logprobs)} values for "
-                    f"{len(self.tokens)} tokens; give one logprob per token"
-                )
-
-
-@dataclass(frozen=True)
-class Trajectory:
-    """One episode: token segments in order, a scalar reward, metrics, metadata, and the chat
-    messages for display (never used to rebuild tokens)."""
-
-    segments: tuple[TokenSegment, ...]
-    reward: float
-    metrics: Mapping[str, float] = field(default_factory=lambda: dict[str, float]())
-    metadata: Mapping[str, JSONScalar] = field(default_factory=lambda: dict[str, JSONScalar]())
-    messages: tuple[Mapping[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "segments", tuple(self.segments))
-        object.__setattr__(self, "messages", tuple(self.messages))
-        if not self.segments:
-            raise ValueError("Trajectory.segments is empty: a trajectory needs tokens")
-        if not math.isfinite(self.reward):
-            raise ValueError(f"Trajectory.reward must be a finite number, got {self.reward!r}")
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for seg in self.segments for t in seg.tokens]
-
-    @property
-    def num_trainable_tokens(self) -> int:
-        return sum(len(seg.tokens) for seg in self.segments if seg.trainable)
-
-
-@dataclass(frozen=True)
-class TrajectoryGroup:
-    """Trajectories sampled for the same prompt; advantages are computed within a group."""
-
-    trajectories: tuple[Trajectory, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "trajectories", tuple(self.trajectories))
-        if not self.trajectories:
-            raise ValueError("TrajectoryGroup.trajectories is empty: a group needs trajectories")
-
-    @property
-    def rewards(self) -> list[float]:
-        return [t.reward for t in self.trajectories]
-
-    def __len__(self) -> int:
-        return len(self.trajectories)
 
 
 @dataclass(frozen=True)
