@@ -7,6 +7,7 @@ on a multi-node cluster must be storage every node sees.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing_extensions import TypedDict
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import ModelClients
 from posttrain.backends.inputs import group_list, trajectory_list
+from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     RLConfig,
     SFTConfig,
@@ -32,7 +34,7 @@ from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.devices import AUTO, resolve_worker_device
 from posttrain.engine.ray_actor import Sharding
 from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
-from posttrain.model import TrainableModel
+from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 BACKEND = "RayBackend"
@@ -116,6 +118,8 @@ class RayBackend:
         if sharding is not None:
             ray_config = replace(ray_config or RayConfig(), sharding=sharding)
         self.ray_config = ray_config
+        self._registered: dict[tuple[str, str], TrainableModel] = {}
+        self._openai: OpenAIServer | None = None
 
     def model_dir(self, model: TrainableModel) -> Path:
         return self._models.model_dir(model)
@@ -145,6 +149,10 @@ class RayBackend:
             return client
 
         await self._models.register(self, model, make_client)
+        self._registered[(model.project, model.name)] = model
+
+    def registered_models(self) -> list[TrainableModel]:
+        return list(self._registered.values())
 
     def client(self, model: TrainableModel) -> RayTrainingClient:
         """The primitive-level client of a registered model (for power users)."""
@@ -196,6 +204,20 @@ class RayBackend:
         client = self.client(model)
         return SamplingClient(client, client.get_tokenizer())
 
+    def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
+        """Serve registered models' latest weights OpenAI-style on loopback (started on first
+        call), as LocalBackend does: requests sample on the workers, through the model's client,
+        in order with its training calls. `close()` stops it."""
+        self.client(model)  # the clear "not registered" error
+        if self._openai is None:
+            self._openai = start_openai_server(self)
+        return self._openai.endpoint(model)
+
     async def close(self) -> None:
-        """Free every model's actors, and the local Ray if this backend started it."""
+        """Stop the OpenAI endpoint; free every model's actors, and the local Ray if this
+        backend started it."""
+        if self._openai is not None:
+            await asyncio.to_thread(self._openai.stop)
+            self._openai = None
+        self._registered.clear()
         self._models.close()

@@ -15,6 +15,11 @@ class SamplingClient:
         self._client = client
         self.tokenizer = tokenizer
 
+    @property
+    def client(self) -> TrainingClient:
+        """The training client it samples (the model's identity for batching requests)."""
+        return self._client
+
     async def sample(
         self, prompt: ModelInput | Sequence[int], num_samples: int, params: SamplingParams
     ) -> SampleResponse:

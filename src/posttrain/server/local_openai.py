@@ -1,7 +1,9 @@
-"""LocalBackend's OpenAI-compatible endpoint: its registered models, served on loopback.
+"""The in-process OpenAI-compatible endpoint of LocalBackend and RayBackend: their registered
+models, served on loopback.
 
-`LocalBackend.openai_endpoint` starts one `LocalOpenAIServer` the first time it is asked and
-`LocalBackend.close` stops it. uvicorn runs in a daemon thread with its own event loop on
+`openai_endpoint` of either backend starts one `LocalOpenAIServer` the first time it is asked
+and its `close` stops it. A RayBackend's requests sample on its workers through the model's
+RayTrainingClient, whose calls run in order on that client's thread, as below. uvicorn runs in a daemon thread with its own event loop on
 127.0.0.1, on a port the OS picks, behind a random per-server API key.
 
 Threads. The server's thread never computes with torch. A LocalTrainingClient executes every
@@ -19,36 +21,48 @@ from __future__ import annotations
 import copy
 import hmac
 import importlib.util
+import json
 import secrets
 import socket
 import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from posttrain.backends.sampling import SamplingClient
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.server.sources import UnknownModelError
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI, Request, Response
+    from fastapi import FastAPI
 
-    from posttrain.backends.local import LocalBackend
     from posttrain.clients.local import LocalTrainingClient
 
 INSTALL_HINT = "pip install 'posttrain[server]' openai"
 STARTUP_TIMEOUT_S = 30.0
 
 
+class ServingBackend(Protocol):
+    """What the endpoint reads of a backend (LocalBackend, RayBackend)."""
+
+    def registered_models(self) -> list[TrainableModel]: ...
+
+    def client(self, model: TrainableModel) -> LocalTrainingClient: ...
+
+
 class LocalModelSource:
-    """A `SamplerSource` over a LocalBackend's registered models, each named by `model.name`.
+    """A `SamplerSource` over a backend's registered models, each named by `model.name`.
 
     A name two registered models share (in different projects) is not served: it is ambiguous.
-    There are no owners on loopback: `owner` is ignored.
+    There are no owners on loopback: `owner` is ignored. Looking a sampler up never blocks
+    (the models are loaded, a tokenizer copy takes milliseconds once), so the router asks on
+    its event loop rather than through a worker thread (`never_blocks`).
     """
 
-    def __init__(self, backend: LocalBackend) -> None:
+    never_blocks = True
+
+    def __init__(self, backend: ServingBackend) -> None:
         self.backend = backend
         self._tokenizers: weakref.WeakKeyDictionary[LocalTrainingClient, object] = (
             weakref.WeakKeyDictionary()
@@ -120,9 +134,9 @@ class LoopbackServer:
 
 
 class LocalOpenAIServer:
-    """The OpenAI-compatible router for one LocalBackend, behind a random API key."""
+    """The OpenAI-compatible router for one backend, behind a random API key."""
 
-    def __init__(self, backend: LocalBackend) -> None:
+    def __init__(self, backend: ServingBackend) -> None:
         self.source = LocalModelSource(backend)
         self.api_key = "sk-local-" + secrets.token_urlsafe(24)
         self.server = LoopbackServer(create_local_app(self.source, self.api_key))
@@ -149,26 +163,44 @@ def create_local_app(source: LocalModelSource, api_key: str) -> FastAPI:
     """The OpenAI router behind a check of `Authorization: Bearer <api_key>`."""
     _check_installed()
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
 
     from posttrain.server.openai_api import create_openai_router
-    from posttrain.server.openai_schema import OpenAIError
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {api_key}".encode("latin-1")
-
-    @app.middleware("http")
-    async def check_key(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        given = request.headers.get("authorization", "").encode("latin-1")
-        if not hmac.compare_digest(given, expected):
-            error = OpenAIError(401, "missing or wrong API key", code="invalid_api_key")
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
-
     app.include_router(create_openai_router(source))
+    app.add_middleware(BearerKey, expected=f"Bearer {api_key}".encode("latin-1"))
     return app
+
+
+class BearerKey:
+    """A plain ASGI middleware that answers 401 unless `Authorization` is the expected value.
+
+    Plain ASGI rather than `@app.middleware("http")`: Starlette's BaseHTTPMiddleware runs each
+    request through a task group and a streamed response, which cost more per request than
+    the rest of the routing (rollout loops send many small requests at once).
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], expected: bytes) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])  # type: ignore[arg-type]
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _unauthorized(send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(send: object) -> None:
+    from posttrain.server.openai_schema import OpenAIError
+
+    error = OpenAIError(401, "missing or wrong API key", code="invalid_api_key")
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})  # type: ignore[operator]
+    await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
 
 
 def _check_installed() -> None:

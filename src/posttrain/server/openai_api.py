@@ -1,15 +1,19 @@
 """OpenAI-compatible sampling over a `SamplerSource`: /v1/models, /v1/completions, /v1/chat/completions.
 
 Responses have OpenAI's shapes plus vLLM's token-id extension fields, always present:
-`prompt_token_ids` on the response (and, as vLLM's completions do, on each completion choice)
-and `token_ids` on each choice. `token_ids` are the exact tokens sampled, EOS or the tokens that
-completed a stop string included, so rollout code builds trajectories on them, never on
-re-tokenized text. Logprobs are the sampler's, aligned with `token_ids`:
+`prompt_token_ids` on the response and on each choice (vLLM puts them on a completion's
+choices and on a chat response; a chat choice carries them here too, so a choice alone builds
+a trajectory: `posttrain.openai_rollouts`), and `token_ids` on each choice. `token_ids` are the
+exact tokens sampled, EOS or the tokens that completed a stop string included, so rollout code
+builds trajectories on them, never on re-tokenized text. Logprobs are the sampler's, aligned
+with `token_ids` (returned when asked, or with `return_token_ids`):
 log_softmax(logits / temperature) of each sampled token over the full vocabulary (see
 `posttrain.engine.sampler`). Stop strings end generation as OpenAI's do (besides EOS) and are
 cut from `text` / `message.content`, never from `token_ids`.
 
-Nothing blocks the event loop: `SamplerSource.sampler` may load a checkpoint, so it runs in a
+Concurrent requests for a model are sampled together in batched calls
+(`posttrain.server.openai_batching`). With `tools`, Hermes-style tool calls in the text become
+the message's `tool_calls` (`posttrain.server.tool_calls`). Nothing blocks the event loop: `SamplerSource.sampler` may load a checkpoint, so it runs in a
 worker thread (sources are thread-safe), and `SamplingClient` calls return futures completed by
 the training client's own worker thread, which the handlers await.
 """
@@ -21,7 +25,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -29,8 +33,8 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from posttrain.backends.sampling import SamplingClient
+from posttrain.server.openai_batching import Batchers
 from posttrain.server.openai_schema import (
-    ChatMessage,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
@@ -44,12 +48,17 @@ from posttrain.server.openai_schema import (
     user_stops,
 )
 from posttrain.server.sources import SamplerSource, UnknownModelError
+from posttrain.server.tool_calls import parse_tool_calls
 from posttrain.types import SampleResponse, SamplingParams
 
 log = logging.getLogger(__name__)
 
 # OpenAI's default for /v1/completions; chat completions default to "until EOS or context end".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Arguments of apply_chat_template that the request sets by its own fields.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "tools", "tokenize", "return_dict", "add_generation_prompt"}
+)
 
 Json = dict[str, object]
 
@@ -57,6 +66,7 @@ Json = dict[str, object]
 def create_openai_router(source: SamplerSource) -> APIRouter:
     """The three endpoints; the caller's identity is `request.state.owner` (None without keys)."""
     router = APIRouter()
+    batchers = Batchers()
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -69,11 +79,11 @@ def create_openai_router(source: SamplerSource) -> APIRouter:
 
     @router.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> JSONResponse:
-        return await _respond(_completion(source, request))
+        return await _respond(_completion(source, batchers, request))
 
     @router.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request) -> JSONResponse:
-        return await _respond(_chat(source, request))
+        return await _respond(_chat(source, batchers, request))
 
     return router
 
@@ -110,7 +120,10 @@ async def _respond(answer: Awaitable[Json]) -> JSONResponse:
 
 
 def _owner(request: Request) -> str | None:
-    return getattr(request.state, "owner", None)
+    # `request.state` is `scope["state"]`; read directly, as a missing attribute of State
+    # raises (and is caught) on every request without keys.
+    state = request.scope.get("state")
+    return state.get("owner") if isinstance(state, dict) else None
 
 
 def _model_card(name: str) -> Json:
@@ -135,6 +148,10 @@ async def _body(request: Request) -> object:
 
 async def _sampler(source: SamplerSource, name: str, owner: str | None) -> SamplingClient:
     try:
+        # A source that never blocks (LocalModelSource: its models are loaded) is asked on
+        # the event loop; one that may load a checkpoint, from a worker thread.
+        if getattr(source, "never_blocks", False):
+            return source.sampler(name, owner)
         return await asyncio.to_thread(source.sampler, name, owner)
     except UnknownModelError:
         served = ", ".join(source.model_names(owner)) or "(none)"
@@ -147,17 +164,22 @@ async def _sampler(source: SamplerSource, name: str, owner: str | None) -> Sampl
 
 
 async def _sample(
-    sampler: SamplingClient, prompt: list[int], n: int, params: SamplingParams, param: str
+    batchers: Batchers,
+    sampler: SamplingClient,
+    prompt: list[int],
+    n: int,
+    params: SamplingParams,
+    param: str,
 ) -> SampleResponse:
     if not prompt:
         raise OpenAIError(400, f"{param} is empty: it renders to no tokens", param=param)
     try:
-        return await sampler.sample(prompt, n, params)
+        return await batchers.of(sampler).sample(sampler, prompt, n, params)
     except ValueError as exc:  # the sampler's checks: token ids out of range, prompt too long
         raise OpenAIError(400, str(exc), param=param) from None
 
 
-async def _completion(source: SamplerSource, request: Request) -> Json:
+async def _completion(source: SamplerSource, batchers: Batchers, request: Request) -> Json:
     req = parse_request(await _body(request), CompletionRequest)
     if req.logprobs:
         raise OpenAIError(
@@ -171,11 +193,12 @@ async def _completion(source: SamplerSource, request: Request) -> Json:
     prompt = _completion_prompt(tokenizer, req.prompt)
     max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     params = sampling_params(req, max_tokens, eos_texts(tokenizer))
-    response = await _sample(sampler, prompt, req.n, params, "prompt")
+    response = await _sample(batchers, sampler, prompt, req.n, params, "prompt")
+    as_ids = bool(req.return_tokens_as_token_ids)
     choices: list[Json] = []
     for index, sequence in enumerate(response.sequences):
         text, finish = completion_text(tokenizer, sequence, user_stops(req))
-        logprobs = None if req.logprobs is None else legacy_logprobs(tokenizer, sequence)
+        logprobs = legacy_logprobs(tokenizer, sequence, as_ids) if req.wants_logprobs() else None
         choices.append(
             {
                 "index": index,
@@ -214,7 +237,7 @@ def _completion_prompt(
     return [int(t) for t in prompt]  # type: ignore[arg-type]
 
 
-async def _chat(source: SamplerSource, request: Request) -> Json:
+async def _chat(source: SamplerSource, batchers: Batchers, request: Request) -> Json:
     req = parse_request(await _body(request), ChatRequest)
     if req.top_logprobs:
         raise OpenAIError(
@@ -225,19 +248,24 @@ async def _chat(source: SamplerSource, request: Request) -> Json:
         )
     sampler = await _sampler(source, req.model, _owner(request))
     tokenizer = sampler.tokenizer
-    prompt = _chat_prompt(tokenizer, req.messages)
+    prompt = _chat_prompt(tokenizer, req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = sampling_params(req, max_tokens, eos_texts(tokenizer))
-    response = await _sample(sampler, prompt, req.n, params, "messages")
+    response = await _sample(batchers, sampler, prompt, req.n, params, "messages")
+    as_ids = bool(req.return_tokens_as_token_ids)
     choices: list[Json] = []
     for index, sequence in enumerate(response.sequences):
         text, finish = completion_text(tokenizer, sequence, user_stops(req))
+        message, finish_reason = _message(text, finish, req.parses_tool_calls())
         choices.append(
             {
                 "index": index,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "finish_reason": finish,
-                "logprobs": chat_logprobs(tokenizer, sequence) if req.logprobs else None,
+                "message": message,
+                "finish_reason": finish_reason,
+                "logprobs": chat_logprobs(tokenizer, sequence, as_ids)
+                if req.wants_logprobs()
+                else None,
+                "prompt_token_ids": prompt,
                 "token_ids": list(sequence.tokens),
             }
         )
@@ -252,17 +280,50 @@ async def _chat(source: SamplerSource, request: Request) -> Json:
     }
 
 
-def _chat_prompt(tokenizer: object, messages: Sequence[ChatMessage]) -> list[int]:
-    """The conversation rendered by the model's chat template, with the generation prompt."""
-    try:
-        out = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [m.for_template() for m in messages],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
+def _message(text: str, finish: str, tools: bool) -> tuple[Json, str]:
+    """The choice's assistant message and finish_reason; with tools, the text's tool calls."""
+    message: Json = {"role": "assistant", "content": text, "refusal": None}
+    if not tools:
+        return message, finish
+    content, calls = parse_tool_calls(text)
+    if not calls:
+        return message, finish
+    message.update(content=content, tool_calls=calls)
+    return message, "tool_calls" if finish == "stop" else finish
+
+
+def _chat_prompt(tokenizer: object, req: ChatRequest) -> list[int]:
+    """The conversation rendered by the model's chat template, with the generation prompt (and
+    the request's tools and chat_template_kwargs)."""
+    extra = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+    if reserved:
+        raise OpenAIError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do",
+            param="chat_template_kwargs",
         )
-    except (ValueError, TemplateError) as exc:
+    if req.tools:
+        extra["tools"] = [tool.model_dump() for tool in req.tools]
+    try:
+        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            [m.for_template() for m in req.messages],
+            add_generation_prompt=True,
+            tokenize=False,
+            **extra,
+        )
+    except (ValueError, TypeError, TemplateError) as exc:
         raise OpenAIError(
             400, f"the model's chat template cannot render messages: {exc}", param="messages"
         ) from None
-    return [int(t) for t in out]
+    return encode_rendered(tokenizer, text)
+
+
+def encode_rendered(tokenizer: object, text: str) -> list[int]:
+    """What `apply_chat_template(tokenize=True)` gives for the rendered `text`: its tokens
+    without added special tokens. A fast tokenizer's Rust backend is called directly: the
+    Python wrapper costs more than the encoding, on every request."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return list(backend.encode(text, add_special_tokens=False).ids)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]

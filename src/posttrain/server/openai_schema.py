@@ -60,7 +60,14 @@ class OpenAIError(Exception):
 
 
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share. `top_k` is vLLM's extension; unknown fields are ignored."""
+    """Fields both endpoints share; unknown fields are ignored.
+
+    vLLM's extensions: `top_k`; `return_token_ids` (token ids are always returned; asking for
+    them also turns on the sampled tokens' logprobs unless `logprobs` is given, as ART's
+    server does: a trajectory needs both); `return_tokens_as_token_ids` (logprob tokens as
+    "token_id:<id>"); `include_stop_str_in_output` (keep the stop string in the text, so the
+    text re-renders to the sampled tokens).
+    """
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -72,11 +79,17 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_SAMPLE_TOKENS)
     stop: str | list[str] | None = None
     seed: Seed | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or bool(self.return_token_ids)
 
 
 class TextPart(BaseModel):
@@ -91,11 +104,43 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, object]:
-        """The message as a chat template reads it: text parts joined, extra keys kept."""
+        """The message as a chat template reads it: text parts joined, extra keys kept, tool
+        call arguments as objects (OpenAI sends them as JSON strings; templates such as Qwen's
+        render them with `tojson`, as vLLM gives them)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        extra = dict(self.model_extra or {})
+        if isinstance(extra.get("tool_calls"), list):
+            extra["tool_calls"] = [_call_for_template(call) for call in extra["tool_calls"]]
+        return {**extra, "role": self.role, "content": content or ""}
+
+
+def _call_for_template(call: object) -> object:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call  # not JSON: the template gets the string as it is
+    return {**call, "function": {**function, "arguments": parsed}}  # type: ignore[dict-item]
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+
+
+class ToolSpec(BaseModel):
+    """A tool the model may call: given to the chat template (`tools=`), as OpenAI sends it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
 
 
 class ChatRequest(_SamplingFields):
@@ -103,6 +148,16 @@ class ChatRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_SAMPLE_TOKENS)
+    tools: list[ToolSpec] | None = None
+    # "auto" (the default with tools): the model decides; "none": no tool call is parsed.
+    tool_choice: Literal["auto", "none"] | None = None
+    chat_template_kwargs: dict[str, object] | None = None
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs) if self.logprobs is not None else bool(self.return_token_ids)
+
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 # OpenAI fields this server does not implement. Each is accepted only at a value that asks for
@@ -115,7 +170,6 @@ _INERT: dict[str, Callable[[object], bool]] = {
     "logit_bias": lambda v: not v,
     "presence_penalty": lambda v: v is None or v == 0,
     "frequency_penalty": lambda v: v is None or v == 0,
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
     "response_format": lambda v: v is None or v == {"type": "text"},
 }
@@ -188,7 +242,8 @@ def eos_texts(tokenizer: object) -> tuple[str, ...]:
 
 
 def user_stops(request: _SamplingFields) -> tuple[str, ...]:
-    if not request.stop:
+    """The stop strings to cut from the text (none with `include_stop_str_in_output`)."""
+    if not request.stop or request.include_stop_str_in_output:
         return ()
     return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
 
@@ -198,7 +253,7 @@ def completion_text(
 ) -> tuple[str, Literal["stop", "length"]]:
     """The choice's text (ending before the first stop string, as OpenAI's) and finish_reason."""
     text: str = tokenizer.decode(sequence.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
-    if sequence.stop_reason == "stop":
+    if sequence.stop_reason == "stop" and stops:
         cut = min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))
         text = text[:cut]
     return text, sequence.stop_reason
@@ -210,14 +265,19 @@ def _logprobs_of(sequence: SampledSequence) -> list[float]:
     return list(sequence.logprobs)
 
 
-def token_texts(tokenizer: object, tokens: Sequence[int]) -> list[str]:
+def token_texts(tokenizer: object, tokens: Sequence[int], as_ids: bool = False) -> list[str]:
+    """Each token's text, or "token_id:<id>" (vLLM's `return_tokens_as_token_ids`)."""
+    if as_ids:
+        return [f"token_id:{t}" for t in tokens]
     decode = tokenizer.decode  # type: ignore[attr-defined]
     return [decode([t], skip_special_tokens=False) for t in tokens]
 
 
-def legacy_logprobs(tokenizer: object, sequence: SampledSequence) -> dict[str, object]:
+def legacy_logprobs(
+    tokenizer: object, sequence: SampledSequence, as_ids: bool = False
+) -> dict[str, object]:
     """The /v1/completions `logprobs` object for the sampled tokens (no top alternatives)."""
-    texts = token_texts(tokenizer, sequence.tokens)
+    texts = token_texts(tokenizer, sequence.tokens, as_ids)
     offsets, offset = [], 0
     for text in texts:
         offsets.append(offset)
@@ -230,9 +290,11 @@ def legacy_logprobs(tokenizer: object, sequence: SampledSequence) -> dict[str, o
     }
 
 
-def chat_logprobs(tokenizer: object, sequence: SampledSequence) -> dict[str, object]:
+def chat_logprobs(
+    tokenizer: object, sequence: SampledSequence, as_ids: bool = False
+) -> dict[str, object]:
     """The /v1/chat/completions `logprobs` object: one entry per sampled token."""
-    texts = token_texts(tokenizer, sequence.tokens)
+    texts = token_texts(tokenizer, sequence.tokens, as_ids)
     return {
         "content": [
             # `bytes` is optional in OpenAI's shape; a per-token decode cannot give a split
