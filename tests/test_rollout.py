@@ -6,11 +6,17 @@ import asyncio
 
 import pytest
 
-from chat_templates import TEMPLATES, Template
+from chat_templates import TEMPLATES, Template, tools_tokenizer
 from chat_templates import template as chat_template
 from posttrain.engine.models import load_tokenizer
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.rollout import TrajectoryBuilder, TurnClosing, assistant_closing, gather_groups
+from posttrain.rollout import (
+    TrajectoryBuilder,
+    TurnClosing,
+    assistant_closing,
+    gather_groups,
+    render_chat,
+)
 from posttrain.types import SampledSequence, TokenSegment, Trajectory, TrajectoryGroup
 
 
@@ -36,7 +42,9 @@ def test_multi_turn_keeps_sampled_tokens_and_masks_the_rest(tiny_model_dir):
     assert [s.trainable for s in traj.segments] == [False, True, False, True]
     # The exact tokens equal the template's rendering of the whole conversation.
     rendered = tok.apply_chat_template(
-        [dict(m) for m in traj.messages], tokenize=True, return_dict=False
+        [dict(m) for m in traj.messages],  # type: ignore[arg-type]  # role/content strings
+        tokenize=True,
+        return_dict=False,
     )
     assert traj.tokens == list(rendered)
     assert traj.num_trainable_tokens == 2 + 5  # "4"+EOS, "done"+EOS
@@ -167,6 +175,75 @@ def test_trainable_completion_needs_logprobs(tiny_model_dir):
     builder.prompt({"role": "user", "content": "x"})
     with pytest.raises(ValueError, match="logprobs"):
         builder.completion(SampledSequence("stop", [65], None))
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def test_a_tool_trajectory_trains_exactly_the_sampled_assistant_tokens():
+    """A call to two tools, their results in one prompt (the template puts them in one user
+    turn), then the answer, on a Qwen-style tools template: token for token, the trajectory is
+    the template's rendering of the conversation as sampled, and its trainable tokens are the
+    two sampled turns and nothing else. The call is recorded as parsed `tool_calls`, which the
+    template renders otherwise than sampled: the tokens never come from that rendering."""
+    tok = tools_tokenizer()
+    eos = tok.eos_token_id
+    builder = TrajectoryBuilder(tok, tools=TOOLS)
+    system, user = {"role": "system", "content": "s"}, {"role": "user", "content": "1+2, 3+4?"}
+    first = builder.prompt(system, user)
+    assert first == render_chat(tok, [system, user], True, tools=TOOLS)
+    assert "# Tools" in tok.decode(first)  # the tools reached the template
+    call = '<tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call><tool_call>{"name":"add","arguments":{"a":3,"b":4}}</tool_call>'
+    call_tokens = [*call.encode(), eos]
+    text = builder.completion(SampledSequence("stop", call_tokens, [-0.5] * len(call_tokens)))
+    assert text == call
+    parsed = [
+        {"id": f"call0000{i}", "type": "function",
+         "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        for i, (a, b) in enumerate([(1, 2), (3, 4)])
+    ]  # fmt: skip
+    builder.set_completion_message({"role": "assistant", "content": "", "tool_calls": parsed})
+    results = [
+        {"role": "tool", "tool_call_id": f"call0000{i}", "name": "add", "content": value}
+        for i, value in enumerate(["3", "7"])
+    ]
+    builder.prompt(*results)
+    answer = [*b"3 and 7", eos]
+    builder.completion(SampledSequence("stop", answer, [-0.5] * len(answer)))
+    trajectory = builder.build(1.0)
+
+    as_sampled = [
+        system, user, {"role": "assistant", "content": call}, *results,
+        {"role": "assistant", "content": "3 and 7"},
+    ]  # fmt: skip
+    rendered = render_chat(tok, as_sampled, False, tools=TOOLS)
+    assert rendered == [*trajectory.tokens, ord("\n")]  # it ends at the EOS it sampled
+    # Trainable: exactly the positions of the two sampled turns in that rendering.
+    mask = [trainable for s in trajectory.segments for trainable in [s.trainable] * len(s.tokens)]
+    start = len(first)
+    second = len(rendered) - 1 - len(answer)
+    expected = [start <= i < start + len(call_tokens) or i >= second for i in range(len(mask))]
+    assert mask == expected
+    assert [s.logprobs is not None for s in trajectory.segments] == [False, True, False, True]
+    # Between the turns: Qwen's newline after EOS, then one user turn of both results.
+    between = trajectory.segments[2].tokens
+    assert tok.decode(list(between)) == (
+        "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n"
+        "</tool_response><|eos|>\n<|im_start|>assistant\n"
+    )
+    assert trajectory.messages[2]["tool_calls"] == parsed
+    assert render_chat(tok, trajectory.messages, False, tools=TOOLS) != rendered
+    assert builder.fork().tools == TOOLS
+
+
+def test_set_completion_message_needs_a_completion_and_an_assistant_message():
+    builder = TrajectoryBuilder(build_tokenizer())
+    with pytest.raises(ValueError, match="needs a completion"):
+        builder.set_completion_message({"role": "assistant", "content": "x"})
+    builder.prompt({"role": "user", "content": "x"})
+    builder.completion(SampledSequence("stop", [65, 257], [-1.0, -1.0]))
+    with pytest.raises(ValueError, match="takes an assistant message, got role 'tool'"):
+        builder.set_completion_message({"role": "tool", "content": "x"})
 
 
 def group(reward: float) -> TrajectoryGroup:

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from posttrain.backends.ray import RayBackend
     from posttrain.backends.tinker import TinkerBackend
     from posttrain.clients.create import create_training_client
+    from posttrain.environments import Environment, run_episodes
     from posttrain.evaluation import Evaluation, evaluate
+    from posttrain.gather import gather_trajectory_groups
     from posttrain.jobs.sft_data import load_sft_dataset
     from posttrain.model import TrainableModel
     from posttrain.rollout import TrajectoryBuilder, gather_groups
@@ -40,7 +42,10 @@ def __getattr__(name: str) -> object:
         "RayBackend": "posttrain.backends.ray",
         "TinkerBackend": "posttrain.backends.tinker",
         "create_training_client": "posttrain.clients.create",
+        "Environment": "posttrain.environments",
+        "run_episodes": "posttrain.environments",
         "gather_groups": "posttrain.rollout",
+        "gather_trajectory_groups": "posttrain.gather",
         "TrajectoryBuilder": "posttrain.rollout",
         "load_sft_dataset": "posttrain.jobs.sft_data",
         "evaluate": "posttrain.evaluation",
@@ -63,6 +68,7 @@ __all__ = [
     "DatasetTask",
     "Datum",
     "EncodedTextChunk",
+    "Environment",
     "Evaluation",
     "LocalBackend",
     "ModelInput",
@@ -85,6 +91,8 @@ __all__ = [
     "create_training_client",
     "evaluate",
     "gather_groups",
+    "gather_trajectory_groups",
     "load_sft_dataset",
     "resolve_task",
+    "run_episodes",
 ]

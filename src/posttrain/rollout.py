@@ -1,5 +1,6 @@
 """Rollout helpers: chat turns and sampled completions into Trajectories on exact tokens, and
-`gather_groups` to run rollout coroutines concurrently.
+`gather_groups` / `gather_trajectory_groups` (from `posttrain.gather`) to run rollouts
+concurrently.
 
 Sampled assistant tokens are kept exactly as the sampler produced them, with their logprobs;
 only the text between turns (user, tool and template tokens) is rendered by the chat template,
@@ -8,17 +9,19 @@ and only as the suffix that extends what is already there.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
-from posttrain.types import JSONScalar, SampledSequence, TokenSegment, Trajectory, TrajectoryGroup
+# The gather functions live in posttrain.gather (one implementation, two names); re-exported.
+from posttrain.gather import gather_groups, gather_trajectory_groups  # noqa: F401
+from posttrain.types import JSONScalar, SampledSequence, TokenSegment, Trajectory
 
 log = logging.getLogger(__name__)
 Message = Mapping[str, str]
+# A chat message as a chat template takes it: role and content, and for tool use an assistant's
+# `tool_calls` or a tool result's `tool_call_id` and `name`.
+ChatMessage = Mapping[str, object]
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,20 @@ class TrajectoryBuilder:
     end-of-turn token after a completion cut by max_tokens; a newline some templates put after
     it), then the template's rendering of the next messages. `closing` is
     `assistant_closing(tokenizer)`, found on first need unless given (once per tokenizer).
+    `tools` (function schemas, as `apply_chat_template(tools=...)` takes them) are given to the
+    template with every rendering, so a template that lists them in its system turn does.
     """
 
-    def __init__(self, tokenizer: object, *, closing: TurnClosing | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: object,
+        *,
+        closing: TurnClosing | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.messages: list[dict[str, str]] = []
+        self.tools = [dict(t) for t in tools] if tools is not None else None
+        self.messages: list[dict[str, object]] = []
         self.segments: list[TokenSegment] = []
         self._closing = closing
         self._last: SampledSequence | None = None  # the completion the tokens end with, if any
@@ -59,14 +71,14 @@ class TrajectoryBuilder:
 
     def fork(self) -> TrajectoryBuilder:
         """A copy of the conversation so far (one per completion of a shared prompt)."""
-        other = TrajectoryBuilder(self.tokenizer, closing=self._closing)
+        other = TrajectoryBuilder(self.tokenizer, closing=self._closing, tools=self.tools)
         other.messages = [dict(m) for m in self.messages]
         other.segments = list(self.segments)
         other._last, other._prompted = self._last, self._prompted
         return other
 
-    def _render(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
-        return render_chat(self.tokenizer, messages, generation_prompt)
+    def _render(self, messages: Sequence[ChatMessage], generation_prompt: bool) -> list[int]:
+        return render_chat(self.tokenizer, messages, generation_prompt, tools=self.tools)
 
     def closing(self) -> TurnClosing:
         """What the chat template puts after an assistant message's content (cached)."""
@@ -74,8 +86,12 @@ class TrajectoryBuilder:
             self._closing = assistant_closing(self.tokenizer)
         return self._closing
 
-    def prompt(self, *messages: Message) -> list[int]:
-        """Add user/system/tool messages; returns the tokens to sample the next turn from."""
+    def prompt(self, *messages: ChatMessage) -> list[int]:
+        """Add user/system/tool messages; returns the tokens to sample the next turn from.
+
+        A template may render a message differently by what follows it (Qwen's puts
+        consecutive tool results in one user turn): give all the messages of one turn at once.
+        """
         if not messages:
             raise ValueError("prompt() needs at least one message")
         before = self._render(self.messages, False) if self.messages else []
@@ -127,6 +143,20 @@ class TrajectoryBuilder:
         self._last, self._prompted = sequence, False
         return text
 
+    def set_completion_message(self, message: ChatMessage) -> None:
+        """Record the last completion as `message`, e.g. with the `tool_calls` parsed from its
+        text: what the chat template renders before the next messages, and what the
+        trajectory's messages show. Its tokens stay the sampled ones: the template's rendering
+        of the message is never used for them."""
+        if self._last is None:
+            raise ValueError("set_completion_message() needs a completion() just before it")
+        if message.get("role") != "assistant":
+            raise ValueError(
+                f"set_completion_message() takes an assistant message, got role "
+                f"{message.get('role')!r}"
+            )
+        self.messages[-1] = dict(message)
+
     def build(
         self,
         reward: float,
@@ -144,14 +174,20 @@ class TrajectoryBuilder:
 
 
 def render_chat(
-    tokenizer: object, messages: Sequence[Message], generation_prompt: bool
+    tokenizer: object,
+    messages: Sequence[ChatMessage],
+    generation_prompt: bool,
+    *,
+    tools: Sequence[Mapping[str, object]] | None = None,
 ) -> list[int]:
-    """The chat template's token ids for `messages`."""
+    """The chat template's token ids for `messages` (with `tools`, if any)."""
+    extra = {"tools": [dict(t) for t in tools]} if tools is not None else {}
     out = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
         [dict(m) for m in messages],
         add_generation_prompt=generation_prompt,
         tokenize=True,
         return_dict=False,
+        **extra,
     )
     return [int(t) for t in out]
 
@@ -198,42 +234,3 @@ def missing_closing(sequence: SampledSequence, closing: TurnClosing) -> tuple[in
     ):
         return closing.after_end
     return closing.tokens
-
-
-async def gather_groups(
-    groups: Iterable[Awaitable[TrajectoryGroup]],
-    *,
-    max_exceptions: int = 0,
-    desc: str = "rollouts",
-    progress: bool = True,
-) -> list[TrajectoryGroup]:
-    """Await rollout coroutines concurrently, showing progress; tolerate up to `max_exceptions`
-    failed groups (dropped and logged), then raise the first failure."""
-    if max_exceptions < 0:
-        raise ValueError(f"max_exceptions must be >= 0, got {max_exceptions}")
-    tasks = [asyncio.ensure_future(g) for g in groups]
-    index = {task: i for i, task in enumerate(tasks)}
-    results: dict[int, TrajectoryGroup] = {}
-    failures = 0
-    pending = set(tasks)
-    bar = tqdm(total=len(tasks), desc=desc, disable=not progress, leave=False)
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                error = task.exception()
-                if error is None:
-                    results[index[task]] = task.result()
-                else:
-                    failures += 1
-                    log.warning("rollout failed (%d so far): %r", failures, error)
-                    if failures > max_exceptions:
-                        raise error
-                bar.update(1)
-            bar.set_postfix(failed=failures)
-    finally:
-        bar.close()
-        for task in pending:
-            task.cancel()
-    # Groups come back in submission order, whatever order they finished in.
-    return [results[i] for i in sorted(results)]

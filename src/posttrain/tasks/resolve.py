@@ -116,7 +116,7 @@ def _build(obj: object, spec: str, options: dict[str, object], options_name: str
             f"{', '.join(missing_methods(obj))})"
         )
     label = getattr(obj, "__qualname__", repr(obj))
-    _check_options(obj, spec, label, options, options_name)
+    check_options(obj, spec, label, options, options_name)
     try:
         task = obj(**options)
     except Exception as exc:  # user code may fail in any way: say whose and how
@@ -133,9 +133,17 @@ def _build(obj: object, spec: str, options: dict[str, object], options_name: str
     return task  # type: ignore[return-value]  # missing_methods checked it
 
 
-def _check_options(
-    factory: object, spec: str, label: str, options: Mapping[str, object], options_name: str
+def check_options(
+    factory: object,
+    spec: str,
+    label: str,
+    options: Mapping[str, object],
+    options_name: str,
+    *,
+    what: str = "task",
 ) -> None:
+    """A TaskError unless `options` are keyword arguments `factory` takes, all it needs;
+    `what` is how errors name the spec ("task", "environment")."""
     try:
         params = inspect.signature(factory).parameters  # type: ignore[arg-type]
     except (TypeError, ValueError):  # not introspectable (a builtin): the call will tell
@@ -149,7 +157,7 @@ def _check_options(
             hint = f"; did you mean {close[0]!r}?" if close else ""
             takes = ", ".join(named) or "nothing"
             raise TaskError(
-                f"task {spec!r}: unknown {options_name} key {key!r}{hint} ({label} takes: {takes})"
+                f"{what} {spec!r}: unknown {options_name} key {key!r}{hint} ({label} takes: {takes})"
             )
     required = [
         n
@@ -159,7 +167,7 @@ def _check_options(
     missing = [n for n in required if n not in options]
     if missing:
         raise TaskError(
-            f"task {spec!r}: {label} needs {', '.join(map(repr, missing))}; give "
+            f"{what} {spec!r}: {label} needs {', '.join(map(repr, missing))}; give "
             f"{' and '.join(f'{m} = ...' for m in missing)} in {options_name}"
         )
 

@@ -1,0 +1,42 @@
+"""Multi-turn environments: the `Environment` protocol, the rollout runner that turns episodes
+into trajectories with several trainable turns, the built-in `calculator` tool-use
+environment, and finding an environment by name, dotted path or entry point."""
+
+from posttrain.environments.calculator import CalculatorEnv
+from posttrain.environments.protocol import Demonstrating, Environment, Reset, Split, Step
+from posttrain.environments.resolve import (
+    BUILTIN_ENVIRONMENTS,
+    EnvironmentSpecError,
+    ResolvedEnvironment,
+    resolve_environment,
+)
+from posttrain.environments.runner import (
+    EnvironmentEvaluation,
+    EpisodeError,
+    EpisodeLimits,
+    Episodes,
+    evaluate_environment,
+    run_episodes,
+)
+from posttrain.tool_calls import ToolCall, parse_tool_calls
+
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "CalculatorEnv",
+    "Demonstrating",
+    "Environment",
+    "EnvironmentEvaluation",
+    "EnvironmentSpecError",
+    "EpisodeError",
+    "EpisodeLimits",
+    "Episodes",
+    "Reset",
+    "ResolvedEnvironment",
+    "Split",
+    "Step",
+    "ToolCall",
+    "evaluate_environment",
+    "parse_tool_calls",
+    "resolve_environment",
+    "run_episodes",
+]

@@ -1,0 +1,157 @@
+"""Finding an environment by name, as tasks are found: a built-in, a dotted path, or an
+installed entry point (group `posttrain.environments`).
+
+The spec names a factory (a class or a function) that the runner calls with the options as
+keyword arguments once per episode, each episode having its own environment. A class is
+checked for `reset` and `step` without being built; a function is called once here, to check
+that it returns an environment (that one is closed, if it has a plain `close()`, and dropped:
+keep construction cheap and do an episode's setup in `reset`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.metadata
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from posttrain.environments.calculator import CalculatorEnv
+from posttrain.environments.protocol import ENVIRONMENT_METHODS, Environment, missing_methods
+from posttrain.tasks.imports import DOTTED_PATH, ImportTargetError, import_object, target_of
+from posttrain.tasks.resolve import TaskError, check_options
+
+ENTRY_POINT_GROUP = "posttrain.environments"
+EnvironmentKind = Literal["builtin", "path", "entry_point"]
+BUILTIN_ENVIRONMENTS: dict[str, type] = {"calculator": CalculatorEnv}
+
+
+class EnvironmentSpecError(ValueError):
+    """An environment spec that does not resolve; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ResolvedEnvironment:
+    """A factory of environments and how it was found (what job.json records)."""
+
+    make: Callable[[], Environment]  # a new environment for each episode
+    spec: str  # as given: "calculator", "mypkg.envs:make_env", an entry-point name
+    kind: EnvironmentKind
+    target: str  # module:qualname of the factory
+    options: Mapping[str, object] = field(default_factory=dict[str, object])
+    demonstrates: bool = False  # its environments have demonstration() (`Demonstrating`)
+
+    def record(self) -> dict[str, object]:
+        return {"spec": self.spec, "kind": self.kind, "target": self.target}
+
+
+def entry_points() -> dict[str, str]:
+    """Installed environments: name -> dotted path, from the entry-point group."""
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def environment_kind(spec: str) -> EnvironmentKind:
+    """Which kind of spec this is, without importing anything; an unknown name lists the
+    known ones."""
+    if ":" in spec:
+        if not DOTTED_PATH.match(spec):
+            raise EnvironmentSpecError(
+                f"environment {spec!r} is not a dotted path; write it as 'package.module:name'"
+            )
+        return "path"
+    if spec in BUILTIN_ENVIRONMENTS:
+        return "builtin"
+    installed = entry_points()
+    if spec in installed:
+        return "entry_point"
+    known = [*BUILTIN_ENVIRONMENTS, *sorted(set(installed) - set(BUILTIN_ENVIRONMENTS))]
+    close = difflib.get_close_matches(spec, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise EnvironmentSpecError(
+        f"unknown environment {spec!r}{hint} (built-in and installed: {', '.join(known)}; an "
+        "environment of your own is named by its dotted path, e.g. 'mypkg.envs:MyEnv')"
+    )
+
+
+def resolve_environment(
+    spec: str,
+    options: Mapping[str, object] | None = None,
+    *,
+    search: Path | None = None,
+    options_name: str = "options",
+) -> ResolvedEnvironment:
+    """The environment factory `spec` names, with `options` bound (its keyword arguments).
+
+    `search` is a directory to import dotted paths from after `sys.path` (the job passes its
+    config file's); `options_name` is how errors name the options (the job's `[environment]`).
+    """
+    options = dict(options or {})
+    kind = environment_kind(spec)
+    if kind == "builtin":
+        factory: object = BUILTIN_ENVIRONMENTS[spec]
+    else:
+        target = spec if kind == "path" else entry_points()[spec]
+        what = "environment" if kind == "path" else f"environment {spec!r} ({ENTRY_POINT_GROUP})"
+        try:
+            factory = import_object(target, what, search=search)
+        except ImportTargetError as exc:
+            raise EnvironmentSpecError(str(exc)) from exc
+    made = _check_factory(factory, spec, options, options_name)
+    make = functools.partial(factory, **options)  # type: ignore[arg-type]  # checked callable
+    demonstrates = callable(getattr(made, "demonstration", None))
+    return ResolvedEnvironment(make, spec, kind, target_of(factory), options, demonstrates)
+
+
+def _check_factory(
+    factory: object, spec: str, options: dict[str, object], options_name: str
+) -> object:
+    """A factory taking `options` whose environments have reset and step; returns the class,
+    or the environment the function made."""
+    if not isinstance(factory, type) and not missing_methods(factory):
+        raise EnvironmentSpecError(
+            f"environment {spec!r} is an environment object; name its class or a function that "
+            "makes one: each episode needs an environment of its own"
+        )
+    if not callable(factory):
+        raise EnvironmentSpecError(
+            f"environment {spec!r} is a {type(factory).__name__}, not a class or function that "
+            "makes environments"
+        )
+    label = getattr(factory, "__qualname__", repr(factory))
+    try:
+        check_options(factory, spec, label, options, options_name, what="environment")
+    except TaskError as exc:
+        raise EnvironmentSpecError(str(exc)) from exc
+    if isinstance(factory, type):
+        made: object = factory  # its methods are checked on the class, nothing built
+    else:
+        try:
+            made = factory(**options)
+        except Exception as exc:  # user code may fail in any way: say whose and how
+            raise EnvironmentSpecError(
+                f"environment {spec!r}: {label}(...) raised {type(exc).__name__}: {exc}"
+            ) from exc
+        _close_quietly(made)
+    missing = missing_methods(made)
+    if missing:
+        what = (
+            f"class {label} is"
+            if isinstance(made, type)
+            else f"{label}() returned a {type(made).__name__}, which is"
+        )
+        raise EnvironmentSpecError(
+            f"environment {spec!r}: {what} not an Environment: it lacks "
+            f"{', '.join(missing)} (an Environment has {', '.join(ENVIRONMENT_METHODS)}; see "
+            "posttrain.environments.Environment)"
+        )
+    return made
+
+
+def _close_quietly(env: object) -> None:
+    """Close the environment built only to be checked, if it closes synchronously."""
+    close = getattr(env, "close", None)
+    if callable(close) and not inspect.iscoroutinefunction(close):
+        close()
