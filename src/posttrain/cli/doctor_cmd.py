@@ -246,9 +246,16 @@ def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | 
 
 
 def check_task(config: JobConfig) -> Check:
-    """The config's task resolves (imported, built, its data read) as `posttrain train`'s."""
-    from posttrain.jobs.backend import task_problems
+    """The config's task resolves (imported, built, its data read) as `posttrain train`'s; or
+    its environment, when it names one."""
+    from posttrain.jobs.backend import environment_problems, task_problems
 
+    if config.run.environment is not None:
+        environment, problems = environment_problems(config)
+        if environment is None:
+            return Check("environment", "fail", "; ".join(str(p) for p in problems))
+        found = f"{environment.spec} ({environment.kind}: {environment.target})"
+        return Check("environment", "pass", found)
     resolved, problems = task_problems(config)
     if resolved is None:
         return Check("task", "fail", "; ".join(str(p) for p in problems))

@@ -1,4 +1,5 @@
-"""`posttrain explain CONFIG [--json]`: the resolved job, its task, backend, preflight and plan.
+"""`posttrain explain CONFIG [--json]`: the resolved job, its task (or environment), backend,
+preflight and plan.
 
 Nothing is built or trained. Exit status: 0 when the job can run, 1 when preflight refuses
 it, 2 when the config itself cannot be read.
@@ -15,7 +16,8 @@ import sys
 from pathlib import Path
 
 from posttrain.backends.registry import BackendInfo
-from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, task_problems
+from posttrain.environments.resolve import ResolvedEnvironment
+from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
 from posttrain.jobs.config import JobConfig, load_config, redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
 
@@ -36,6 +38,21 @@ PLAN_NOTES = {
     "one step's forward/backward passes, at most",
     "held_out_problems": "greedy evaluation problems, before RL, every [eval] every steps, after "
     "([eval] held_out, or all a dataset task has if fewer); null when the task does not resolve",
+}
+# What each plan entry counts for a job on an environment ([run] environment).
+ENVIRONMENT_PLAN_NOTES = {
+    **PLAN_NOTES,
+    "sft_examples": "solved episodes of training seeds (the environment's demonstration(), "
+    "[sft] examples)",
+    "rl_prompts_per_step": "environment seeds per RL step",
+    "rl_group_size": "episodes per seed",
+    "rl_completions_per_step": "prompts_per_step x group_size episodes (trajectories) per step",
+    "rl_sampled_tokens_per_step_max": "episodes x max_turns x max_tokens: sampled tokens at most",
+    "rl_prompt_tokens_per_step_estimate": "null: an environment's messages are known only once "
+    "its episodes run",
+    "rl_trained_tokens_per_step_max_estimate": "null, as the prompt estimate",
+    "held_out_problems": "greedy evaluation episodes on held-out seeds ([eval] held_out), "
+    "before RL, every [eval] every steps, after",
 }
 
 
@@ -103,9 +120,10 @@ def prompt_tokens(
 
 
 def plan(
-    config: JobConfig, task: ResolvedTask | None = None
+    config: JobConfig, task: ResolvedTask | ResolvedEnvironment | None = None
 ) -> tuple[dict[str, int | None], list[JobProblem]]:
-    """Step counts, batch shape and tokens per step the job will run (see PLAN_NOTES)."""
+    """Step counts, batch shape and tokens per step the job will run (see PLAN_NOTES, and
+    ENVIRONMENT_PLAN_NOTES for a job on an environment)."""
     tokenizer = load_tokenizer(config)
     problems: list[JobProblem] = []
     try:
@@ -117,8 +135,12 @@ def plan(
     total = config.sft.examples + rows
     completions = config.rl.prompts_per_step * config.rl.group_size
     sampled = completions * config.rl.max_tokens
-    prompts = prompt_tokens(config, task, tokenizer)
-    held_out = len(task.task.held_out(config.eval.seed, config.eval.held_out)) if task else None
+    if isinstance(task, ResolvedEnvironment) or config.run.environment is not None:
+        sampled *= config.rl.max_turns
+        prompts, held_out = None, config.eval.held_out
+    else:
+        prompts = prompt_tokens(config, task, tokenizer)
+        held_out = len(task.task.held_out(config.eval.seed, config.eval.held_out)) if task else None
     prompt_estimate = prompts * config.rl.group_size if prompts is not None else None
     return {
         "sft_examples": config.sft.examples,
@@ -153,16 +175,27 @@ def _backend(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
     }
 
 
+def _work(config: JobConfig, work: ResolvedTask | ResolvedEnvironment | None) -> dict[str, object]:
+    """The `task` (or `environment`) entry: what the job trains on, resolved or not."""
+    if config.run.environment is not None:
+        record = work.record() if work is not None else {"spec": config.run.environment}
+        return {"environment": {**record, "resolved": work is not None}}
+    if work is None:
+        return {"task": {"spec": config.run.task, "resolved": False}}
+    return {"task": work.record()}
+
+
 def explain(config: JobConfig) -> dict[str, object]:
     found, problems = job_problems(config)
-    task, more = task_problems(config)
+    work, more = work_problems(config)
     problems += more
     info = found.info if found is not None else None
-    steps, plan_problems = plan(config, task)
+    steps, plan_problems = plan(config, work)
     problems += plan_problems
+    notes = PLAN_NOTES if config.run.environment is None else ENVIRONMENT_PLAN_NOTES
     return {
         "config": _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend))),
-        "task": task.record() if task is not None else {"spec": config.run.task, "resolved": False},
+        **_work(config, work),
         "backend": _backend(config, info),
         "preflight": {
             "ok": not problems,
@@ -171,7 +204,7 @@ def explain(config: JobConfig) -> dict[str, object]:
             ],
         },
         "plan": steps,
-        "plan_notes": PLAN_NOTES,
+        "plan_notes": notes,
     }
 
 
@@ -186,7 +219,9 @@ def _print_table(title: str, rows: dict[str, object], indent: str = "  ") -> Non
 
 def _print(path: Path, report: dict[str, object]) -> None:
     _print_table(f"config ({path}):", report["config"])  # type: ignore[arg-type]
-    _print_table("task:", report["task"])  # type: ignore[arg-type]
+    for what in ("task", "environment"):
+        if what in report:
+            _print_table(f"{what}:", report[what])  # type: ignore[arg-type]
     _print_table("backend:", report["backend"])  # type: ignore[arg-type]
     preflight = report["preflight"]
     assert isinstance(preflight, dict)
@@ -195,8 +230,9 @@ def _print(path: Path, report: dict[str, object]) -> None:
         where = p["option"] if p["call"] in PLAIN_CALLS else f"{p['call']}() {p['option']}"
         print(f"  - {where}: {p['message']}")
     print("plan:")
+    notes = report["plan_notes"]
     for key, value in report["plan"].items():  # type: ignore[attr-defined]
-        print(f"  {key} = {value!r}  # {PLAN_NOTES[key]}")
+        print(f"  {key} = {value!r}  # {notes[key]}")  # type: ignore[index]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,8 +21,9 @@ from posttrain.backends.registry import BackendInfo, Factory, describe, load
 from posttrain.backends.schema import OptionSchema, constructor_hints, constructor_parameters
 from posttrain.engine.devices import resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, check_base_model
+from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.config import REDACTED, JobConfig, is_secret
-from posttrain.jobs.job_task import JobTaskError, resolve_job_task
+from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value
 
@@ -174,8 +175,32 @@ def task_problems(config: JobConfig) -> tuple[ResolvedTask | None, list[JobProbl
     try:
         return resolve_job_task(config), []
     except JobTaskError as exc:
-        where = f" (config {exc.source})" if exc.source is not None else ""
-        return None, [JobProblem("task", exc.option, f"{exc.detail}{where}")]
+        return None, [_task_problem(exc)]
+
+
+def environment_problems(
+    config: JobConfig,
+) -> tuple[ResolvedEnvironment | None, list[JobProblem]]:
+    """The job's environment, resolved (`resolve_job_environment`), or the problem that
+    stops it."""
+    try:
+        return resolve_job_environment(config), []
+    except JobTaskError as exc:
+        return None, [_task_problem(exc)]
+
+
+def work_problems(
+    config: JobConfig,
+) -> tuple[ResolvedTask | ResolvedEnvironment | None, list[JobProblem]]:
+    """What the job trains on: its environment when `[run] environment` is set, else its task."""
+    if config.run.environment is not None:
+        return environment_problems(config)
+    return task_problems(config)
+
+
+def _task_problem(exc: JobTaskError) -> JobProblem:
+    where = f" (config {exc.source})" if exc.source is not None else ""
+    return JobProblem("task", exc.option, f"{exc.detail}{where}")
 
 
 def base_model_problems(spec: str) -> list[JobProblem]:

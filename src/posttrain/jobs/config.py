@@ -1,10 +1,13 @@
 """The `posttrain train` job's TOML configuration, as frozen dataclasses, one per table.
 
-Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`, `[task]`, `[data]`.
+Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`, `[task]`, `[data]`,
+`[environment]`.
 `[run] task` names the task: a built-in ("reverse"), a dotted path ("mypkg.tasks:make_task"),
 an entry point of the `posttrain.tasks` group, or "data" for the dataset task that `[data]`
 describes (the default when there is a `[data]` table). `[task]` holds a task factory's
-keyword arguments. `[sft]` and `[rl]` also
+keyword arguments. Or `[run] environment` names a multi-turn environment instead of a task (a
+built-in such as "calculator", a dotted path, an entry point of `posttrain.environments`),
+with `[environment]` its factory's keyword arguments. `[sft]` and `[rl]` also
 accept every option of `backend.train_sft` / `backend.train` (`SFTConfig` / `LocalRLOptions`);
 the job passes each backend the options it declares, and preflight refuses the others.
 `[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
@@ -27,6 +30,7 @@ from typing import Literal, get_args
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.tiny import Arch, Size
+from posttrain.environments.resolve import EnvironmentSpecError, environment_kind
 from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.rewards import BUILTIN_REWARDS
 from posttrain.trainer.config import RLConfig, SFTConfig, check_field_types
@@ -50,6 +54,8 @@ class RunConfig:
     """What to train on and where the run lives: `<output_dir>/<project>/models/<name>/`."""
 
     task: str = "reverse"  # built-in name, "pkg.module:factory", entry-point name, or "data"
+    # Or a multi-turn environment instead of a task: "calculator", "pkg.module:Env", entry point.
+    environment: str | None = None
     name: str = "run"
     project: str = "posttrain"
     output_dir: str = "runs"  # relative to the working directory
@@ -63,6 +69,11 @@ class RunConfig:
             try:
                 task_kind(self.task)  # an unknown name lists the known ones; nothing imported
             except TaskError as exc:  # `_build` puts "[run] " before it
+                raise ValueError(str(exc)) from None
+        if self.environment is not None:
+            try:
+                environment_kind(self.environment)  # nothing imported, as for the task
+            except EnvironmentSpecError as exc:
                 raise ValueError(str(exc)) from None
         resolve_backend(self.backend)  # raises for an unknown name, listing the known ones
         if self.keep_checkpoints < 1:
@@ -119,9 +130,15 @@ class RLJobConfig:
     top_p: float = 1.0
     max_tokens: int = 16
     lr_warmup_steps: int = 0  # linear warm-up of learning_rate over the first steps
-    # Fraction of a step's rollouts whose reward may fail (raise, NaN, not a number): they are
-    # dropped and counted (`bad_rollouts`); more fails the step with the first error.
+    # Fraction of a step's rollouts whose reward may fail (raise, NaN, not a number), or whose
+    # environment fails: they are dropped and counted (`bad_rollouts`); more fails the step
+    # with the first error.
     max_bad_rollouts: float = 0.0
+    # Environments only ([run] environment): assistant turns per episode, and tokens in an
+    # episode's whole context (a turn is sampled only if its prompt + max_tokens fit; None: no
+    # limit). `max_tokens` is then per turn.
+    max_turns: int = 8
+    max_context: int | None = None
     trainer: RLConfig = field(default_factory=RLConfig)  # the rest of [rl]: train options
 
     def __post_init__(self) -> None:
@@ -129,12 +146,17 @@ class RLJobConfig:
         for key in ("steps", "lr_warmup_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"[rl] {key} must be >= 0, got {getattr(self, key)}")
-        for key in ("prompts_per_step", "max_tokens"):
+        for key in ("prompts_per_step", "max_tokens", "max_turns"):
             if getattr(self, key) < 1:
                 raise ValueError(f"[rl] {key} must be >= 1, got {getattr(self, key)}")
         if self.group_size < 2:
             raise ValueError(
                 f"[rl] group_size must be >= 2 (advantages compare within a group), got {self.group_size}"
+            )
+        if self.max_context is not None and self.max_context <= self.max_tokens:
+            raise ValueError(
+                f"[rl] max_context ({self.max_context}) must exceed max_tokens "
+                f"({self.max_tokens}): a turn is sampled only when its prompt and max_tokens fit"
             )
         if not 0 <= self.max_bad_rollouts < 1:
             raise ValueError(
@@ -208,6 +230,7 @@ class JobConfig:
     backend: Mapping[str, object] = field(default_factory=dict[str, object])  # [backend] kwargs
     task: Mapping[str, object] = field(default_factory=dict[str, object])  # [task] kwargs
     data: DataConfig | None = None  # [data]: the dataset task
+    environment: Mapping[str, object] = field(default_factory=dict[str, object])  # its kwargs
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -269,7 +292,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         "rl": RLJobConfig,
         "eval": EvalConfig,
     }
-    names = [*tables, "backend", "task", "data"]
+    names = [*tables, "backend", "task", "data", "environment"]
     for name, value in data.items():
         if name not in names:
             raise ValueError(
@@ -279,6 +302,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
             raise ValueError(f"[{name}] must be a table, got {value!r}")
     run: dict[str, object] = dict(data.get("run") or {})  # type: ignore[call-overload]
     _check_task_tables(run.get("task"), data)
+    _check_environment_tables(run, data)
     if "data" in data:
         run.setdefault("task", DATA_TASK)
     built = {
@@ -286,7 +310,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         for name, cls in tables.items()
     }
     free = {}
-    for name in ("backend", "task"):
+    for name in ("backend", "task", "environment"):
         free[name] = dict(data.get(name) or {})  # type: ignore[call-overload]
         for key, value in free[name].items():
             if isinstance(value, dict):
@@ -307,6 +331,32 @@ def _check_task_tables(task: object, data: Mapping[str, object]) -> None:
     if "task" in data and "data" in data:
         raise ValueError(
             "[task] holds a task factory's arguments; a dataset task is set up in [data]"
+        )
+
+
+def _check_environment_tables(run: Mapping[str, object], data: Mapping[str, object]) -> None:
+    """`[run] environment` trains on episodes: no task, `[task]` or `[data]` with it; the
+    episode limits of `[rl]` and the `[environment]` table go with it only."""
+    if run.get("environment") is None:
+        if "environment" in data:
+            raise ValueError(
+                "[environment] holds an environment's arguments, but [run] environment is not "
+                'set; name one, e.g. [run] environment = "calculator"'
+            )
+        rl = data.get("rl")
+        for key in ("max_turns", "max_context"):
+            if isinstance(rl, dict) and key in rl:
+                raise ValueError(
+                    f"[rl] {key} limits an environment's episodes; it has no effect on a task "
+                    "(set [run] environment, or remove it)"
+                )
+        return
+    clash = [f"[run] task = {run['task']!r}"] if "task" in run else []
+    clash += [f"[{table}]" for table in ("task", "data") if table in data]
+    if clash:
+        raise ValueError(
+            f"[run] environment = {run['environment']!r} and {' and '.join(clash)}: a job "
+            "trains on a task or on an environment; remove one"
         )
 
 

@@ -1,6 +1,8 @@
 """The job's task, resolved one way for `posttrain train`, `--resume`, `explain` and `doctor`:
 `[run] task` through `posttrain.tasks.resolve_task` (with the `[task]` table as the factory's
-arguments), or the dataset task of the `[data]` table. Errors name the key and the config file.
+arguments), or the dataset task of the `[data]` table; or its environment, `[run] environment`
+through `posttrain.environments.resolve_environment` (with the `[environment]` table). Errors
+name the key and the config file.
 """
 
 from __future__ import annotations
@@ -8,6 +10,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from posttrain.environments.protocol import Demonstrating
+from posttrain.environments.resolve import (
+    EnvironmentSpecError,
+    ResolvedEnvironment,
+    resolve_environment,
+)
 from posttrain.jobs.config import DATA_TASK, NO_DATA_TABLE, DataConfig, JobConfig
 from posttrain.tasks.dataset import DatasetTask
 from posttrain.tasks.resolve import ResolvedTask, TaskError, resolve_task
@@ -38,6 +46,29 @@ def resolve_job_task(config: JobConfig) -> ResolvedTask:
         )
     except TaskError as exc:
         raise JobTaskError("[run] task", str(exc), config.source) from exc
+
+
+def resolve_job_environment(config: JobConfig) -> ResolvedEnvironment:
+    """The job's environment factory, found as `posttrain train`, `--resume`, `explain` and
+    `doctor` all find it; a JobTaskError names `[run] environment` and the config file."""
+    spec = config.run.environment
+    if spec is None:
+        raise JobTaskError("[run] environment", "is not set", config.source)
+    try:
+        found = resolve_environment(
+            spec, config.environment, search=config.base_dir, options_name="[environment]"
+        )
+    except EnvironmentSpecError as exc:
+        raise JobTaskError("[run] environment", str(exc), config.source) from exc
+    if config.sft.examples and not found.demonstrates:
+        raise JobTaskError(
+            "[sft] examples",
+            f"environment {spec!r} has no demonstration() to learn from (see "
+            f"posttrain.environments.{Demonstrating.__name__}); set [sft] examples = 0, or "
+            "warm up on a dataset ([sft] dataset)",
+            config.source,
+        )
+    return found
 
 
 def _data_task(data: DataConfig, base: Path) -> ResolvedTask:

@@ -1,5 +1,5 @@
 """Task rollouts for the job: one batched sampling call per RL step, rewarded, with a bound on
-rollouts whose reward fails.
+rollouts whose reward (or, for an environment's episodes, whose environment) fails.
 
 A rollout whose reward raises or is not a finite number is bad. Up to `max_bad_rollouts` (a
 fraction of the step's rollouts) are counted and dropped whole: no trajectory is built for
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.environments.runner import EpisodeError
 from posttrain.evaluation import Sampler, completion_text, prompt_builders
 from posttrain.jobs.sft_data import conversation_to_trajectory
 from posttrain.rollout import assistant_closing
@@ -113,14 +114,15 @@ async def sample_groups(
 
 def check_bad_rollouts(bad: Sequence[BaseException], total: int, max_fraction: float) -> None:
     """Raise the first bad rollout's error when more than `max_fraction` of `total` are bad
-    (or all of them are); anything but a RewardError is raised as it is."""
+    (or all of them are); anything but a RewardError or an EpisodeError (an environment's
+    failure) is raised as it is."""
     for error in bad:
-        if not isinstance(error, RewardError):
+        if not isinstance(error, RewardError | EpisodeError):
             raise error  # not the reward's fault (a bug, a cancellation): never tolerated
     if not bad:
         return
     if len(bad) > max_fraction * total or len(bad) == total:
-        raise RewardError(
+        raise type(bad[0])(
             f"{bad[0]} ({len(bad)} of {total} rollouts of this step failed; [rl] "
             f"max_bad_rollouts = {max_fraction} tolerates {int(max_fraction * total)})"
         ) from bad[0]

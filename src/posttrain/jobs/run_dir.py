@@ -18,9 +18,11 @@ RESUMABLE_CHANGES = frozenset(
     {"run.output_dir", "run.name", "run.project", "run.keep_checkpoints", "rl.steps"}
 )
 JOB_FILE = "job.json"
-OPTIONAL_TABLES = ("task", "data")  # in job.json only when the config has them
+OPTIONAL_TABLES = ("task", "data", "environment")  # in job.json only when the config has them
 # job.json's record of the resolved task (`ResolvedTask.record()`): spec, kind, target, ...
 RESOLVED_KEY = "resolved_task"
+# ... or of the resolved environment (`ResolvedEnvironment.record()`): spec, kind, target.
+RESOLVED_ENVIRONMENT_KEY = "resolved_environment"
 
 
 def locate_run(config: JobConfig, resume: str | Path | None) -> tuple[Path, str, str]:
@@ -51,6 +53,8 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         record["task"] = dict(config.task)
     if config.data is not None:
         record["data"] = asdict(config.data)
+    if config.environment:
+        record["environment"] = dict(config.environment)
     return record
 
 
@@ -84,11 +88,17 @@ def config_changes(saved: Mapping[str, object], record: dict[str, dict[str, obje
 
 
 def prepare_run_dir(
-    run_dir: Path, config: JobConfig, *, resume: bool, task: Mapping[str, object] | None = None
+    run_dir: Path,
+    config: JobConfig,
+    *,
+    resume: bool,
+    task: Mapping[str, object] | None = None,
+    environment: Mapping[str, object] | None = None,
 ) -> Path:
     """A fresh run needs a directory without checkpoints; a resumed one the same settings and,
     for a dataset task, the same data files (`task` is `ResolvedTask.record()`, kept in
-    job.json under RESOLVED_KEY)."""
+    job.json under RESOLVED_KEY; `environment`, `ResolvedEnvironment.record()`, under
+    RESOLVED_ENVIRONMENT_KEY)."""
     record: dict[str, object] = dict(config_record(config))
     if resume:
         saved = json.loads((run_dir / JOB_FILE).read_text())
@@ -102,6 +112,8 @@ def prepare_run_dir(
         return run_dir
     if task is not None:
         record[RESOLVED_KEY] = dict(task)
+    if environment is not None:
+        record[RESOLVED_ENVIRONMENT_KEY] = dict(environment)
     # Any step directory, complete or damaged: a damaged one is a run's too, not a fresh start.
     checkpoints = step_directories(run_dir / "checkpoints")
     if checkpoints:

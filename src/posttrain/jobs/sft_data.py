@@ -38,11 +38,14 @@ def conversation_to_trajectory(
     messages: Sequence[Mapping[str, str]],
     tokenizer: PreTrainedTokenizerBase,
     closing: TurnClosing | None = None,
+    *,
+    tools: Sequence[Mapping[str, object]] | None = None,
 ) -> Trajectory:
     """One trajectory with every assistant turn trainable (reward 0: SFT ignores it).
 
     `closing` is `assistant_closing(tokenizer)`, found here unless given: give it when
-    converting many conversations.
+    converting many conversations. `tools` go to the chat template as in the rollouts (an
+    environment's demonstrations are rendered as its episodes are).
     """
     check_messages(messages)
     # The template's tokens after the end-of-turn token are context, not something to learn.
@@ -52,8 +55,8 @@ def conversation_to_trajectory(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        context = render_chat(tokenizer, messages[:i], True)
-        turn = render_chat(tokenizer, messages[: i + 1], False)
+        context = render_chat(tokenizer, messages[:i], True, tools=tools)
+        turn = render_chat(tokenizer, messages[: i + 1], False, tools=tools)
         if context[: len(done)] != done or turn[: len(context)] != context:
             raise ValueError(
                 "the chat template does not render this conversation's prefixes as token "

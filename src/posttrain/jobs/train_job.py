@@ -1,22 +1,24 @@
-"""The `posttrain train` job: build or load a model, SFT warm-up, then RL on a task.
+"""The `posttrain train` job: build or load a model, SFT warm-up, then RL on a task or an
+environment.
 
 Phases: optional SFT warm-up (one `train_sft` call), greedy held-out evaluation, RL steps
-(`prompts_per_step` x `group_size` samples in one batched call, rewards, `backend.train`,
-`model.log`), evaluation again. Everything lives in the run directory
-`<output_dir>/<project>/models/<name>/`: checkpoints, `history.jsonl`, `metrics.jsonl`,
-`curve.png`, `job.json`.
+(`prompts_per_step` x `group_size` samples in one batched call, or as many multi-turn
+episodes of an environment, rewards, `backend.train`, `model.log`), evaluation again.
+Everything lives in the run directory `<output_dir>/<project>/models/<name>/`: checkpoints,
+`history.jsonl`, `metrics.jsonl`, `curve.png`, `job.json`. What differs between a task and an
+environment is in `jobs.work`.
 
-Resume is exact: the prompts and the sampling seed of RL step k derive from (seed, k) alone,
-so the only data cursor is the number of steps done (`JobState`, in `model.run_state`), saved
-with every checkpoint together with weights, optimizer and RNG. Each step is trained, logged,
-then checkpointed; resuming drops the log rows of steps after the checkpoint and redoes them.
+Resume is exact: the prompts (or environment seeds) and the sampling seed of RL step k derive
+from (seed, k) alone, so the only data cursor is the number of steps done (`JobState`, in
+`model.run_state`), saved with every checkpoint together with weights, optimizer and RNG. Each
+step is trained, logged, then checkpointed; resuming drops the log rows of steps after the
+checkpoint and redoes them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,23 +29,22 @@ from posttrain.backends.options import RLOptions, SFTOptions
 from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
 from posttrain.backends.registry import BackendInfo
 from posttrain.backends.sampling import SamplingClient
-from posttrain.evaluation import evaluate
+from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.backend import (
     JobPreflightError,
     call_options,
     create_backend,
     job_problems,
-    task_problems,
+    work_problems,
 )
 from posttrain.jobs.config import JobConfig, load_config
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
-from posttrain.jobs.rollouts import derive_seed, sample_groups, sft_examples
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
+from posttrain.jobs.work import JobWork, job_work
 from posttrain.model import TrainableModel
-from posttrain.tasks import Problem, Task
 from posttrain.trainer.progress import INTERVAL_S, duration, report_progress
-from posttrain.types import SamplingParams, Trajectory
+from posttrain.types import Trajectory
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,12 @@ class JobResult:
 @dataclass
 class _Run:
     config: JobConfig
-    task: Task
+    work: JobWork  # the task or environment
     model: TrainableModel
     backend: TrainableBackend
     info: BackendInfo  # the backend's capabilities and the options it declares
     sampler: SamplingClient
     metrics: MetricsLog
-    held_out: list[Problem]
     echo: Callable[[str], None]
     start: float
     rl_began: tuple[float, int] = (0.0, 0)  # (when, steps done then): this run's RL rate
@@ -113,17 +113,18 @@ async def run_job(
         raise ValueError("resume_step (--resume-step) continues a run: give its directory too")
     backend_path, project, name = locate_run(config, resume)
     found, problems = job_problems(config, resume=resume is not None, path=backend_path)
-    resolved, more = task_problems(config)
+    resolved, more = work_problems(config)
     problems += more
     if problems or found is None or resolved is None:
         raise JobPreflightError(problems)  # before any work: nothing is written for such a job
+    is_environment = isinstance(resolved, ResolvedEnvironment)
     run_dir = prepare_run_dir(
         backend_path / project / "models" / name,
         config,
         resume=resume is not None,
-        task=resolved.record(),
+        task=None if is_environment else resolved.record(),
+        environment=resolved.record() if is_environment else None,
     )
-    task = resolved.task
     base = resolve_base_model(config.model.base_model, run_dir)
     model = TrainableModel(
         name=name,
@@ -139,13 +140,12 @@ async def run_job(
         await model.register(backend, resume_step=resume_step)
         run = _Run(
             config=config,
-            task=task,
+            work=job_work(config, resolved),
             model=model,
             backend=backend,
             info=found.info,
             sampler=backend.sampling_client(model),
             metrics=MetricsLog(run_dir / "metrics.jsonl"),
-            held_out=task.held_out(config.eval.seed, config.eval.held_out),
             echo=echo,
             start=start,
         )
@@ -180,11 +180,11 @@ async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobRe
         if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
             await _evaluate(run, k + 1, f"after step {k + 1}")
     after = await _evaluate(run, config.rl.steps, "after RL")
-    title = f"{run.task.name}: {config.run.project}/{config.run.name}"
+    title = f"{run.work.name}: {config.run.project}/{config.run.name}"
     plot = plot_curves(run.metrics.rows(), run.model.directory / "curve.png", title)
-    n = len(run.held_out)
+    n, unit = run.work.held_out, run.work.unit
     run.echo(
-        f"held-out accuracy ({n} problems, greedy): before RL {before:.1%} -> after RL "
+        f"held-out accuracy ({n} {unit}, greedy): before RL {before:.1%} -> after RL "
         f"{after:.1%} ({(after - before) * 100:+.1f} points)"
     )
     run.echo(f"plot: {plot}")
@@ -199,13 +199,12 @@ async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobRe
 
 
 async def _warm_up(run: _Run, state: JobState) -> None:
-    """One `train_sft` call on task solutions and/or the configured dataset."""
+    """One `train_sft` call on task solutions (or environment demonstrations) and/or the
+    configured dataset."""
     config, tokenizer = run.config, run.sampler.tokenizer
     examples: list[Trajectory] = []
     if config.sft.examples:
-        rng = random.Random(derive_seed(config.run.seed, "sft"))
-        problems = run.task.make_prompts(rng, config.sft.examples)
-        examples += sft_examples(run.task, problems, tokenizer)  # type: ignore[arg-type]
+        examples += await run.work.sft_examples(tokenizer)  # type: ignore[arg-type]
     dataset = config.dataset_path()
     if dataset is not None:
         examples += load_sft_dataset(dataset, tokenizer, fields=sft_fields(config.data))  # type: ignore[arg-type]
@@ -248,25 +247,9 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
     """RL step k (0-based): sample, reward, train, log, checkpoint."""
     config = run.config.rl
     began = time.perf_counter()
-    problems = run.task.make_prompts(
-        random.Random(derive_seed(run.config.run.seed, "rl", k)), config.prompts_per_step
-    )
-    params = SamplingParams(
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        seed=derive_seed(run.config.run.seed, "sample", k),
-    )
-    step = await sample_groups(
-        run.sampler,
-        run.task,
-        problems,
-        config.group_size,
-        params,
-        max_bad_rollouts=config.max_bad_rollouts,
-    )
+    step = await run.work.sample(run.sampler, k)
     groups = step.groups
-    sampled = sum(len(t.segments[-1].tokens) for g in groups for t in g.trajectories)
+    sampled = sum(t.num_trainable_tokens for g in groups for t in g.trajectories)
     sample_s = time.perf_counter() - began
     warmup = min(1.0, (k + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
     learning_rate = config.trainer.learning_rate * warmup
@@ -299,17 +282,14 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
 
 async def _evaluate(run: _Run, rl_step: int, label: str) -> float:
     """Greedy held-out accuracy, logged as a `val` row and an `eval` metrics row."""
-    max_tokens = run.config.eval.max_tokens or run.config.rl.max_tokens
     began = time.perf_counter()
-    result = await evaluate(run.sampler, run.task, run.held_out, max_tokens=max_tokens)
+    result = await run.work.evaluate(run.sampler)
     seconds = time.perf_counter() - began
-    await run.model.log(
-        split="val", metrics={"accuracy": result.accuracy, "rl_step": float(rl_step)}
-    )
-    run.metrics.write("eval", rl_step, {"accuracy": result.accuracy, "elapsed_s": run.elapsed()})
-    n = len(run.held_out)
+    await run.model.log(split="val", metrics={**result.metrics, "rl_step": float(rl_step)})
+    run.metrics.write("eval", rl_step, {**result.metrics, "elapsed_s": run.elapsed()})
+    n, unit = run.work.held_out, run.work.unit
     run.echo(
-        f"held-out accuracy {label}: {result.accuracy:.1%} ({n} problems, greedy, "
-        f"{duration(seconds)}, {n / max(seconds, 1e-9):.1f} problems/s)"
+        f"held-out accuracy {label}: {result.accuracy:.1%} ({n} {unit}, greedy, "
+        f"{duration(seconds)}, {n / max(seconds, 1e-9):.1f} {unit}/s)"
     )
     return result.accuracy

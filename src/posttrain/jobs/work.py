@@ -1,0 +1,228 @@
+"""What a job trains on, behind one interface: a task (prompts; one rewarded completion each)
+or an environment (seeds; multi-turn episodes). The warm-up, the RL steps and the evaluations
+of `train_job` call these.
+
+Everything derives from seeds, so a resumed step replays exactly: RL step k's prompts or
+environment seeds from ([run] seed, k), its sampling seed likewise; the warm-up's from
+([run] seed, "sft"); the held-out problems or seeds from [eval] seed alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from posttrain.environments.protocol import Reset
+from posttrain.environments.resolve import ResolvedEnvironment
+from posttrain.environments.runner import EpisodeLimits, evaluate_environment, run_episodes
+from posttrain.evaluation import Sampler, evaluate
+from posttrain.jobs.config import JobConfig
+from posttrain.jobs.rollouts import (
+    SampledStep,
+    check_bad_rollouts,
+    derive_seed,
+    sample_groups,
+    sft_examples,
+)
+from posttrain.jobs.sft_data import conversation_to_trajectory
+from posttrain.rollout import TurnClosing, assistant_closing
+from posttrain.tasks import Problem, ResolvedTask, Task
+from posttrain.types import SamplingParams, Trajectory
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A held-out evaluation: its accuracy, and the values of its `eval` metrics row."""
+
+    accuracy: float
+    metrics: dict[str, float]
+
+
+class JobWork(Protocol):
+    """A task or an environment, as the job uses it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def held_out(self) -> int:
+        """Problems (or episodes) in each evaluation."""
+        ...
+
+    @property
+    def unit(self) -> str:
+        """What is evaluated, for messages: "problems" or "episodes"."""
+        ...
+
+    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]: ...
+
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+        """RL step k's rewarded groups."""
+        ...
+
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
+        """Greedy accuracy on the held-out problems (or seeds)."""
+        ...
+
+
+def rl_params(config: JobConfig, k: int) -> SamplingParams:
+    """RL step k's sampling settings, seeded by ([run] seed, k)."""
+    rl = config.rl
+    return SamplingParams(
+        max_tokens=rl.max_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        seed=derive_seed(config.run.seed, "sample", k),
+    )
+
+
+def eval_max_tokens(config: JobConfig) -> int:
+    return config.eval.max_tokens or config.rl.max_tokens
+
+
+@dataclass
+class TaskWork:
+    """A task: problems drawn per step, `group_size` completions each in one batched call."""
+
+    task: Task
+    config: JobConfig
+    problems: list[Problem]  # held out: [eval] held_out of them, chosen by [eval] seed
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    @property
+    def held_out(self) -> int:
+        return len(self.problems)
+
+    @property
+    def unit(self) -> str:
+        return "problems"
+
+    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
+        rng = random.Random(derive_seed(self.config.run.seed, "sft"))
+        problems = self.task.make_prompts(rng, self.config.sft.examples)
+        return sft_examples(self.task, problems, tokenizer)
+
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+        rl = self.config.rl
+        rng = random.Random(derive_seed(self.config.run.seed, "rl", k))
+        return await sample_groups(
+            sampler,
+            self.task,
+            self.task.make_prompts(rng, rl.prompts_per_step),
+            rl.group_size,
+            rl_params(self.config, k),
+            max_bad_rollouts=rl.max_bad_rollouts,
+        )
+
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
+        result = await evaluate(
+            sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
+        )
+        return Evaluated(result.accuracy, {"accuracy": result.accuracy})
+
+
+@dataclass
+class EnvironmentWork:
+    """An environment: `prompts_per_step` seeds per step, `group_size` episodes each."""
+
+    environment: ResolvedEnvironment
+    config: JobConfig
+
+    @property
+    def name(self) -> str:
+        return self.environment.spec
+
+    @property
+    def held_out(self) -> int:
+        return self.config.eval.held_out
+
+    @property
+    def unit(self) -> str:
+        return "episodes"
+
+    @property
+    def limits(self) -> EpisodeLimits:
+        return EpisodeLimits(self.config.rl.max_turns, self.config.rl.max_context)
+
+    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
+        """Demonstrations of `[sft] examples` training seeds, rendered as episodes are."""
+        seed, n = self.config.run.seed, self.config.sft.examples
+        closing = assistant_closing(tokenizer)
+        return [
+            await self._demonstration(derive_seed(seed, "sft", i), tokenizer, closing)
+            for i in range(n)
+        ]
+
+    async def _demonstration(
+        self, seed: int, tokenizer: PreTrainedTokenizerBase, closing: TurnClosing
+    ) -> Trajectory:
+        env = self.environment.make()
+        try:
+            reset = await _resolved(env.reset(seed, "train"))
+            if not isinstance(reset, Reset):
+                raise ValueError(f"reset() returned a {type(reset).__name__}, not a Reset")
+            messages = await _resolved(env.demonstration())  # type: ignore[attr-defined]
+            return conversation_to_trajectory(
+                [dict(m) for m in messages],  # type: ignore[union-attr]
+                tokenizer,
+                closing,
+                tools=reset.tools,
+            )
+        except Exception as exc:  # the environment's code may fail in any way: say whose and how
+            where = f"[sft] examples: environment {self.name!r}, seed {seed}, demonstration"
+            raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                await _resolved(close())
+
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+        rl = self.config.rl
+        seeds = [derive_seed(self.config.run.seed, "env", k, i) for i in range(rl.prompts_per_step)]
+        played = await run_episodes(
+            sampler,
+            self.environment.make,
+            seeds,
+            rl_params(self.config, k),
+            group_size=rl.group_size,
+            limits=self.limits,
+            max_exceptions=None,  # the job's bound, below, says how many may fail
+            name=self.name,
+        )
+        check_bad_rollouts(played.errors, played.episodes, rl.max_bad_rollouts)
+        return SampledStep(played.groups, len(played.errors), played.episodes)
+
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
+        seeds = [derive_seed(self.config.eval.seed, "held_out", i) for i in range(self.held_out)]
+        result = await evaluate_environment(
+            sampler,
+            self.environment.make,
+            seeds,
+            max_tokens=eval_max_tokens(self.config),
+            limits=self.limits,
+            name=self.name,
+        )
+        metrics = {"accuracy": result.accuracy, "mean_reward": result.mean_reward}
+        return Evaluated(result.accuracy, metrics)
+
+
+async def _resolved(value: object) -> object:
+    """What a plain or `async def` method returned."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def job_work(config: JobConfig, resolved: ResolvedTask | ResolvedEnvironment) -> JobWork:
+    """The job's task or environment, ready for its phases."""
+    if isinstance(resolved, ResolvedEnvironment):
+        return EnvironmentWork(resolved, config)
+    problems = resolved.task.held_out(config.eval.seed, config.eval.held_out)
+    return TaskWork(resolved.task, config, problems)
