@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -42,3 +43,60 @@ def test_no_tracked_file_names_this_machines_paths():
             if re.search(re.escape(p) + r"(?![\w.-])", text)  # the path, not a longer name
         ]
     assert not found, f"absolute paths of this machine in the repository: {found}"
+
+
+# shared/DESIGN.md's layers, bottom up: a module imports only from its own layer or below.
+# Rollouts (tasks, environments, evaluation, ...) sit beside the trainer, never inside it.
+LAYERS: list[set[str]] = [
+    {"types", "trajectories", "openai_rollouts", "tool_calls", "logging_sinks"},
+    {"algo"},
+    {"engine"},
+    {"clients"},
+    {"trainer", "rollout", "gather", "tasks", "evaluation", "environments"},
+    {"backends", "model"},
+    {"server"},
+    {"jobs"},
+    {"cli", "__main__", "__init__"},
+]
+LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def _unit(module: str) -> str:
+    """posttrain.engine.worker -> engine; posttrain.types -> types; posttrain -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m == "posttrain" or m.startswith("posttrain.")}
+
+
+def test_imports_point_down_the_layers():
+    package = ROOT / "src" / "posttrain"
+    upward, unplaced = [], set()
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package)
+        unit = (
+            rel.parts[0].removesuffix(".py")
+            if len(rel.parts) > 1 or rel.stem != "__init__"
+            else "__init__"
+        )
+        if unit not in LAYER_OF:
+            unplaced.add(unit)
+            continue
+        for module in _imports(path):
+            target = _unit(module)
+            if target not in LAYER_OF:
+                unplaced.add(target)
+            elif LAYER_OF[target] > LAYER_OF[unit] or (unit == "algo" and target != "algo"):
+                upward.append(f"{rel} imports {module}")
+    assert not unplaced, f"give these a layer in LAYERS (see shared/DESIGN.md): {sorted(unplaced)}"
+    assert not upward, "imports that point up the layers (algo imports only algo):\n" + "\n".join(
+        sorted(upward)
+    )
