@@ -82,11 +82,8 @@ def test_imports_point_down_the_layers():
     upward, unplaced = [], set()
     for path in package.rglob("*.py"):
         rel = path.relative_to(package)
-        unit = (
-            rel.parts[0].removesuffix(".py")
-            if len(rel.parts) > 1 or rel.stem != "__init__"
-            else "__init__"
-        )
+        first = rel.parts[0]
+        unit = first.removesuffix(".py") if first != "__init__.py" else "__init__"
         if unit not in LAYER_OF:
             unplaced.add(unit)
             continue
