@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import psutil
 import torch
 
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.ray import RayTrainingClient
+from posttrain.engine.executor import TensorKind
+from posttrain.engine.ray_actor import WorkerHost
 from posttrain.types import AdamParams, Datum, ModelInput
 
 Tensors = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 
 def make_datums(loss_fn: str, seed: int, count: int) -> list[Datum]:
@@ -56,19 +61,29 @@ def stepped_norm(client: LocalTrainingClient, adam: AdamParams) -> float:
 
 
 def local_grads(client: LocalTrainingClient) -> Tensors:
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
-    return {n: g.clone() for n, g in worker.grads().items() if g is not None}
+    """Worker 0's gradients (None ones left out)."""
+    grads = client.dispatch.executor.full_tensors("grads")[0]
+    return {n: g for n, g in grads.items() if g is not None}
 
 
 def local_weights(client: LocalTrainingClient) -> Tensors:
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
-    return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}
+    weights = client.dispatch.executor.full_tensors("weights")[0]
+    return {n: w for n, w in weights.items() if w is not None}
 
 
-def ray_tensors(client: RayTrainingClient, kind: str) -> list[Tensors]:
-    """Each rank's whole weights or gradients ("weights" / "grads"; None gradients left out)."""
-    per_rank = client.executor.full_tensors(kind)  # type: ignore[arg-type]
-    return [{n: t for n, t in rank.items() if t is not None} for rank in per_rank]  # type: ignore[misc]
+def ray_tensors(client: RayTrainingClient, kind: TensorKind) -> list[Tensors]:
+    """Each rank's whole weights or gradients (None gradients left out)."""
+    per_rank = client.executor.full_tensors(kind)
+    return [{n: t for n, t in rank.items() if t is not None} for rank in per_rank]
+
+
+def run_on_rank(client: RayTrainingClient, rank: int, fn: Callable[[WorkerHost], T]) -> T:
+    """`fn(host)` inside rank `rank`'s actor, to inspect it or inject a fault. Define `fn` inside
+    the test (a module-level function of a test module is not importable in the actor)."""
+    import ray
+
+    actor = client.executor._actors[rank]
+    return ray.get(actor.__ray_call__.remote(fn))  # type: ignore[attr-defined]
 
 
 def wait_until_gone(pids: list[int], within_s: float = 30.0) -> bool:

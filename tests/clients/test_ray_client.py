@@ -26,6 +26,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import NoReturn
 
 import pytest
 import torch
@@ -36,16 +37,17 @@ from ray_helpers import (
     make_datums,
     ray_tensors,
     rel_error,
+    run_on_rank,
     stepped_norm,
     summed,
     wait_until_gone,
 )
 
-from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.protocol import TrainingClient
 from posttrain.clients.ray import RayTrainingClient
+from posttrain.engine.ray_actor import WorkerHost
 from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
 from posttrain.engine.ray_session import ray_session
 from posttrain.types import AdamParams, Datum, ModelInput, SamplingParams
@@ -217,6 +219,40 @@ def test_bad_input_is_refused_on_every_rank_and_the_group_stays_usable(fresh):
     assert rel_error(update_r, update_l) < UPDATE_TOL
 
 
+def test_each_datum_is_checked_once_over_two_ranks(fresh):
+    _, remote = fresh
+    datums = make_datums("cross_entropy", seed=8, count=5)
+
+    def count_checks(host: WorkerHost) -> None:  # runs in each actor
+        from posttrain.engine import datum_checks
+
+        seen = host.__dict__.setdefault("checked", [])
+        real = datum_checks.check_call
+        host.__dict__["real_check_call"] = real
+
+        def check_call(datums, *args, **kwargs):  # type: ignore[no-untyped-def]
+            seen.extend(tuple(d.model_input.to_ints()) for d in datums)
+            return real(datums, *args, **kwargs)
+
+        datum_checks.check_call = check_call
+
+    def checked(host: WorkerHost) -> list[tuple[int, ...]]:
+        from posttrain.engine import datum_checks
+
+        datum_checks.check_call = host.__dict__.pop("real_check_call")
+        return host.__dict__.pop("checked")
+
+    for rank in (0, 1):
+        run_on_rank(remote, rank, count_checks)
+    remote.forward_backward(datums, "cross_entropy").result()
+    per_rank = [run_on_rank(remote, rank, checked) for rank in (0, 1)]
+    # Each rank checked its own shard, once: together every datum exactly once.
+    assert all(per_rank)
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(
+        tuple(d.model_input.to_ints()) for d in datums
+    )
+
+
 def test_each_call_is_one_round_trip_and_its_placement_one_more(fresh):
     _, remote = fresh
     datums = make_datums("cross_entropy", seed=7, count=3)
@@ -256,12 +292,19 @@ def make_group(
 def test_an_exception_mid_update_on_one_rank_retires_the_group(local_ray, tiny_model_dir, tmp_path):
     client = make_group(tiny_model_dir, tmp_path)
     datums = make_datums("cross_entropy", seed=3, count=2)
-    # Rank 1's loss config is not a LossConfig: it fails while rank 0 accumulates gradients.
-    # (optim_step, load_state, ... take the same path: see test_ray_executor's READ_ONLY test.)
-    good = (datums, "cross_entropy", LossConfig.from_mapping({}))
-    with pytest.raises(WorkerGroupError, match="rank 1 raised AttributeError during forward_b"):
-        client.executor.run("forward_backward", [good, (datums, "cross_entropy", None)])
-    with pytest.raises(WorkerGroupError, match=r"unusable.*rank 1 raised AttributeError"):
+
+    def fail_the_pass(host: WorkerHost) -> None:  # runs in rank 1's actor
+        def fails(*args: object, **kwargs: object) -> NoReturn:
+            raise RuntimeError("simulated fault in the pass")
+
+        host.worker.forward_backward = fails  # type: ignore[method-assign]
+
+    # Both ranks accept the input; rank 1's pass then fails while rank 0 accumulates gradients.
+    # (optim_step, load_state, ... take the same path: see test_ray_executor's read_only test.)
+    run_on_rank(client, 1, fail_the_pass)
+    with pytest.raises(WorkerGroupError, match="rank 1 raised RuntimeError during forward_b"):
+        client.forward_backward(datums, "cross_entropy").result(timeout=60)
+    with pytest.raises(WorkerGroupError, match=r"unusable.*rank 1 raised RuntimeError"):
         client.forward(datums, "cross_entropy").result(timeout=60)
     client.close()
 

@@ -26,6 +26,7 @@ from ray_helpers import (
     make_datums,
     ray_tensors,
     rel_error,
+    run_on_rank,
     stepped_norm,
     summed,
 )
@@ -33,6 +34,7 @@ from ray_helpers import (
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.ray import RayTrainingClient
+from posttrain.engine.ray_actor import WorkerHost
 from posttrain.engine.ray_executor import RayConfig
 from posttrain.engine.ray_session import ray_session
 from posttrain.types import AdamParams, ModelInput, SamplingParams
@@ -142,6 +144,13 @@ def test_checkpoints_hold_whole_weights_and_resume_exactly(fresh, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         remote.load_state(str(tmp_path / "missing"), with_optimizer=True).result()
     step_both(local, remote, 2, seed=32)
+
+    def holds_a_replica(host: WorkerHost) -> bool:
+        return host._sharded is not None and host._sharded.checkpoints._mirror is not None
+
+    # Rank 0 alone read every checkpoint (the others need not see its files): only it built
+    # the plain replica that reads them.
+    assert [run_on_rank(remote, rank, holds_a_replica) for rank in (0, 1)] == [True, False]
 
 
 def test_sampling_matches_one_process_on_the_same_weights(fresh):

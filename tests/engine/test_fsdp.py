@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from check_counting import count_checks, rows
 from torch.distributed.tensor import DTensor
 
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import WorkerSpec
+from posttrain.engine.executor import LoadRequest, PassShard, SaveRequest
 from posttrain.engine.fsdp import ShardedWorker
 from posttrain.engine.ray_actor import WorkerHost, store_directory
 from posttrain.engine.worker import WorkerConfig
@@ -56,12 +57,15 @@ def sharded(host: WorkerHost) -> ShardedWorker:
     return host._sharded
 
 
-def test_micro_batches_are_planned_longest_first(host, tiny_model_dir):
+def test_micro_batches_are_planned_longest_first(host, tiny_model_dir, monkeypatch):
     datums = [datum(n, seed) for seed, n in enumerate((8, 2, 2, 8, 2, 2))]
     passes: list[int] = []
     sharded(host).decoder.register_forward_pre_hook(lambda *_: passes.append(1))
     config = LossConfig.from_mapping({})
-    result = host.call("forward_backward", (datums, "cross_entropy", config), True)
+    counts = count_checks(monkeypatch)
+    result = host.forward_backward(PassShard(datums, "cross_entropy", config))
+    # Checked whole, once, before the first micro-batch; the micro-batches are not checked.
+    assert counts.call == rows(datums) and counts.values == rows(datums)
     # Budget 16 padded tokens (rows x longest). In call order: [8, 2] (16), [2, 8] (16),
     # [2, 2] (4): 3 passes. Longest first: [8, 8] (16), [2, 2, 2, 2] (8): 2 passes.
     assert len(passes) == 2
@@ -75,17 +79,18 @@ def test_micro_batches_are_planned_longest_first(host, tiny_model_dir):
 
 def test_the_checkpoint_replica_is_on_the_cpu_and_keeps_no_moments(host, tmp_path):
     config = LossConfig.from_mapping({})
-    host.call("forward_backward", ([datum(6, 0), datum(4, 1)], "cross_entropy", config), True)
+    host.forward_backward(PassShard([datum(6, 0), datum(4, 1)], "cross_entropy", config))
     host.optim_step(AdamParams())
     params = host.worker.trainable_parameters()
     moments = {n: whole(host.worker.optimizer.state[p]["exp_avg"]) for n, p in params.items()}
-    path = host.call("save_state", (tmp_path / "ckpt", True, {}))
-    mirror = sharded(host).mirror()
+    path = host.save_state(SaveRequest(tmp_path / "ckpt", True, {}))
+    mirror = sharded(host).checkpoints.mirror()
     assert mirror.config.device == "cpu"
     assert all(p.device.type == "cpu" for p in mirror.model.parameters())
     assert not mirror.optimizer.state  # whole moments written, then dropped
     host.worker.optimizer.state.clear()
-    host.call("load_state", (Path(str(path)), True))
+    assert path is not None
+    host.load_state(LoadRequest(path, True))
     assert not mirror.optimizer.state
     # The moments came back from the checkpoint, sharded like their parameters.
     for name, want in moments.items():

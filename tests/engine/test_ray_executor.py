@@ -1,6 +1,7 @@
 """RayExecutor pieces that need no running Ray: configuration, the missing-extra error,
-gradient buckets, which calls may fail without retiring a group, and the checks
-`create_training_client` makes before starting anything.
+gradient buckets, what each host method declares (which calls may fail without retiring a
+group, which need every rank), and the checks `create_training_client` makes before starting
+anything.
 
 A `WorkerHost` also runs here, in this process, as the only rank of a gloo group. The
 executor itself (actors, all-reduce, failures) is tested against one in-process worker in
@@ -10,16 +11,21 @@ in test_ray_lifecycle.py.
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from check_counting import count_checks, rows
 
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import WorkerSpec, create_training_client
-from posttrain.engine.ray_actor import Rejected, WorkerHost, _buckets
-from posttrain.engine.ray_executor import READ_ONLY, RayConfig
+from posttrain.engine.executor import Executor, LoadRequest, PassShard
+from posttrain.engine.rank_calls import Rejected, kind_of
+from posttrain.engine.ray_actor import WorkerHost, _buckets
+from posttrain.engine.ray_executor import RayConfig, RayExecutor
 from posttrain.engine.ray_session import import_ray
 from posttrain.engine.worker import WorkerConfig
 from posttrain.types import Datum, ModelInput
@@ -53,13 +59,52 @@ def test_every_call_is_bounded_by_default():
     assert RayConfig().call_timeout_s < float("inf")
 
 
+def declared(method: Callable[..., object]) -> bool:
+    try:
+        kind_of(method)
+    except TypeError:
+        return False
+    return True
+
+
+def test_every_host_method_declares_how_it_is_called():
+    # The executor reads what it needs from the method it calls: an undeclared one would fail
+    # at its first call, on a cluster.
+    methods = dict(inspect.getmembers(WorkerHost, inspect.isfunction))
+    public = [name for name in methods if not name.startswith("_")]
+    assert len(public) > 20
+    assert [name for name in public if not declared(methods[name])] == []
+    assert not declared(WorkerHost._agree)  # an internal step: the executor never calls it
+
+
 def test_only_calls_that_change_nothing_may_fail_without_retiring_the_group():
     # A worker's exception in any of these may have left some ranks changed and not others.
-    updates = {"forward_backward", "optim_step", "reduce_gradients", "load_state", "set_grads"}
-    updates |= {"zero_grad", "commit_gradients", "discard_gradients", "offload", "reload"}
-    updates |= {"set_logprob_chunk_size", "join_group", "move"}
-    assert not updates & READ_ONLY
-    assert {"forward", "sample", "compute_logprobs", "save_state", "check_datums"} <= READ_ONLY
+    updates = [WorkerHost.forward_backward, WorkerHost.optim_step, WorkerHost.reduce_gradients]
+    updates += [WorkerHost.load_state, WorkerHost.move, WorkerHost.set_logprob_chunk_size]
+    updates += [WorkerHost.create_store, WorkerHost.join_group]
+    assert not [m.__name__ for m in updates if kind_of(m).read_only]
+    reads = [WorkerHost.forward, WorkerHost.sample, WorkerHost.compute_logprobs]
+    reads += [WorkerHost.reference_logprobs, WorkerHost.save_state, WorkerHost.save_weights]
+    reads += [WorkerHost.build]  # a model that does not load keeps its error's type
+    assert all(kind_of(m).read_only for m in reads)
+
+
+def test_which_calls_need_every_rank():
+    # The ranks agree on a forward_backward's input, so every rank takes part, sharded or not.
+    assert kind_of(WorkerHost.forward_backward).everyone(sharded=False)
+    # Under FSDP2 what reads or writes weights gathers them: every rank, given work or not.
+    gathering = [WorkerHost.forward, WorkerHost.sample, WorkerHost.compute_logprobs]
+    gathering += [WorkerHost.reference_logprobs, WorkerHost.save_state, WorkerHost.save_weights]
+    gathering += [WorkerHost.load_state]
+    assert all(kind_of(m).everyone(sharded=True) for m in gathering)
+    assert not any(kind_of(m).everyone(sharded=False) for m in gathering)
+
+
+def test_the_ray_executor_offers_every_executor_method():
+    # Pyright checks the Executor protocol where a RayExecutor is given to Dispatch; this
+    # checks it where pyright does not run.
+    wanted = {n for n in dir(Executor) if not n.startswith("_")}
+    assert wanted and wanted <= set(dir(RayExecutor))
 
 
 def test_missing_ray_names_the_extra(monkeypatch):
@@ -85,7 +130,7 @@ def test_ray_options_need_the_ray_executor(tiny_model_dir):
         create_training_client(tiny_model_dir, executor="ray", device="cuda")
 
 
-def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path):
+def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path, monkeypatch):
     spec = WorkerSpec(str(tiny_model_dir), None, "cpu", "float32", WorkerConfig(), seed=0)
     host = WorkerHost(0, 1, spec.build, torch.get_num_threads(), loopback=True)
     host.build()
@@ -97,27 +142,31 @@ def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path):
         bad = Datum(
             ModelInput.from_ints([5, 6, 999]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
         )
-        # A checked forward_backward: refused before anything is computed, as a value, also
-        # when this rank is the whole group (its executor then keeps the group usable).
-        refused = host.call("forward_backward", ([bad], "cross_entropy", config), True)
+        # A forward_backward is checked first: refused before anything is computed, as a
+        # value, also when this rank is the whole group (its executor then keeps the group
+        # usable).
+        refused = host.forward_backward(PassShard([bad], "cross_entropy", config))
         assert isinstance(refused, Rejected) and isinstance(refused.error, ValueError)
         assert all(p.grad is None for p in host.worker.trainable_parameters().values())
         # A checkpoint that is not there is refused too, as a value: the group carries on.
-        missing = host.call("load_state", (tmp_path / "missing", True))
+        missing = host.load_state(LoadRequest(tmp_path / "missing", True))
         assert isinstance(missing, Rejected) and isinstance(missing.error, FileNotFoundError)
         datum = Datum(
             ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8], "weights": [1.0] * 3}
         )
-        host.call("forward_backward", ([datum], "cross_entropy", config), True)
+        counts = count_checks(monkeypatch)
+        host.forward_backward(PassShard([datum], "cross_entropy", config))
+        # Checked once, by the agreement; the pass is told so.
+        assert counts.call == rows([datum]) and counts.values == rows([datum])
         params = host.worker.trainable_parameters()
         computed = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         # One prepare's moves in one call, in Dispatch's order; repeating one changes nothing
         # (a retry after a failed move), and the gradients come back as they were.
         host.move(["optimizer", "grads"], [])
         host.move(["grads"], ["grads"])
-        assert host.worker.offloaded == {"optimizer"}
+        assert host.worker.parking.offloaded == {"optimizer"}
         host.move([], ["optimizer"])
-        assert host.worker.offloaded == set()
+        assert host.worker.parking.offloaded == set()
         assert computed and all(torch.equal(params[n].grad, g) for n, g in computed.items())  # type: ignore[arg-type]
         untouched = next(iter(params))
         params[untouched].grad = None

@@ -144,18 +144,16 @@ def test_a_failed_forward_backward_leaves_gradients_untouched(
 def test_offloaded_state_is_refused_until_reloaded(worker: Worker) -> None:
     worker.forward_backward(datums(0), "cross_entropy", CE)
     grads = {n: g.clone() for n, g in worker.grads().items() if g is not None}
-    worker.offload("optimizer")
-    worker.offload("grads")
+    worker.move(["optimizer", "grads"], [])
     assert all(p.grad is None for p in worker.trainable_parameters().values())
     with pytest.raises(RuntimeError, match="grads"):
         worker.forward_backward(datums(1), "cross_entropy", CE)
     with pytest.raises(RuntimeError, match="optimizer"):
         worker.optim_step(AdamParams())
-    worker.offload("weights")
+    worker.move(["weights"], [])
     with pytest.raises(RuntimeError, match="weights"):
         worker.forward(datums(1), "cross_entropy", CE)
-    for group in ("weights", "grads", "optimizer"):
-        worker.reload(group)  # type: ignore[arg-type]
+    worker.move([], ["weights", "grads", "optimizer"])
     assert all(torch.equal(g, worker.grads()[n]) for n, g in grads.items())  # type: ignore[arg-type]
     assert worker.optim_step(AdamParams())["skipped:sum"] == 0.0
 
@@ -194,12 +192,10 @@ def test_offload_and_reload_twice_change_nothing(worker: Worker, tiny_model_dir:
         each.forward_backward(datums(0), "cross_entropy", CE)
         each.optim_step(AdamParams(learning_rate=1e-2))
         each.forward_backward(datums(1), "cross_entropy", CE)
-    for group in ("optimizer", "grads", "weights", "optimizer", "grads", "weights"):
-        worker.offload(group)
-    assert worker.offloaded == {"weights", "grads", "optimizer"}
-    for group in ("weights", "grads", "optimizer", "weights", "grads", "optimizer"):
-        worker.reload(group)
-    assert not worker.offloaded
+    worker.move(["optimizer", "grads", "weights", "optimizer", "grads", "weights"], [])
+    assert worker.parking.offloaded == {"weights", "grads", "optimizer"}
+    worker.move([], ["weights", "grads", "optimizer", "weights", "grads", "optimizer"])
+    assert not worker.parking.offloaded
     same_step_as_a_twin(worker, twin)
 
 
@@ -281,10 +277,10 @@ def test_checked_skips_the_repeat_and_computes_the_same(
     twin_out = twin.forward_backward(data, "importance_sampling", CE)
     calls = count_calls(monkeypatch, "check_datums")
     worker.check_datums(data, "importance_sampling", CE)
-    out = worker.forward_backward(data, "importance_sampling", CE, True, True)  # positional
+    out = worker.forward_backward(data, "importance_sampling", CE, commit=True, checked=True)
     assert len(calls) == 1  # check_datums only
     assert out.loss_sum == twin_out.loss_sum
     assert all(torch.equal(a, b) for a, b in zip(out.logprobs, twin_out.logprobs, strict=True))
     same_step_as_a_twin(worker, twin)
-    forward = worker.forward(data, "importance_sampling", CE, checked=True)
+    forward = worker.forward(data, "importance_sampling", CE)
     assert forward.num_tokens == twin_out.num_tokens

@@ -18,7 +18,8 @@ import torch
 
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
-from posttrain.engine.dispatch import Dispatch, InProcessExecutor
+from posttrain.engine.dispatch import Dispatch
+from posttrain.engine.executor import InProcessExecutor
 from posttrain.engine.models import (
     LoraSettings,
     apply_lora,

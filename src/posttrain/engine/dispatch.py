@@ -1,132 +1,36 @@
 """Between the trainer and the workers: sharding, gathering, gradient reduction, placement.
 
-The trainer hands over a mini-batch; dispatch shards it across data-parallel workers (mesh) or
-sends one call to all (pass-through), and gathers the results in the caller's order. It also
-owns placement (`engine.placement`): before each operation it parks on the CPU what the new
-phase does not keep (sampling keeps only the weights; `offload()` parks everything) and reloads
-what the operation needs, so no trainer ever moves tensors between devices. Phase changes are
-recorded in `transitions` and every move in `moves`.
+The trainer hands over a mini-batch; dispatch shards it across data-parallel workers (`mesh`) or
+gives every worker the same input (`pass_through`), SkyRL's two dispatch kinds, and gathers the
+results in the caller's order. An `engine.executor.Executor` runs the calls: one typed method per
+primitive, each executor owning its all-or-nothing forward_backward.
 
-An executor runs calls on workers. `InProcessExecutor` holds workers in this process; a Ray
-executor (one actor per worker, gradients all-reduced by torch.distributed) plugs in behind
-the same protocol. A forward_backward is all or nothing on every executor: every shard is
-checked (`Worker.check_datums`) before any worker computes, so refused input changes nothing
-anywhere, whatever the number of workers; how a fault during the pass is undone is the
-executor's own business (`Executor.forward_backward`). A forward changes nothing, so each worker
-checks its own shard as it runs. Placement moves go to the executor as one batch per `prepare`
-(`Executor.move`: `Worker.offload` / `Worker.reload`).
+Dispatch also owns placement (`engine.placement`): before each operation it parks on the CPU
+what the new phase does not keep (sampling keeps only the weights; `offload()` parks everything)
+and reloads what the operation needs, so no trainer ever moves tensors between devices. Phase
+changes are recorded in `transitions` and every move in `moves`; the moves of one `prepare` go
+to the executor as one batch (`Executor.move`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Protocol, cast
+from typing import Literal, TypeVar, cast
 
 import torch
 
 from posttrain.algo.losses import LossConfig
 from posttrain.engine.batching import check_same_keys, shard_for_ranks
+from posttrain.engine.checkpoint import JSONValue
+from posttrain.engine.executor import Executor, LoadRequest, PassShard, PromptShard, SaveRequest
 from posttrain.engine.placement import GROUPS, KEEPS, NEEDS, Operation, Placement, StateGroup
-from posttrain.engine.worker import PassResult, Worker
+from posttrain.engine.worker import PassResult
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
+A = TypeVar("A")
+R = TypeVar("R")
 Move = tuple[Literal["offload", "reload"], StateGroup]
-
-
-class Executor(Protocol):
-    """Runs a named worker method on every rank, with per-rank arguments."""
-
-    @property
-    def num_workers(self) -> int: ...
-
-    def run(self, method: str, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
-        """Call `method` on each rank with its arguments; a rank given None is skipped."""
-        ...
-
-    def forward_backward(self, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
-        """`Worker.forward_backward` all or nothing: every rank's arguments (datums, loss_fn,
-        config) pass `Worker.check_datums` before any rank computes, else the first refusal is
-        raised and nothing changed; a fault after that leaves no rank's gradients changed (or
-        the executor can no longer be used)."""
-        ...
-
-    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
-        """On every worker, park `offload` on the CPU, then bring `reload` back, in order."""
-        ...
-
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """Make every rank's gradient the sum over ranks (an all-reduce with SUM), then step
-        every rank; returns rank 0's metrics (every rank's are equal)."""
-        ...
-
-
-class InProcessExecutor:
-    """Workers in this process, called one after another."""
-
-    def __init__(self, workers: Sequence[Worker]) -> None:
-        if not workers:
-            raise ValueError("InProcessExecutor needs at least one worker")
-        self.workers = list(workers)
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.workers)
-
-    def run(self, method: str, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
-        return [
-            None if args is None else getattr(worker, method)(*args)
-            for worker, args in zip(self.workers, per_rank_args, strict=True)
-        ]
-
-    def forward_backward(self, per_rank_args: Sequence[tuple[object, ...] | None]) -> list[object]:
-        """Every shard checked first; then each worker runs uncommitted and all commit once all
-        succeeded, else all discard (a failing worker discards its own), so a fault on one
-        worker leaves every worker's gradients as they were."""
-        for worker, args in zip(self.workers, per_rank_args, strict=True):
-            if args is not None:
-                worker.check_datums(*cast(tuple[Sequence[Datum], str, LossConfig], args))
-        results: list[object] = []
-        ran: list[Worker] = []
-        try:
-            for worker, args in zip(self.workers, per_rank_args, strict=True):
-                if args is None:
-                    results.append(None)
-                    continue
-                shard = cast(tuple[Sequence[Datum], str, LossConfig], args)
-                results.append(worker.forward_backward(*shard, commit=False, checked=True))
-                ran.append(worker)
-        except BaseException:
-            for worker in ran:
-                worker.discard_gradients()
-            raise
-        for worker in ran:
-            worker.commit_gradients()
-        return results
-
-    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
-        for worker in self.workers:
-            for group in offload:
-                worker.offload(group)
-            for group in reload:
-                worker.reload(group)
-
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        self.reduce_gradients()
-        metrics = [worker.optim_step(adam) for worker in self.workers]
-        return metrics[0]
-
-    def reduce_gradients(self) -> None:
-        """Every worker's gradients become their sum over the workers."""
-        if len(self.workers) == 1:
-            return
-        per_rank = [w.grads() for w in self.workers]
-        summed: dict[str, torch.Tensor | None] = {}
-        for name in per_rank[0]:
-            grads = [g.cpu() for rank in per_rank if (g := rank[name]) is not None]
-            summed[name] = torch.stack(grads).sum(0) if grads else None
-        for worker in self.workers:
-            worker.set_grads(summed)
 
 
 def merge_results(results: Sequence[PassResult], shards: Sequence[Sequence[int]]) -> PassResult:
@@ -201,40 +105,64 @@ class Dispatch:
         self.resident |= set(reload)
         self.moves.extend([*(("offload", g) for g in offload), *(("reload", g) for g in reload)])
 
-    def pass_through(self, method: str, *args: object) -> list[object]:
-        return self.executor.run(method, [args] * self.num_workers)
-
     def mesh(
-        self, method: str, datums: Sequence[Datum], loss_fn: str, config: LossConfig
-    ) -> PassResult:
-        """Shard datums by tokens across ranks, run `method` on each shard, gather in order.
+        self,
+        run: Callable[[list[A | None]], list[R | None]],
+        sizes: Sequence[int],
+        shard: Callable[[list[int]], A],
+    ) -> list[tuple[list[int], R]]:
+        """SkyRL's mesh dispatch: cut a mini-batch into contiguous per-rank shards of near-equal
+        total `sizes` (tokens, or 1 per prompt), make each rank's input from its indices
+        (`shard`), `run` them, and return each result with its indices, in rank order. A rank
+        with an empty share is given None and skipped: sum semantics make that exact."""
+        shards = shard_for_ranks(sizes, self.num_workers)
+        results = run([shard(indices) if indices else None for indices in shards])
+        gathered: list[tuple[list[int], R]] = []
+        for rank, (indices, result) in enumerate(zip(shards, results, strict=True)):
+            if indices:
+                if result is None:
+                    raise RuntimeError(f"rank {rank} was given {len(indices)} items, returned none")
+                gathered.append((indices, result))
+        return gathered
 
-        A forward_backward is all or nothing (`Executor.forward_backward`): every shard is
-        checked before any rank computes, and a failure leaves every rank's gradients as they
-        were.
-        """
+    def pass_through(self, run: Callable[[list[A]], R], value: A) -> R:
+        """SkyRL's pass-through dispatch: the same input for every rank."""
+        return run([value] * self.num_workers)
+
+    def on_rank0(self, run: Callable[[list[A | None]], list[R | None]], value: A) -> R:
+        """One rank's call whose answer every replica shares (the others are given None)."""
+        result = run([value] + [None] * (self.num_workers - 1))[0]
+        if result is None:
+            raise RuntimeError("rank 0 returned no result")
+        return result
+
+    def _loss_pass(
+        self,
+        run: Callable[[list[PassShard | None]], list[PassResult | None]],
+        datums: Sequence[Datum],
+        loss_fn: str,
+        config: LossConfig,
+    ) -> PassResult:
+        # Whole-call key check: each rank checks its own shard, not that shards agree.
         check_same_keys(datums)
-        shards = shard_for_ranks([d.length for d in datums], self.num_workers)
-        # A rank with an empty shard has nothing to compute; sum semantics make skipping exact.
-        args: list[tuple[object, ...] | None] = [
-            ([datums[i] for i in shard], loss_fn, config) if shard else None for shard in shards
-        ]
-        if method == "forward_backward":
-            results = self.executor.forward_backward(args)
-        else:
-            results = self.executor.run(method, args)
-        kept = [(r, s) for r, s in zip(results, shards, strict=True) if s]
-        return merge_results([r for r, _ in kept], [s for _, s in kept])  # type: ignore[misc]
+        gathered = self.mesh(
+            run,
+            [d.length for d in datums],
+            lambda rows: PassShard([datums[i] for i in rows], loss_fn, config),
+        )
+        return merge_results([r for _, r in gathered], [rows for rows, _ in gathered])
 
     def forward(self, datums: Sequence[Datum], loss_fn: str, config: LossConfig) -> PassResult:
         self.prepare("forward", "train")
-        return self.mesh("forward", datums, loss_fn, config)
+        return self._loss_pass(self.executor.forward, datums, loss_fn, config)
 
     def forward_backward(
         self, datums: Sequence[Datum], loss_fn: str, config: LossConfig
     ) -> PassResult:
+        """All or nothing (`Executor.forward_backward`): every shard is checked before any rank
+        computes, and a failure leaves every rank's gradients as they were."""
         self.prepare("forward_backward", "train")
-        return self.mesh("forward_backward", datums, loss_fn, config)
+        return self._loss_pass(self.executor.forward_backward, datums, loss_fn, config)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         self.prepare("optim_step", "train")
@@ -245,56 +173,52 @@ class Dispatch:
     ) -> list[SampleResponse]:
         """Each rank samples its share of the prompts on its current weights."""
         self.prepare("sample", "sample")
-        shards = shard_for_ranks([1] * len(prompts), self.num_workers)
-        # Seeds are offset by the prompt's global index so sharding never changes the tokens.
-        args = [
-            ([prompts[i] for i in shard], num_samples, params, shard[0]) if shard else None
-            for shard in shards
-        ]
-        out: list[SampleResponse] = []
-        for result in self.executor.run("sample", args):
-            if result is not None:
-                out.extend(result)  # type: ignore[arg-type]
-        return out
+        gathered = self.mesh(
+            self.executor.sample,
+            [1] * len(prompts),
+            lambda rows: PromptShard([prompts[i] for i in rows], num_samples, params, rows[0]),
+        )
+        return [response for _, responses in gathered for response in responses]
 
     def compute_logprobs(self, prompt: Sequence[int]) -> list[float | None]:
         self.prepare("sample", "sample")
-        return self.executor.run("compute_logprobs", [(prompt,)] + [None] * (self.num_workers - 1))[
-            0
-        ]  # type: ignore[return-value]
+        return self.on_rank0(self.executor.compute_logprobs, prompt)
 
     def reference_logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         self.prepare("reference")
-        shards = shard_for_ranks([d.length for d in datums], self.num_workers)
-        args = [([datums[i] for i in shard],) if shard else None for shard in shards]
+        gathered = self.mesh(
+            self.executor.reference_logprobs,
+            [d.length for d in datums],
+            lambda rows: [datums[i] for i in rows],
+        )
         out: list[list[float]] = [[] for _ in datums]
-        for result, shard in zip(
-            self.executor.run("reference_logprobs", args), shards, strict=True
-        ):
-            for index, lp in zip(shard, result or [], strict=True):  # type: ignore[arg-type]
+        for rows, logprobs in gathered:
+            for index, lp in zip(rows, logprobs, strict=True):
                 out[index] = lp.tolist()
         return out
 
     def save_state(
         self, path: Path, with_optimizer: bool, trainer_state: Mapping[str, object]
     ) -> Path:
-        # Replicas hold identical weights and optimizer state: rank 0 writes for all.
+        # Replicas hold identical weights and optimizer state: rank 0 writes for all. The
+        # trainer state is checked to be JSON when it is written.
         self.prepare("save")
-        args: list[tuple[object, ...] | None] = [None] * self.num_workers
-        args[0] = (path, with_optimizer, trainer_state)
-        return self.executor.run("save_state", args)[0]  # type: ignore[return-value]
+        state = cast(Mapping[str, JSONValue], trainer_state)
+        return self.on_rank0(self.executor.save_state, SaveRequest(path, with_optimizer, state))
 
     def save_weights(self, path: Path) -> Path:
         self.prepare("save")
-        args: list[tuple[object, ...] | None] = [None] * self.num_workers
-        args[0] = (path,)
-        return self.executor.run("save_weights", args)[0]  # type: ignore[return-value]
+        return self.on_rank0(self.executor.save_weights, path)
 
     def load_state(self, path: Path, *, with_optimizer: bool) -> Path:
         self.prepare("load")
-        self.pass_through("load_state", path, with_optimizer)
+        self.pass_through(self.executor.load_state, LoadRequest(path, with_optimizer))
         return path
+
+    def set_logprob_chunk_size(self, chunk_size: int) -> None:
+        """Tokens per chunk of every worker's logprob computation, from the next call on."""
+        self.pass_through(self.executor.set_logprob_chunk_size, chunk_size)
 
     @property
     def tokenizer(self) -> object:
-        return self.executor.run("get_tokenizer", [()] + [None] * (self.num_workers - 1))[0]
+        return self.executor.get_tokenizer()

@@ -2,15 +2,16 @@
 
 A worker's state comes in three groups: the weights (with buffers, and the frozen reference copy
 of full fine-tuning), the accumulated gradients, and the AdamW moments. `Dispatch` decides what
-each operation needs on the device and what a phase may park (`KEEPS`, `NEEDS`); the functions
-here do the moving. On CPU every move is a no-op that still runs (and is recorded by Dispatch),
-so the code path a GPU takes is the one the tests exercise.
+each operation needs on the device and what a phase may park (`KEEPS`, `NEEDS`); a worker's
+`Parking` makes the moves and knows what is parked; the functions below move the tensors. On
+CPU every move is a no-op that still runs (and is recorded by Dispatch), so the code path a GPU
+takes is the one the tests exercise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -96,3 +97,85 @@ def free_device_cache(device: torch.device) -> None:
     """Return freed blocks to the driver, so another process (a sampler engine) can use them."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+class StateHolder(Protocol):
+    """What a worker lends its `Parking`: its tensors, wherever they are now."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    def weight_modules(self) -> list[nn.Module]: ...
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]: ...
+
+
+class Parking:
+    """Which of one worker's state groups are parked on the CPU, and the moves there and back.
+
+    The worker keeps its tensors; this decides what a move does. Parking a parked group, or
+    reloading one on the device, does nothing: a move retried after it failed on another worker
+    repeats safely (a second detach of the gradients would find none on the parameters and park
+    None over the ones already parked). Gradients come back only onto weights on the device, and
+    an operation on parked state is refused (`require`).
+    """
+
+    def __init__(self, holder: StateHolder) -> None:
+        self._holder = holder
+        self.offloaded: set[StateGroup] = set()
+        self._grads: dict[str, torch.Tensor | None] = {}  # the parked gradients, by name
+
+    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
+        """Park `offload`, then bring `reload` back, in the order given."""
+        for group in offload:
+            self.offload(group)
+        for group in reload:
+            self.reload(group)
+
+    def offload(self, group: StateGroup) -> None:
+        """Park `group` on the CPU (a no-op move on a CPU worker, still tracked)."""
+        if group in self.offloaded:
+            return
+        holder, cpu = self._holder, torch.device("cpu")
+        if group == "weights":
+            for module in holder.weight_modules():
+                move_module(module, cpu)
+        elif group == "grads":
+            grads = detach_grads(holder.trainable_parameters())
+            self._grads = {n: None if g is None else g.to(cpu) for n, g in grads.items()}
+        else:
+            move_optimizer_state(holder.optimizer, cpu)
+        self.offloaded.add(group)
+        free_device_cache(holder.device)
+
+    def reload(self, group: StateGroup) -> None:
+        """Bring a parked `group` back to the holder's device."""
+        if group not in self.offloaded:
+            return
+        holder = self._holder
+        if group == "weights":
+            for module in holder.weight_modules():
+                move_module(module, holder.device)
+        elif group == "grads":
+            self.require("weights")  # gradients go where their parameters are
+            if self._grads:
+                attach_grads(holder.trainable_parameters(), self._grads)
+            self._grads = {}
+        else:
+            move_optimizer_state(holder.optimizer, holder.device)
+        self.offloaded.discard(group)
+
+    def require(self, *groups: StateGroup) -> None:
+        """Refuse to run on parked state: Dispatch reloads what an operation needs first."""
+        parked = [g for g in groups if g in self.offloaded]
+        if parked:
+            raise RuntimeError(
+                f"{parked} are offloaded to the CPU; reload them first (Dispatch does so)"
+            )
+
+    def drop_grads(self) -> None:
+        """The accumulated gradients were zeroed: parked ones too, so a reload attaches none."""
+        self._grads = dict.fromkeys(self._grads)

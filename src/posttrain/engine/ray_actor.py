@@ -1,7 +1,9 @@
 """WorkerHost: what runs inside each Ray actor, one `Worker` and its place in the group.
 
 Plain Python (no Ray import): `RayExecutor` wraps it with `ray.remote`, and it can be unit
-tested in one process with a world of size 1.
+tested in one process with a world of size 1. Each method the executor calls is typed and
+declares how it is called (`engine.rank_calls.rank_call`): whether a worker's own exception
+leaves the group usable, and whether every rank must take part.
 
 Failures are reported so the executor can tell them apart: a collective that failed or timed
 out raises `CollectiveError` (the group's collectives are out of step: it cannot continue); an
@@ -11,57 +13,48 @@ stays usable); anything else is the worker's own exception.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import socket
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from posttrain.engine.executor import (
+    LoadRequest,
+    PassShard,
+    PromptShard,
+    SaveRequest,
+    TensorKind,
+    weight_digest,
+    worker_tensors,
+)
 from posttrain.engine.placement import StateGroup
+from posttrain.engine.rank_calls import (
+    CollectiveError,
+    PeerRefused,
+    Rejected,
+    collective,
+    rank_call,
+)
 from posttrain.engine.ray_session import loopback_interface
-from posttrain.engine.worker import Worker
-from posttrain.types import AdamParams
+from posttrain.engine.worker import PassResult, Worker
+from posttrain.types import AdamParams, Datum, SampleResponse
 
 if TYPE_CHECKING:
     from posttrain.engine.fsdp import ShardedWorker
 
+A = TypeVar("A")
+R = TypeVar("R")
 Sharding = Literal["replicate", "fsdp2"]
 BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32 per all_reduce: few calls, bounded extra memory
-# Methods whose items (datums or prompts) each rank counts, to show how work was shared.
-_COUNTED = ("forward", "forward_backward", "sample", "reference_logprobs")
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out on this rank: a peer stalled or died."""
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """This rank refused the call before changing anything; `error` is None when a peer did."""
-
-    error: BaseException | None
-
-
-@contextlib.contextmanager
-def collective(what: str) -> Iterator[None]:
-    """Turn any failure inside into a `CollectiveError` naming `what`."""
-    try:
-        yield
-    except Exception as exc:
-        raise CollectiveError(
-            f"{what} failed ({type(exc).__name__}: {exc}); a collective that times out means "
-            "a peer rank stalled or died"
-        ) from exc
 
 
 class WorkerHost:
@@ -100,10 +93,12 @@ class WorkerHost:
             raise RuntimeError("WorkerHost.build() has not run")
         return self._worker
 
+    @rank_call(read_only=True)  # a loading error keeps its type, as in one process
     def build(self) -> None:
         """Load the model (a separate call so a loading error keeps its exception type)."""
         self._worker = self._factory()
 
+    @rank_call(read_only=False)
     def create_store(self) -> str:
         """Rank 0: where the ranks meet. A file when all ranks share this machine's loopback
         (no socket at all), else a TCP store on a free port of this node."""
@@ -114,6 +109,7 @@ class WorkerHost:
         )
         return f"tcp://{self.host}:{self._store.port}"
 
+    @rank_call(read_only=False)
     def join_group(self, rendezvous: str, backend: str, timeout_s: float) -> None:
         """Join the process group, take rank 0's trainable weights (replicas start equal),
         then shard the model if asked (the whole model was loaded first: see engine.fsdp's
@@ -138,44 +134,31 @@ class WorkerHost:
 
             self._sharded = ShardedWorker(self.worker, self._cpu_factory or self._factory)
 
-    def call(self, method: str, args: Sequence[object] | None, check: bool = False) -> object:
-        """Run `method` (args None: this rank only takes part in the collectives).
+    @rank_call(read_only=True, collective="sharded")
+    def forward(self, shard: PassShard | None) -> PassResult | None:
+        self._count("forward", None if shard is None else shard.datums)
+        return self._reading(shard, lambda s: self.worker.forward(s.datums, s.loss_fn, s.config))
 
-        With `check` (Dispatch's forward_backward: `args` are datums, loss_fn, config), every
-        rank first checks its own shard and the ranks agree with one all_reduce, so either all
-        compute or none does; the worker is then told its datums were checked.
-        """
-        if args is not None and method in _COUNTED:
-            self.served[method] += len(args[0])  # type: ignore[arg-type]
-        if check:
-            refused = self._agree(args)
-            if refused is not None:
-                return refused
-        if method == "load_state":  # refused before any weight changes: the group carries on
-            try:
-                return self._run(method, args, checked=False)
-            except CollectiveError:
-                raise
-            except Exception as exc:
-                from posttrain.engine.fsdp import PeerRefused
-
-                return Rejected(None if isinstance(exc, PeerRefused) else exc)
-        return self._run(method, args, checked=check)
-
-    def _run(self, method: str, args: Sequence[object] | None, *, checked: bool) -> object:
+    @rank_call(read_only=False, collective="always")
+    def forward_backward(self, shard: PassShard | None) -> PassResult | Rejected | None:
+        """Every rank checks its own shard and the ranks agree with one all_reduce, so either
+        all compute or none does (a refusal comes back as `Rejected`); the pass then runs
+        without checking again."""
+        self._count("forward_backward", None if shard is None else shard.datums)
+        refused = self._agree(shard)
+        if refused is not None:
+            return refused
         if self._sharded is not None:
-            return self._sharded.call(method, args, checked=checked)
-        if args is None:
+            return self._sharded.forward_backward(shard)
+        if shard is None:
             return None
-        if checked:  # a forward_backward whose shard _agree checked
-            return getattr(self.worker, method)(*args, checked=True)
-        return getattr(self.worker, method)(*args)
+        return self.worker.forward_backward(shard.datums, shard.loss_fn, shard.config, checked=True)
 
-    def _agree(self, shard: Sequence[object] | None) -> Rejected | None:
+    def _agree(self, shard: PassShard | None) -> Rejected | None:
         error: BaseException | None = None
         if shard is not None:
             try:
-                getattr(self.worker, "check_datums")(*shard)  # noqa: B009 - arity is Dispatch's
+                self.worker.check_datums(shard.datums, shard.loss_fn, shard.config)
             except Exception as exc:
                 error = exc
         if self.world_size > 1:
@@ -186,28 +169,99 @@ class WorkerHost:
                 return Rejected(None)
         return None if error is None else Rejected(error)
 
+    @rank_call(read_only=True, collective="sharded")
+    def sample(self, shard: PromptShard | None) -> list[SampleResponse] | None:
+        self._count("sample", None if shard is None else shard.prompts)
+        return self._reading(
+            shard, lambda s: self.worker.sample(s.prompts, s.num_samples, s.params, s.first_index)
+        )
+
+    @rank_call(read_only=True, collective="sharded")
+    def compute_logprobs(self, prompt: Sequence[int] | None) -> list[float | None] | None:
+        return self._reading(prompt, self.worker.compute_logprobs)
+
+    @rank_call(read_only=True, collective="sharded")
+    def reference_logprobs(self, datums: Sequence[Datum] | None) -> list[torch.Tensor] | None:
+        self._count("reference_logprobs", datums)
+        return self._reading(datums, self.worker.reference_logprobs)
+
+    def _reading(self, work: A | None, run: Callable[[A], R]) -> R | None:
+        """`run(work)`, which only reads the weights. Under FSDP every rank first gathers them;
+        a rank with no work of its own (None) only helps."""
+        gathered = self._sharded.gathered() if self._sharded is not None else nullcontext()
+        with gathered:
+            return None if work is None else run(work)
+
+    def _count(self, method: str, items: Sequence[object] | None) -> None:
+        if items is not None:
+            self.served[method] += len(items)
+
+    @rank_call(read_only=True, collective="sharded")
+    def save_state(self, request: SaveRequest | None) -> Path | None:
+        """The rank given the request writes (rank 0: replicas are equal); under FSDP the
+        others send it their pieces."""
+        if self._sharded is not None:
+            return self._sharded.checkpoints.save_state(request)
+        if request is None:
+            return None
+        return self.worker.save_state(request.path, request.with_optimizer, request.trainer_state)
+
+    @rank_call(read_only=True, collective="sharded")
+    def save_weights(self, path: Path | None) -> Path | None:
+        if self._sharded is not None:
+            return self._sharded.checkpoints.save_weights(path)
+        return None if path is None else self.worker.save_weights(path)
+
+    @rank_call(read_only=False, collective="sharded")
+    def load_state(self, request: LoadRequest | None) -> Rejected | None:
+        """Every replica loads; under FSDP rank 0 alone reads and the others take its tensors
+        (the checkpoint need not be on a filesystem they see). A checkpoint refused before any
+        weight changes comes back as `Rejected`: the group carries on."""
+        try:
+            if self._sharded is not None:
+                self._sharded.checkpoints.load_state(request if self.rank == 0 else None)
+            elif request is not None:
+                self.worker.load_state(request.path, with_optimizer=request.with_optimizer)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            return Rejected(None if isinstance(exc, PeerRefused) else exc)
+        return None
+
+    @rank_call(read_only=False)
+    def set_logprob_chunk_size(self, size: int | None) -> None:
+        if size is not None:
+            self.worker.set_logprob_chunk_size(size)
+
+    @rank_call(read_only=True)
+    def get_tokenizer(self) -> object:
+        return self.worker.get_tokenizer()
+
+    @rank_call(read_only=False)
     def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
         """Dispatch's placement moves of one `prepare`, in one call."""
-        for group in offload:
-            self.worker.offload(group)
-        for group in reload:
-            self.worker.reload(group)
+        self.worker.move(offload, reload)
 
+    @rank_call(read_only=True)
     def ping(self) -> None:
         return None
 
+    @rank_call(read_only=True)
     def pid(self) -> int:
         return os.getpid()
 
+    @rank_call(read_only=True)
     def node_id(self) -> str:
         """The Ray node this actor runs on."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
 
+    @rank_call(read_only=True)
     def served_counts(self) -> dict[str, int]:
         return dict(self.served)
 
+    @rank_call(read_only=False)
     def reduce_gradients(self) -> None:
         """all_reduce(SUM) of every replicated gradient; a rank without one contributes zeros.
 
@@ -223,32 +277,27 @@ class WorkerHost:
         with collective("the gradient all-reduce"):
             _all_reduce_grads(params)
 
+    @rank_call(read_only=False)
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Sum the replicated gradients over the ranks, then step (one call for both)."""
         if self.world_size > 1:
             self.reduce_gradients()
-        return self._run("optim_step", (adam,), checked=False)  # type: ignore[return-value]
+        if self._sharded is not None:
+            return self._sharded.optim_step(adam)
+        return self.worker.optim_step(adam)
 
-    def full_tensors(self, kind: Literal["weights", "grads"]) -> dict[str, torch.Tensor | None]:
+    @rank_call(read_only=True)
+    def full_tensors(self, kind: TensorKind) -> dict[str, torch.Tensor | None]:
         """Trainable weights or gradients by name, whole on every rank (gathered if sharded)."""
         if self._sharded is not None:
             with collective(f"gathering {kind}"):
                 return self._sharded.full_tensors(kind)
-        params = self.worker.trainable_parameters()
-        if kind == "weights":
-            return {n: p.detach().cpu().clone() for n, p in params.items()}
-        return {n: None if p.grad is None else p.grad.cpu().clone() for n, p in params.items()}
+        return worker_tensors(self.worker, kind)
 
+    @rank_call(read_only=True)
     def weight_digest(self) -> str:
-        """SHA-256 of the whole trainable weights' bytes in name order (equal for equal weights,
-        sharded or not)."""
-        weights = self.full_tensors("weights")
-        digest = hashlib.sha256()
-        for name, tensor in weights.items():
-            assert tensor is not None
-            digest.update(name.encode())
-            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()
+        """SHA-256 of the whole trainable weights (equal for equal weights, sharded or not)."""
+        return weight_digest(self.full_tensors("weights"))
 
 
 def _all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:

@@ -13,6 +13,9 @@ sums are dropped and the earlier ones put back untouched. Setting aside moves no
 one add per gradient element when calls accumulate (nothing on a step's first call), and holds
 the earlier gradients beside the new ones while the call runs, as a snapshot would; a
 snapshot/restore would also copy every gradient on every call.
+
+Where the state lives (device or parked on the CPU) is its `Parking`'s business
+(`engine.placement`); the worker refuses to run on parked state.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from posttrain.engine.batching import pad_datums
 from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
-from posttrain.engine.placement import StateGroup
+from posttrain.engine.placement import Parking, StateGroup
 from posttrain.engine.sampler import Sampler
 from posttrain.engine.shared_prefix import MicroBatch, plan_micro_batches
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
@@ -95,20 +98,27 @@ class Worker:
         lm_config = getattr(causal_lm(model), "config")  # noqa: B009 - HF config, hidden from nn.Module's stubs
         self.vocab_size = int(lm_config.vocab_size)
         self.max_positions = int(getattr(lm_config, "max_position_embeddings", 1 << 30))
-        self.offloaded: set[StateGroup] = set()
-        self._parked_grads: dict[str, torch.Tensor | None] = {}
+        self.parking = Parking(self)
         # Gradients of earlier calls, set aside while an uncommitted forward_backward runs.
         self._earlier_grads: dict[str, torch.Tensor | None] | None = None
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.config.device)
+
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def weight_modules(self) -> list[nn.Module]:
+        """The model, and the frozen reference copy once built: what holds weights."""
+        return [m for m in (self.model, self._reference) if m is not None]
 
     def check_datums(self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig) -> None:
         """Reject bad input before any compute, so a failed call leaves the worker unchanged.
 
         The loss's value checks run one micro-batch at a time over the pass's own plan, so
-        they hold no more than the pass does. Pass `checked=True` to the call that follows to
-        skip repeating them.
+        they hold no more than the pass does. Pass `checked=True` to the call that follows, so
+        the datums are checked once.
         """
         self._check(datums, loss_fn, loss_config, self._micro_batches(datums))
 
@@ -128,28 +138,21 @@ class Worker:
             micro_batches=[micro.rows for micro in plan],
         )
 
-    def forward(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_config: LossConfig,
-        checked: bool = False,
-    ) -> PassResult:
+    def forward(self, datums: Sequence[Datum], loss_fn: str, loss_config: LossConfig) -> PassResult:
         """Logprobs and loss without gradients; changes no state.
 
         A loss value the loss rejects fails the pass itself with the same error, and a failed
         forward leaves nothing behind, so only the checks that need no compute run first (token
-        ids, lengths, keys, config); `checked=True` (after `check_datums`) skips those too.
+        ids, lengths, keys, config), once, here: no caller checks a forward ahead.
         """
         self._require("weights")
-        if not checked:
-            datum_checks.check_call(
-                datums,
-                loss_fn,
-                loss_config,
-                vocab_size=self.vocab_size,
-                max_positions=self.max_positions,
-            )
+        datum_checks.check_call(
+            datums,
+            loss_fn,
+            loss_config,
+            vocab_size=self.vocab_size,
+            max_positions=self.max_positions,
+        )
         with torch.no_grad():
             return self._run(
                 datums, loss_fn, loss_config, self._micro_batches(datums), backward=False
@@ -160,6 +163,7 @@ class Worker:
         datums: Sequence[Datum],
         loss_fn: str,
         loss_config: LossConfig,
+        *,
         commit: bool = True,
         checked: bool = False,
     ) -> PassResult:
@@ -169,8 +173,8 @@ class Worker:
         `commit=False` keeps this call's gradients apart until `commit_gradients` or
         `discard_gradients`: Dispatch uses it so a call that fails on one rank is undone on all.
         `checked=True` says the caller already ran `check_datums` on exactly these datums, loss
-        and config (Dispatch does, on every rank before any computes), so they are not checked
-        again. Both are positional too, for executors that pass arguments as a tuple.
+        and config (every executor does, on every rank before any computes), so they are not
+        checked again.
         """
         self._require("weights", "grads")
         plan = self._micro_batches(datums)
@@ -344,7 +348,7 @@ class Worker:
     def zero_grad(self) -> None:
         self._require_committed()
         self.optimizer.zero_grad(set_to_none=True)
-        self._parked_grads = dict.fromkeys(self._parked_grads)
+        self.parking.drop_grads()
 
     def save_state(
         self,
@@ -378,54 +382,15 @@ class Worker:
         self.zero_grad()
         return trainer_state
 
-    def offload(self, group: StateGroup) -> None:
-        """Park a state group on the CPU (a no-op move on a CPU worker, still tracked).
-
-        Parking a parked group does nothing: a second detach would find no gradients on the
-        parameters and park None over the ones already parked.
-        """
+    def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
+        """Park `offload` on the CPU, then bring `reload` back (`Parking.move`): Dispatch's
+        moves of one `prepare`."""
         self._require_committed()
-        if group in self.offloaded:
-            return
-        cpu = torch.device("cpu")
-        if group == "weights":
-            for module in (self.model, self._reference):
-                if module is not None:
-                    placement.move_module(module, cpu)
-        elif group == "grads":
-            grads = placement.detach_grads(self.trainable_parameters())
-            self._parked_grads = {n: None if g is None else g.to(cpu) for n, g in grads.items()}
-        else:
-            placement.move_optimizer_state(self.optimizer, cpu)
-        self.offloaded.add(group)
-        placement.free_device_cache(torch.device(self.config.device))
-
-    def reload(self, group: StateGroup) -> None:
-        """Bring a parked state group back to the worker's device (nothing if not parked)."""
-        if group not in self.offloaded:
-            return
-        device = torch.device(self.config.device)
-        if group == "weights":
-            for module in (self.model, self._reference):
-                if module is not None:
-                    placement.move_module(module, device)
-        elif group == "grads":
-            self._require("weights")  # gradients go where their parameters are
-            if self._parked_grads:
-                placement.attach_grads(self.trainable_parameters(), self._parked_grads)
-            self._parked_grads = {}
-        else:
-            placement.move_optimizer_state(self.optimizer, device)
-        self.offloaded.discard(group)
+        self.parking.move(offload, reload)
 
     def _require(self, *groups: StateGroup) -> None:
-        """Refuse to run on parked state: Dispatch reloads what an operation needs first."""
         self._require_committed()
-        parked = [g for g in groups if g in self.offloaded]
-        if parked:
-            raise RuntimeError(
-                f"{parked} are offloaded to the CPU; reload them first (Dispatch does so)"
-            )
+        self.parking.require(*groups)
 
     def _require_committed(self) -> None:
         if self._earlier_grads is not None:
