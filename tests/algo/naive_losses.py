@@ -114,10 +114,11 @@ def _policy_row(
         shaping = [config.kl_penalty_coef * (kl_mean - kl[t].detach()) * m[t] for t in range(n)]
         adv = [adv[t] + shaping[t] for t in range(n)]
     if name == "dro":
-        return [-(lp[t] * adv[t] - 0.5 * config.beta * (lp[t] - q[t]) ** 2) for t in range(n)]
+        return [-(lp[t] * adv[t] - 0.5 * config.dro_beta * (lp[t] - q[t]) ** 2) for t in range(n)]
     lo, hi = SPEC_THRESHOLDS[name]
-    lo = lo if config.clip_low_threshold is None else config.clip_low_threshold
-    hi = hi if config.clip_high_threshold is None else config.clip_high_threshold
+    eps_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+    lo = lo if config.epsilon is None else 1 - config.epsilon
+    hi = hi if eps_high is None else 1 + eps_high
     level = "sequence" if name == "gspo" else config.importance_sampling_level
     terms: list[Scalar] = []
     for t in range(n):

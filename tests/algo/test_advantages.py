@@ -242,11 +242,13 @@ def test_balance_rejects_out_of_range(balance):
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"estimator": "ppo"}, "estimator"),
-        ({"zero_variance": "skip"}, "zero_variance"),
-        ({"advantage_balance": 2.0}, "advantage_balance"),
-        ({"advantage_balance": float("nan")}, "advantage_balance"),
-        ({"eps": 0.0}, "eps"),
+        ({"advantage_estimator": "ppo"}, "option advantage_estimator='ppo' is invalid"),
+        ({"zero_variance_groups": "skip"}, "option zero_variance_groups='skip' is invalid"),
+        ({"advantage_balance": 2.0}, r"option advantage_balance=2.0 is invalid: expected in \[-1"),
+        ({"advantage_balance": float("nan")}, "option advantage_balance=nan is invalid"),
+        ({"loss_reduction": "mean"}, "option loss_reduction='mean' is invalid"),
+        ({"loss_reduction_constant": 0.0}, "option loss_reduction_constant=0.0 is invalid"),
+        ({"loss_reduction": "constant"}, "loss_reduction_constant is needed by"),
     ],
 )
 def test_advantage_config_validation(kwargs, name):
@@ -256,12 +258,12 @@ def test_advantage_config_validation(kwargs, name):
 
 def test_advantage_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        AdvantageConfig().eps = 1.0  # type: ignore[misc]
+        AdvantageConfig().advantage_balance = 1.0  # type: ignore[misc]
 
 
 def test_compute_group_advantages_drops_zero_variance():
     groups = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5], [3.0], [1.0, 0.0]]
-    result = compute_group_advantages(groups, AdvantageConfig(estimator="dr_grpo"))
+    result = compute_group_advantages(groups, AdvantageConfig(advantage_estimator="dr_grpo"))
     assert result.kept == [True, False, False, True]
     assert result.zero_variance == [False, True, True, False]
     assert (result.num_groups, result.num_zero_variance_groups, result.num_dropped_groups) == (
@@ -278,14 +280,14 @@ def test_compute_group_advantages_drops_zero_variance():
     ]
     assert all(a.dtype == torch.float64 for a in result.advantages)
 
-    kept_all = compute_group_advantages(groups, AdvantageConfig(zero_variance="keep"))
+    kept_all = compute_group_advantages(groups, AdvantageConfig(zero_variance_groups="keep"))
     assert kept_all.kept == [True] * 4
     assert (kept_all.num_zero_variance_groups, kept_all.num_dropped_groups) == (2, 0)
 
 
 def test_compute_group_advantages_applies_balance():
     # rloo [3, 1] -> [2, -2]; balance 0.5 halves the negative one -> [2, -1]
-    config = AdvantageConfig(estimator="rloo", advantage_balance=0.5)
+    config = AdvantageConfig(advantage_estimator="rloo", advantage_balance=0.5)
     assert compute_group_advantages([[3.0, 1.0]], config).advantages[0].tolist() == [2.0, -1.0]
 
 
@@ -313,9 +315,9 @@ group_lists = st.lists(
 )
 advantage_configs = st.builds(
     AdvantageConfig,
-    estimator=st.sampled_from(ESTIMATORS),
+    advantage_estimator=st.sampled_from(ESTIMATORS),
     scale_rewards=st.booleans(),
-    zero_variance=st.sampled_from(["drop", "keep"]),
+    zero_variance_groups=st.sampled_from(["drop", "keep"]),
     advantage_balance=st.one_of(st.just(0.0), st.floats(-1.0, 1.0)),
 )
 
@@ -339,10 +341,10 @@ def naive_group_result(
     advantages, kept, zero_variance = [], [], []
     for rewards in groups:
         flat = len(rewards) <= 1 or all(abs(r - rewards[0]) <= 1e-12 for r in rewards)
-        adv = naive_advantages(rewards, config.estimator, config.scale_rewards)
+        adv = naive_advantages(rewards, config.advantage_estimator, config.scale_rewards)
         advantages.append(naive_balance(adv, config.advantage_balance))
         zero_variance.append(flat)
-        kept.append(not flat or config.zero_variance == "keep")
+        kept.append(not flat or config.zero_variance_groups == "keep")
     return advantages, kept, zero_variance
 
 

@@ -38,7 +38,7 @@ def test_cross_entropy_gradient_is_minus_weight(seed: int):
 def test_cispo_gradient_is_minus_weight_clipped_ratio_advantage(seed: int):
     # cispo off-policy: the IS weight is detached, so d/dlp_t = −w·clip(r, lo, hi)·A exactly.
     rows = seeded_rows(seed)
-    config = LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1)  # binds for e^±0.6
+    config = LossConfig(epsilon=0.1, epsilon_high=0.1)  # binds for e^±0.6
     _, grad, _ = run("cispo", rows, W, config)
     width = grad.shape[1]
     w, adv = column(rows, "weights", width), column(rows, "advantages", width)
@@ -51,7 +51,7 @@ def test_cispo_gradient_is_minus_weight_clipped_ratio_advantage(seed: int):
 def test_dro_gradient(seed: int):
     # d/dlp −(lp·A − ½β(lp − q)²) = −(A − β(lp − q)), times w.
     rows = seeded_rows(seed)
-    _, grad, _ = run("dro", rows, W, LossConfig(beta=0.7))
+    _, grad, _ = run("dro", rows, W, LossConfig(dro_beta=0.7))
     width = grad.shape[1]
     w, adv = column(rows, "weights", width), column(rows, "advantages", width)
     delta = column(rows, "lp", width) - column(rows, "logprobs", width)
@@ -64,7 +64,7 @@ def test_off_policy_clipped_gradient(name: str, seed: int):
     # d/dlp_t −min(x_t·A, clip(x_t)·A) = −w·A·x_t where the unclipped term is the min, else 0;
     # x_t = r_t for ppo, x_t = s_b (the row's sequence ratio) for gspo.
     rows = seeded_rows(seed)
-    config = LossConfig(clip_low_threshold=0.9, clip_high_threshold=1.1)
+    config = LossConfig(epsilon=0.1, epsilon_high=0.1)
     _, grad, _ = run(name, rows, W, config)
     width = grad.shape[1]
     w, adv = column(rows, "weights", width), column(rows, "advantages", width)

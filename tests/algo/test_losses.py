@@ -92,7 +92,7 @@ def test_dro_hand_values():
     # β = 0.5, lp − q = ln 0.5 − ln 0.25 = ln 2, A = 1:
     # ℓ = −(lp·A − ½β(lp − q)²) = −(−ln 2 − 0.25·ln²2) = ln 2 + 0.25·ln²2 ≈ 0.81325
     row = {"lp": [math.log(0.5)], "logprobs": [math.log(0.25)], "advantages": [1.0]}
-    loss, grad, _ = run("dro", [row], ["logprobs", "advantages"], LossConfig(beta=0.5))
+    loss, grad, _ = run("dro", [row], ["logprobs", "advantages"], LossConfig(dro_beta=0.5))
     assert loss == pytest.approx(LN2 + 0.25 * LN2**2, rel=1e-12)
     assert grad.item() == pytest.approx(-(1.0 - 0.5 * LN2), rel=1e-12)  # −(A − β(lp − q))
 
@@ -189,7 +189,7 @@ def test_kl_advantage_shaping_hand_values():
 def test_missing_logprobs_allowed_means_ratio_one():
     # q unknown on token 0 -> q := sg(lp), r = 1: ℓ = −A = −3; token 1 has r = 2: ℓ = −2.
     row = {"lp": [math.log(0.5)] * 2, "logprobs": [NAN, math.log(0.25)], "advantages": [3.0, 1.0]}
-    config = LossConfig(allow_missing_logprobs=True)
+    config = LossConfig(allow_training_without_logprobs=True)
     loss, grad, _ = run("importance_sampling", [row], ["logprobs", "advantages"], config)
     assert loss == pytest.approx(-5.0, rel=1e-12)
     assert grad[0].tolist() == pytest.approx([-3.0, -2.0], rel=1e-12)
@@ -221,7 +221,7 @@ INVARIANCE_CASES = [
     ("importance_sampling", LossConfig(importance_sampling_level="geometric_average"), W),
     ("ppo", LossConfig(mask_prob_ratio=True, kimi_k2_tau=0.2), W),
     ("cispo", LossConfig(truncated_importance_sampling=1.1), [*W, "sampler_logprobs"]),
-    ("dro", LossConfig(beta=0.2), [*W, "mask"]),
+    ("dro", LossConfig(dro_beta=0.2), [*W, "mask"]),
     ("gspo", LossConfig(), [*W, "sequence_ratio_mask"]),
     ("ppo", LossConfig(kl_penalty_coef=0.5, kl_mode="advantage"), [*W, "ref_logprobs"]),
     ("ppo", LossConfig(kl_penalty_coef=0.5, kl_estimator="k1"), [*W, "ref_logprobs"]),
@@ -349,7 +349,10 @@ def test_registry_and_required_inputs():
     assert set(REQUIRED_INPUTS) == set(LOSSES)
     assert DEFAULT_THRESHOLDS == SPEC_THRESHOLDS
     assert resolved_thresholds("cispo", LossConfig()) == (0.0, 4.0)
-    assert resolved_thresholds("ppo", LossConfig(clip_high_threshold=1.3)) == (0.8, 1.3)
+    assert resolved_thresholds("ppo", LossConfig(epsilon_high=0.3)) == (0.8, 1.3)
+    # epsilon_high defaults to epsilon (ART): lo = 1 − 0.3, hi = 1 + 0.3.
+    assert resolved_thresholds("ppo", LossConfig(epsilon=0.3)) == (0.7, 1.3)
+    assert resolved_thresholds("gspo", LossConfig(epsilon=0.2, epsilon_high=0.28)) == (0.8, 1.28)
 
 
 def test_unknown_loss_lists_valid_names():
@@ -374,20 +377,25 @@ def test_missing_input_names_key_and_loss():
 
 
 def test_from_mapping_forms():
+    # Tinker's keys; a bound left out is the loss's default (ppo's 1.2), as on Tinker.
     config = LossConfig.from_mapping(
-        {"clip_low_threshold": 0.7, "beta": 1, "kl_mode": "advantage", "kimi_k2_tau": None}
+        {"clip_low_threshold": 0.7, "beta": 1, "kl_mode": "advantage", "kimi_k2_tau": None},
+        "ppo",
     )
-    assert (config.clip_low_threshold, config.beta, config.kl_mode, config.kimi_k2_tau) == (
-        0.7,
-        1.0,
-        "advantage",
-        None,
+    # Exact: 1 − (1 − x) == x for any bound x in [0.5, 2] (Sterbenz), so the thresholds that
+    # arrive are the thresholds used.
+    assert resolved_thresholds("ppo", config) == (0.7, 1.2)
+    assert (config.dro_beta, config.kl_mode, config.kimi_k2_tau) == (1.0, "advantage", None)
+    assert isinstance(config.dro_beta, float)
+    assert resolved_thresholds("cispo", LossConfig.from_mapping({"clip_high_threshold": 5.0})) == (
+        0.0,
+        5.0,
     )
-    assert isinstance(config.beta, float)
     eps = LossConfig.from_mapping({"epsilon": 0.2})
-    assert (eps.clip_low_threshold, eps.clip_high_threshold) == pytest.approx((0.8, 1.2))
+    assert resolved_thresholds("ppo", eps) == pytest.approx((0.8, 1.2))
     asym = LossConfig.from_mapping({"epsilon": 0.2, "epsilon_high": 0.28})
-    assert (asym.clip_low_threshold, asym.clip_high_threshold) == pytest.approx((0.8, 1.28))
+    assert resolved_thresholds("ppo", asym) == pytest.approx((0.8, 1.28))
+    assert LossConfig.from_mapping({"dro_beta": 0.3}) == LossConfig(dro_beta=0.3)
     assert LossConfig.from_mapping({}) == LossConfig()
 
 
@@ -399,15 +407,29 @@ def test_from_mapping_forms():
             "unknown loss config key 'clip_low_treshold'; did you mean 'clip_low_threshold'",
         ),
         ({"epsilonn": 0.2}, "did you mean 'epsilon'"),
-        ({"epsilon": -0.1}, "epsilon must be in \\[0, 1\\]"),
-        ({"epsilon": 1.5}, "epsilon must be in \\[0, 1\\]"),
-        ({"epsilon_high": -0.1}, "epsilon_high must be >= 0"),
+        ({"epsilon": -0.1}, "option epsilon=-0.1 is invalid: expected in \\[0, 1\\]"),
+        ({"epsilon": 1.5}, "option epsilon=1.5 is invalid: expected in \\[0, 1\\]"),
+        (
+            {"epsilon_high": -0.1},
+            "option epsilon_high=-0.1 is invalid: expected a finite number >= 0",
+        ),
         ({"epsilon": 0.2, "clip_low_threshold": 0.8}, "not both"),
-        ({"beta": "big"}, "beta must be a number"),
-        ({"mask_prob_ratio": 1}, "mask_prob_ratio must be true or false"),
-        ({"importance_sampling_level": "tokens"}, "importance_sampling_level must be one of"),
-        ({"kl_estimator": "k2"}, "kl_estimator must be one of"),
-        ({"kl_mode": "reward"}, "kl_mode must be one of"),
+        ({"beta": "big"}, "option dro_beta='big' is invalid: expected float .*Tinker's beta"),
+        ({"beta": 0.1, "dro_beta": 0.2}, "dro_beta twice"),
+        ({"clip_low_threshold": "low"}, "clip_low_threshold must be a number"),
+        (
+            {"clip_low_threshold": 1.5, "clip_high_threshold": 1.2},
+            "clip_low_threshold \\(1.5\\) must be <= clip_high_threshold \\(1.2\\)",
+        ),
+        (
+            {"clip_low_threshold": 1.1, "clip_high_threshold": 1.2},
+            "option epsilon=.* is invalid: expected in \\[0, 1\\].*Tinker's clip_low_threshold",
+        ),
+        ({"clip_low_threshold": 0.9}, "without clip_high_threshold"),
+        ({"mask_prob_ratio": 1}, "option mask_prob_ratio=1 is invalid: expected bool"),
+        ({"importance_sampling_level": "tokens"}, "importance_sampling_level='tokens' is invalid"),
+        ({"kl_estimator": "k2"}, "option kl_estimator='k2' is invalid: expected one of"),
+        ({"kl_mode": "reward"}, "option kl_mode='reward' is invalid: expected one of"),
     ],
 )
 def test_from_mapping_rejects(values: dict[str, float | str | bool | None], match: str):
@@ -418,21 +440,19 @@ def test_from_mapping_rejects(values: dict[str, float | str | bool | None], matc
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (
-            {"clip_low_threshold": 1.3, "clip_high_threshold": 1.2},
-            "clip_low_threshold .* must be <= clip_high_threshold",
-        ),
-        ({"clip_low_threshold": -0.1}, "clip_low_threshold must be a ratio bound >= 0"),
-        ({"clip_high_threshold": 0.0}, "clip_high_threshold must be a ratio bound > 0"),
-        ({"clip_high_threshold": float("inf")}, "clip_high_threshold"),
-        ({"beta": -1.0}, "beta must be >= 0"),
-        ({"kimi_k2_tau": -0.5}, "kimi_k2_tau must be >= 0"),
+        # lo = 1 − epsilon must be a ratio bound in [0, 1], hi = 1 + epsilon_high one >= 1.
+        ({"epsilon": 1.2}, "option epsilon=1.2 is invalid: expected in \\[0, 1\\]"),
+        ({"epsilon": -0.1}, "option epsilon=-0.1 is invalid: expected in \\[0, 1\\]"),
+        ({"epsilon_high": -0.1}, "option epsilon_high=-0.1 is invalid: expected a finite number"),
+        ({"epsilon_high": float("inf")}, "option epsilon_high=inf is invalid"),
+        ({"dro_beta": -1.0}, "option dro_beta=-1.0 is invalid: expected a finite number >= 0"),
+        ({"kimi_k2_tau": -0.5}, "option kimi_k2_tau=-0.5 is invalid: expected a finite number"),
         (
             {"truncated_importance_sampling": 0.0},
-            "truncated_importance_sampling must be a cap U > 0",
+            "option truncated_importance_sampling=0.0 is invalid: expected a finite cap > 0",
         ),
-        ({"kl_penalty_coef": float("nan")}, "kl_penalty_coef must be >= 0"),
-        ({"importance_sampling_level": "seq"}, "importance_sampling_level must be one of"),
+        ({"kl_penalty_coef": float("nan")}, "option kl_penalty_coef=nan is invalid"),
+        ({"importance_sampling_level": "seq"}, "importance_sampling_level='seq' is invalid"),
     ],
 )
 def test_config_post_init_rejects(kwargs: dict[str, object], match: str):
@@ -441,8 +461,9 @@ def test_config_post_init_rejects(kwargs: dict[str, object], match: str):
 
 
 def test_config_checked_against_the_loss():
-    with pytest.raises(ValueError, match=r"clip_low_threshold .* for loss 'ppo'"):
-        resolved_thresholds("ppo", LossConfig(clip_low_threshold=1.5))  # above ppo's default 1.2
+    # A floor above ppo's default ceiling 1.2 (lo = 1.5) cannot be written: epsilon >= 0.
+    with pytest.raises(ValueError, match=r"option epsilon=-0.5 is invalid"):
+        LossConfig(epsilon=-0.5)
     with pytest.raises(ValueError, match="'cross_entropy' does not use \\['kimi_k2_tau'\\]"):
         check_config("cross_entropy", LossConfig(kimi_k2_tau=0.1))
     with pytest.raises(ValueError, match="'dro' does not use"):
@@ -450,7 +471,7 @@ def test_config_checked_against_the_loss():
     with pytest.raises(ValueError, match="gspo is sequence-level"):
         check_config("gspo", LossConfig(importance_sampling_level="average"))
     with pytest.raises(ValueError, match="need mask_prob_ratio=True"):
-        check_config("importance_sampling", LossConfig(clip_high_threshold=1.5))
+        check_config("importance_sampling", LossConfig(epsilon_high=0.5))
     with pytest.raises(ValueError, match="no clip thresholds"):
         resolved_thresholds("dro", LossConfig())
 
@@ -464,7 +485,7 @@ def test_nan_logprobs_need_the_allow_flag():
     }
     with pytest.raises(
         ValueError,
-        match=r"loss_fn_inputs\['logprobs'\] is NaN/inf on 1 counted.*allow_missing_logprobs",
+        match=r"loss_fn_inputs\['logprobs'\] is NaN/inf on 1 counted.*allow_training_without_logprobs",
     ):
         run("ppo", [row], W)
     # On a token with weight 0 (not counted) a NaN placeholder is fine.
@@ -485,7 +506,7 @@ def test_nan_logprobs_need_the_allow_flag():
             "ppo",
             [row],
             [*W, "ref_logprobs"],
-            LossConfig(kl_penalty_coef=0.1, allow_missing_logprobs=True),
+            LossConfig(kl_penalty_coef=0.1, allow_training_without_logprobs=True),
         )
 
 

@@ -58,8 +58,8 @@ class LocalPlugin:
             "device_kinds": ["cpu"],
         }
 
-    @staticmethod
-    def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
+    @classmethod
+    def posttrain_option_schema(cls) -> dict[str, list[dict[str, object]]]:
         return {
             "train": [
                 _option("learning_rate", "float", 1e-5),
@@ -156,8 +156,8 @@ class RaisingBackend:
 class BadSchemaBackend:
     """An option without a description."""
 
-    @staticmethod
-    def posttrain_option_schema() -> dict[str, list[dict[str, object]]]:
+    @classmethod
+    def posttrain_option_schema(cls) -> dict[str, list[dict[str, object]]]:
         return {
             "train": [
                 {

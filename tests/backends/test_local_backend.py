@@ -13,7 +13,7 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.preflight import PreflightError
 from posttrain.engine.models import load_hf_model
 from posttrain.model import TrainableModel
-from posttrain.trainer.config import RLConfig
+from posttrain.trainer.config import RLConfig, from_options
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
@@ -183,12 +183,13 @@ async def test_a_failed_step_leaves_the_last_good_state(tiny_model_dir, tmp_path
 
 def test_ppo_switch_picks_the_loss_and_refuses_a_conflict():
     assert RLConfig().policy_loss == "ppo"
-    assert RLConfig(ppo=True).policy_loss == "ppo"
-    assert RLConfig(ppo=False).policy_loss == "cispo"  # ART: ppo=False is its CISPO default
-    assert RLConfig(loss="dro").policy_loss == "dro"
-    assert RLConfig(loss="cispo", ppo=False).policy_loss == "cispo"
+    assert from_options(RLConfig, dict(ppo=True)).policy_loss == "ppo"
+    # ART: ppo=False is its CISPO default.
+    assert from_options(RLConfig, dict(ppo=False)).policy_loss == "cispo"
+    assert from_options(RLConfig, dict(loss="dro")).policy_loss == "dro"
+    assert from_options(RLConfig, dict(loss="cispo", ppo=False)).policy_loss == "cispo"
     with pytest.raises(ValueError, match=r"loss='ppo' and ppo=False disagree"):
-        RLConfig(loss="ppo", ppo=False)
+        from_options(RLConfig, dict(loss="ppo", ppo=False))
 
 
 async def test_ppo_false_trains_exactly_as_cispo(tiny_model_dir, tmp_path):

@@ -18,7 +18,7 @@ from peft import PeftModel
 from posttrain.backends.local import LocalBackend
 from posttrain.engine.models import load_hf_model
 from posttrain.model import TrainableModel
-from posttrain.trainer.config import RLConfig
+from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.rl import train_rl_step
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import AdamParams, Datum, ModelInput, TokenSegment, Trajectory, TrajectoryGroup
@@ -84,8 +84,10 @@ async def test_precalculated_logprobs_give_ratio_one_and_the_tis_weighted_loss(
     backend, model = await registered(tiny_model_dir, tmp_path)
     groups = synthetic_groups(3)
     options = {"loss": "importance_sampling", "learning_rate": 1e-3}
-    plain = RLConfig(**options)  # type: ignore[arg-type]
-    precalc = RLConfig(**options, precalculate_logprobs=True, truncated_importance_sampling=2.0)  # type: ignore[arg-type]
+    plain = from_options(RLConfig, options)
+    precalc = from_options(
+        RLConfig, {**options, "precalculate_logprobs": True, "truncated_importance_sampling": 2.0}
+    )
     client = backend.client(model)
     # Without precalculation the ratio is against the (synthetic) sampler logprobs: far from 1.
     assert (await train_rl_step(client, groups, plain)).as_dict()["ratio"] != pytest.approx(1.0)

@@ -7,27 +7,111 @@ import math
 import re
 import subprocess
 import sys
-from dataclasses import fields
+import types
+from collections.abc import Iterator
+from dataclasses import MISSING, Field, fields, is_dataclass
 from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import pytest
 
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.options import (
+    HELP,
+    CoreRLFields,
     LocalRLOptions,
+    PosttrainLossFields,
     RLConfig,
+    RLOptions,
     SFTConfig,
     SFTOptions,
+    WeightsInProcessFields,
     option_names,
 )
+from posttrain.backends.ray import RayRLConfig, RayRLOptions
+from posttrain.backends.tinker import TinkerRLOptions
 from posttrain.model import TrainableModel
+from posttrain.trainer.config import from_options, option_fields, option_help
 
 CASES = Path(__file__).parents[1] / "pyright_cases" / "wrong_options.py"
+CONFIGS = (RLConfig, RayRLConfig, SFTConfig)
 
 
-def test_option_sets_and_configs_name_the_same_keys():
-    assert option_names(LocalRLOptions) == {f.name for f in fields(RLConfig)}
-    assert option_names(SFTOptions) == {f.name for f in fields(SFTConfig)}
+def leaf_fields(config_type: type) -> Iterator[tuple[str, Field[Any]]]:
+    """(flat key, field) of every non-group field, walking the dataclasses directly (not through
+    posttrain's own flat view, which this checks)."""
+    for f in fields(config_type):
+        default = f.default_factory() if f.default_factory is not MISSING else None
+        if is_dataclass(default):
+            yield from leaf_fields(type(default))
+        else:
+            yield f.metadata.get("key") or f.name, f
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_flat_keys_and_nested_fields_correspond_one_to_one(config: type):
+    leaves = list(leaf_fields(config))
+    keys = [key for key, _ in leaves]
+    assert len(keys) == len(set(keys)), keys  # no key names two fields
+    assert keys == list(option_fields(config))
+    # A key is its field's name, but for the loss's name: `loss` is the LossConfig group.
+    renamed = {key: f.name for key, f in leaves if key != f.name}
+    assert renamed == ({} if config is SFTConfig else {"loss": "loss_fn"})
+    assert all(f.metadata.get("help") for _, f in leaves)  # each option documents itself
+
+
+def test_the_full_option_sets_list_exactly_the_configs_keys():
+    assert option_names(LocalRLOptions) == set(option_fields(RLConfig))
+    assert option_names(RayRLOptions) == set(option_fields(RayRLConfig))
+    assert option_names(SFTOptions) == set(option_fields(SFTConfig))
+
+
+def atoms(annotation: object) -> set[object]:
+    """The values a type admits, flattened: each Literal value, else the type itself."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return set().union(*(atoms(a) for a in get_args(annotation)))
+    if get_origin(annotation) is Literal:
+        return {("literal", v) for v in get_args(annotation)}
+    return {annotation}
+
+
+# `loss` is the one option a set declares narrower than its field: without None (the field's
+# default, which means "ppo" or what `ppo` says) and, for Tinker, without dro and gspo.
+NARROWED = {"loss"}
+OPTION_SETS = [
+    (CoreRLFields, RLConfig),
+    (RLOptions, RLConfig),
+    (PosttrainLossFields, RLConfig),
+    (WeightsInProcessFields, RLConfig),
+    (LocalRLOptions, RLConfig),
+    (RayRLOptions, RayRLConfig),
+    (TinkerRLOptions, RLConfig),
+    (SFTOptions, SFTConfig),
+]
+
+
+@pytest.mark.parametrize(("options_type", "config"), OPTION_SETS)
+def test_each_option_set_declares_config_keys_with_the_fields_types(options_type, config):
+    # The TypedDicts stay written out for pyright; this keeps them from drifting.
+    found = option_fields(config)
+    declared = get_type_hints(options_type)
+    assert set(declared) <= set(found), sorted(set(declared) - set(found))
+    for key, annotation in declared.items():
+        field_atoms, set_atoms = atoms(found[key].annotation), atoms(annotation)
+        if key in NARROWED:
+            assert set_atoms and set_atoms <= field_atoms, (key, annotation)
+        else:
+            assert set_atoms == field_atoms, (key, annotation, found[key].annotation)
+        # The set's documentation is derived from the field's help.
+        assert f"{key}: {found[key].help}" in (options_type.__doc__ or "")
+
+
+def test_help_is_derived_from_the_fields():
+    rl, sft = option_help(RLConfig), option_help(SFTConfig)
+    assert {**rl, **sft} == HELP
+    shared = set(rl) & set(sft)
+    assert shared == {"learning_rate", "grad_clip", "weight_decay", "save_checkpoint"}
+    assert all(rl[key] == sft[key] for key in shared)  # one definition each
 
 
 @pytest.mark.slow
@@ -147,8 +231,6 @@ async def test_each_wrong_value_is_a_value_error_naming_the_option(tmp_path, cal
 
 def test_constant_reduction_names_the_option_it_needs():
     with pytest.raises(ValueError, match="loss_reduction_constant is needed by"):
-        RLConfig(loss_reduction="constant")
-    assert (
-        RLConfig(loss_reduction="constant", loss_reduction_constant=64.0).loss_reduction_constant
-        == 64.0
-    )
+        from_options(RLConfig, {"loss_reduction": "constant"})
+    options = {"loss_reduction": "constant", "loss_reduction_constant": 64.0}
+    assert from_options(RLConfig, options).advantages.loss_reduction_constant == 64.0

@@ -11,7 +11,7 @@ from posttrain.backends import preflight, registry
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
 from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
 from posttrain.backends.probe import probe_advantage_flow
-from posttrain.trainer.config import RLConfig, SFTConfig
+from posttrain.trainer.config import RLConfig, SFTConfig, from_options
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
@@ -42,14 +42,14 @@ def test_default_config_passes_everywhere():
 )
 def test_conflicting_options(options, option, message):
     with pytest.raises(PreflightError) as info:
-        preflight_rl("LocalBackend", LOCAL, RLConfig(**options))
+        preflight_rl("LocalBackend", LOCAL, from_options(RLConfig, options))
     assert [p.option for p in info.value.problems] == [option]
     assert message in str(info.value) and "LocalBackend" in str(info.value)
 
 
 def test_kl_needs_a_reference_model():
     with pytest.raises(PreflightError, match=r"kl_penalty_coef: Plugin cannot score tokens"):
-        preflight_rl("Plugin", CONSERVATIVE, RLConfig(kl_penalty_coef=0.1))
+        preflight_rl("Plugin", CONSERVATIVE, from_options(RLConfig, dict(kl_penalty_coef=0.1)))
 
 
 # Hand-derived probe results on synthetic sequence 0: prompt (1, 2, 3) + sampled (10, 11, 12)
@@ -62,7 +62,7 @@ A0 = 0.5 / ((0.5 / 3) ** 0.5 + 1e-6)
 
 def test_probe_finds_kimi_tau_per_token():
     # A_t - tau (lp_t - q_t) = A - 0.5 * 0.01 t: A - 0.015, A - 0.020, A - 0.025.
-    finding = probe_advantage_flow(RLConfig(kimi_k2_tau=0.5))
+    finding = probe_advantage_flow(from_options(RLConfig, dict(kimi_k2_tau=0.5)))
     assert finding is not None and (finding.sequence, finding.quantity, finding.tokens) == (
         0,
         "advantages",
@@ -76,7 +76,7 @@ def test_probe_finds_kimi_tau_per_token():
 def test_probe_finds_kl_shaping_per_token():
     # k1_t = lp_t - ref_t = 0.02 t = 0.06, 0.08, 0.10 (mean 0.08); shaped A_t = A + 0.5 (0.08 - k_t).
     finding = probe_advantage_flow(
-        RLConfig(kl_penalty_coef=0.5, kl_mode="advantage", kl_estimator="k1")
+        from_options(RLConfig, dict(kl_penalty_coef=0.5, kl_mode="advantage", kl_estimator="k1"))
     )
     assert finding is not None and finding.quantity == "advantages"
     assert finding.low == pytest.approx(A0 - 0.01, abs=1e-6)
@@ -100,7 +100,7 @@ def test_probe_finds_kl_shaping_per_token():
     ],
 )
 def test_probe_passes_flows_that_keep_one_value_per_sequence(options):
-    assert probe_advantage_flow(RLConfig(**options)) is None
+    assert probe_advantage_flow(from_options(RLConfig, options)) is None
 
 
 @pytest.mark.parametrize(
@@ -111,13 +111,13 @@ def test_probe_passes_flows_that_keep_one_value_per_sequence(options):
     ],
 )
 def test_token_varying_advantages_need_a_preserving_backend(options, option):
-    preflight_rl("LocalBackend", LOCAL, RLConfig(**options))
+    preflight_rl("LocalBackend", LOCAL, from_options(RLConfig, options))
     # LocalPlugin's capabilities, with a reference model so that only the advantages are at issue.
     caps = replace(
         registry.describe("plugin_example:LocalPlugin").capabilities, supports_kl_reference=True
     )
     with pytest.raises(PreflightError) as info:
-        preflight_rl("LocalPlugin", caps, RLConfig(**options))
+        preflight_rl("LocalPlugin", caps, from_options(RLConfig, options))
     (problem,) = info.value.problems
     assert problem.option == option
     assert "does not preserve token-level advantages" in problem.message
@@ -130,7 +130,10 @@ def test_the_probe_alone_catches_token_varying_advantages(monkeypatch):
     info = registry.describe("plugin_example:LocalPlugin")
     with pytest.raises(PreflightError) as raised:
         preflight_rl(
-            "LocalPlugin", info.capabilities, RLConfig(kimi_k2_tau=0.1), options=info.train_options
+            "LocalPlugin",
+            info.capabilities,
+            from_options(RLConfig, dict(kimi_k2_tau=0.1)),
+            options=info.train_options,
         )
     (problem,) = raised.value.problems
     assert problem.option == "advantages"
@@ -141,7 +144,7 @@ def test_the_probe_alone_catches_token_varying_advantages(monkeypatch):
     preflight_rl(
         "LocalBackend",
         LOCAL,
-        RLConfig(kimi_k2_tau=0.1),
+        from_options(RLConfig, dict(kimi_k2_tau=0.1)),
         options=registry.describe("local").train_options,
     )
 
@@ -152,7 +155,7 @@ def test_options_a_plugin_does_not_declare_are_refused():
         preflight_rl(
             "LocalPlugin",
             info.capabilities,
-            RLConfig(num_minibatches=2, loss="dro"),
+            from_options(RLConfig, dict(num_minibatches=2, loss="dro")),
             options=info.train_options,
         )
     messages = {p.option: p.message for p in raised.value.problems}
@@ -169,7 +172,10 @@ def test_options_a_plugin_does_not_declare_are_refused():
     )
     # Undeclared options left at their default are fine: the job simply does not pass them.
     preflight_rl(
-        "LocalPlugin", info.capabilities, RLConfig(learning_rate=1e-3), options=info.train_options
+        "LocalPlugin",
+        info.capabilities,
+        from_options(RLConfig, dict(learning_rate=1e-3)),
+        options=info.train_options,
     )
 
 
@@ -177,7 +183,9 @@ def test_a_plugin_without_a_schema_takes_no_options():
     with pytest.raises(
         PreflightError, match=r"learning_rate: Plain.train\(\) does not take .*none declared"
     ):
-        preflight_rl("Plain", CONSERVATIVE, RLConfig(learning_rate=1e-3), options=[])
+        preflight_rl(
+            "Plain", CONSERVATIVE, from_options(RLConfig, dict(learning_rate=1e-3)), options=[]
+        )
 
 
 def test_losses_outside_a_builtin_schema_are_refused():
@@ -187,10 +195,16 @@ def test_losses_outside_a_builtin_schema_are_refused():
         PreflightError, match=r"loss: 'gspo' is not one of the choices TinkerBackend"
     ):
         preflight_rl(
-            "TinkerBackend", info.capabilities, RLConfig(loss="gspo"), options=info.train_options
+            "TinkerBackend",
+            info.capabilities,
+            from_options(RLConfig, dict(loss="gspo")),
+            options=info.train_options,
         )
     preflight_rl(
-        "TinkerBackend", info.capabilities, RLConfig(loss="cispo"), options=info.train_options
+        "TinkerBackend",
+        info.capabilities,
+        from_options(RLConfig, dict(loss="cispo")),
+        options=info.train_options,
     )
 
 
@@ -202,11 +216,14 @@ def test_sft_options_are_checked_against_the_schema():
         preflight_sft(
             "LocalPlugin",
             info.capabilities,
-            SFTConfig(warmup_steps=2),
+            from_options(SFTConfig, dict(warmup_steps=2)),
             options=info.train_sft_options,
         )
     preflight_sft(
-        "LocalPlugin", info.capabilities, SFTConfig(epochs=3), options=info.train_sft_options
+        "LocalPlugin",
+        info.capabilities,
+        from_options(SFTConfig, dict(epochs=3)),
+        options=info.train_sft_options,
     )
 
 
@@ -219,7 +236,12 @@ def test_missing_logprobs_found_before_any_work():
     )
     with pytest.raises(PreflightError, match="allow_training_without_logprobs"):
         preflight_rl("LocalBackend", LOCAL, RLConfig(), [group])
-    preflight_rl("LocalBackend", LOCAL, RLConfig(allow_training_without_logprobs=True), [group])
+    preflight_rl(
+        "LocalBackend",
+        LOCAL,
+        from_options(RLConfig, dict(allow_training_without_logprobs=True)),
+        [group],
+    )
 
 
 def test_sft_needs_support():
@@ -234,12 +256,18 @@ def test_ppo_is_judged_as_the_loss_it_means():
     assert "ppo" not in {o.name for o in info.train_options}
     for ppo in (False, True):
         preflight_rl(
-            "LocalPlugin", info.capabilities, RLConfig(ppo=ppo), options=info.train_options
+            "LocalPlugin",
+            info.capabilities,
+            from_options(RLConfig, dict(ppo=ppo)),
+            options=info.train_options,
         )
     # A backend that declares neither refuses ppo=False under both names the user may look for.
     hooked = registry.describe("plugin_example:HookedBackend")
     with pytest.raises(PreflightError) as raised:
         preflight_rl(
-            "HookedBackend", hooked.capabilities, RLConfig(ppo=False), options=hooked.train_options
+            "HookedBackend",
+            hooked.capabilities,
+            from_options(RLConfig, dict(ppo=False)),
+            options=hooked.train_options,
         )
     assert [p.option for p in raised.value.problems] == ["loss", "ppo"]

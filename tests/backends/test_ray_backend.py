@@ -14,7 +14,6 @@ relative tolerance plus 1e-6 absolute, for values that sum terms of both signs t
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from posttrain.backends.ray import RayBackend, RayRLConfig, RayRLOptions
 from posttrain.engine.ray_executor import RayConfig
 from posttrain.engine.ray_session import ray_session
 from posttrain.model import TrainableModel
+from posttrain.trainer.config import option_fields
 from posttrain.types import (
     SamplingParams,
     TrainResult,
@@ -125,7 +125,7 @@ async def test_train_checkpoint_resume_matches_local(tiny_model_dir, tmp_path, s
 
 
 def test_options_and_config_name_the_same_keys():
-    assert option_names(RayRLOptions) == {f.name for f in fields(RayRLConfig)}
+    assert option_names(RayRLOptions) == set(option_fields(RayRLConfig))
     assert option_names(RayRLOptions) == option_names(LocalRLOptions) | {"check_weights_in_sync"}
 
 

@@ -100,9 +100,10 @@ def test_placement_cycle_moves_state_and_records_it(client):
         ("train", "sample"),
     ]
     worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
-    assert worker.offloaded == {"grads", "optimizer"}  # the workers did move, not just Dispatch
+    # The workers moved, not just Dispatch.
+    assert worker.parking.offloaded == {"grads", "optimizer"}
     client.forward_backward(datums, "cross_entropy").result()
-    assert worker.offloaded == {"optimizer"}
+    assert worker.parking.offloaded == {"optimizer"}
     # A placement-neutral call brings back what it needs; the next sample parks it again.
     path = client.save_state("placed").result().path
     client.sample(prompt, 1, params).result()
@@ -110,7 +111,7 @@ def test_placement_cycle_moves_state_and_records_it(client):
     client.load_state(path, with_optimizer=True).result()
     client.sample(prompt, 1, params).result()
     assert client.dispatch.moves[done:] == [("reload", "optimizer"), ("offload", "optimizer")]
-    assert worker.offloaded == {"grads", "optimizer"}
+    assert worker.parking.offloaded == {"grads", "optimizer"}
 
 
 def test_parked_state_comes_back_exactly(tiny_model_dir, tmp_path):

@@ -18,7 +18,7 @@ from posttrain.algo.losses import LOSSES
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.protocol import LossConfigValue
-from posttrain.engine.dispatch import InProcessExecutor
+from posttrain.engine.executor import InProcessExecutor
 from posttrain.types import Datum, ModelInput
 
 REL_TOL = 2e-6

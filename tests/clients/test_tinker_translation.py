@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_local_invariance import grads_of, rel_error
 
+from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import create_training_client
 from posttrain.clients.tinker import protocol_inputs, protocol_loss_config
 from posttrain.types import Datum, ModelInput
@@ -21,22 +22,29 @@ REL_TOL = 1e-5
 
 
 def test_clip_range_travels_as_thresholds():
-    config = protocol_loss_config("ppo", {"epsilon": 0.2, "epsilon_high": 0.28, "beta": None})
+    config = protocol_loss_config("ppo", LossConfig(epsilon=0.2, epsilon_high=0.28))
     assert config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
-    assert protocol_loss_config("cispo", {"epsilon": 0.5}) == pytest.approx(
+    assert protocol_loss_config("cispo", LossConfig(epsilon=0.5)) == pytest.approx(
         {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}
     )
+    assert protocol_loss_config("ppo", LossConfig(epsilon_high=0.3)) == {"clip_high_threshold": 1.3}
     assert protocol_loss_config("importance_sampling", None) == {}
+    assert protocol_loss_config("cross_entropy", LossConfig()) == {}
+    # Tinker-style mappings (code ported from the tinker SDK) are parsed, then sent the same way.
+    mapped = protocol_loss_config("ppo", {"epsilon": 0.2, "epsilon_high": 0.28, "beta": None})
+    assert mapped == config
     assert protocol_loss_config("cross_entropy", {"kl_penalty_coef": 0.0}) == {}
 
 
 @pytest.mark.parametrize(
     ("loss_fn", "config", "message"),
     [
+        ("ppo", LossConfig(kl_penalty_coef=0.1), "kl_penalty_coef=0.1 is not carried"),
+        ("ppo", LossConfig(truncated_importance_sampling=2.0), "truncated_importance_sampling"),
+        ("ppo", LossConfig(importance_sampling_level="sequence"), "importance_sampling_level"),
+        ("ppo", LossConfig(dro_beta=0.1), "dro_beta=0.1 is not carried"),
         ("ppo", {"kl_penalty_coef": 0.1}, "kl_penalty_coef=0.1 is not carried"),
-        ("ppo", {"truncated_importance_sampling": 2.0}, "truncated_importance_sampling"),
-        ("ppo", {"importance_sampling_level": "sequence"}, "importance_sampling_level"),
-        ("ppo", {"clip_ratio": 0.2}, "unknown loss option 'clip_ratio'"),
+        ("ppo", {"clip_ratio": 0.2}, "unknown loss config key 'clip_ratio'"),
         ("dro", {}, "loss_fn='dro' cannot be sent"),
         ("gspo", {}, "loss_fn='gspo' cannot be sent"),
     ],
@@ -96,12 +104,20 @@ def test_negative_weights_cannot_be_folded():
 def test_folded_datums_give_the_same_loss_and_gradient(tiny_model_dir, tmp_path, loss_fn):
     datums = trainer_datums()
     # importance_sampling does not clip: posttrain refuses a clip range for it (and so does the fold).
-    config = {} if loss_fn == "importance_sampling" else {"epsilon": 0.2, "epsilon_high": 0.28}
+    if loss_fn == "importance_sampling":
+        config = LossConfig()
+    else:
+        config = LossConfig(epsilon=0.2, epsilon_high=0.28)
     folded = [Datum(d.model_input, protocol_inputs(loss_fn, d)) for d in datums]
     results = []
     for name, batch, cfg in (
         ("posttrain", datums, config),
-        ("protocol", folded, protocol_loss_config(loss_fn, config)),
+        # What the server does with the wire keys: LossConfig.from_mapping.
+        (
+            "protocol",
+            folded,
+            LossConfig.from_mapping(protocol_loss_config(loss_fn, config), loss_fn),
+        ),
     ):
         client = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / name)
         out = client.forward_backward(batch, loss_fn, cfg).result()

@@ -16,7 +16,7 @@ from posttrain.jobs.config import (
     parse_tiny_spec,
 )
 from posttrain.jobs.run_dir import JOB_FILE, config_changes, config_record, prepare_run_dir
-from posttrain.trainer.config import RLConfig, SFTConfig
+from posttrain.trainer.config import RLConfig, SFTConfig, from_options
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
 
@@ -43,9 +43,9 @@ def test_tables_fill_their_dataclasses_and_trainer_options_pass_through():
     assert config.run.task == "addition" and config.run.seed == 7
     assert config.model.lora_rank == 4
     assert config.sft.examples == 10 and config.sft.enabled
-    assert config.sft.trainer == SFTConfig(batch_size=4, lr_schedule="linear")
+    assert config.sft.trainer == from_options(SFTConfig, dict(batch_size=4, lr_schedule="linear"))
     assert config.rl.steps == 3 and config.rl.group_size == 4
-    assert config.rl.trainer == RLConfig(loss="cispo", learning_rate=1e-4)
+    assert config.rl.trainer == from_options(RLConfig, dict(loss="cispo", learning_rate=1e-4))
     assert config.eval.held_out == 20 and config.eval.every == 2
 
 

@@ -14,7 +14,7 @@ from posttrain.backends.registry import describe
 from posttrain.jobs.backend import JobPreflightError, call_options, constructor_kwargs, job_problems
 from posttrain.jobs.config import parse_config
 from posttrain.jobs.train_job import run_job
-from posttrain.trainer.config import RLConfig
+from posttrain.trainer.config import RLConfig, from_options
 
 TESTS = Path(__file__).parents[1]
 PLUGIN = "plugin_example:LocalPlugin"
@@ -120,7 +120,7 @@ def test_job_problems_name_the_key_and_the_fix(tmp_path):
 
 def test_call_options_are_the_declared_ones():
     declared = describe(PLUGIN).train_options
-    assert call_options(RLConfig(learning_rate=3e-4), declared) == {
+    assert call_options(from_options(RLConfig, dict(learning_rate=3e-4)), declared) == {
         "learning_rate": 3e-4,
         "loss": "ppo",
         "kimi_k2_tau": None,

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from posttrain.trainer.config import RLConfig
+from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.datums import rl_datum, sft_datum
 from posttrain.trainer.rl import prepare_batch, split_minibatches, weighted
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
@@ -57,7 +57,7 @@ def test_prepare_batch_drops_zero_variance_groups_and_counts_them():
     assert len(batch.datums) == 2
     # grpo with std scaling: rewards [1, 0] -> mean 0.5, std 0.5 -> A = ±0.5/(0.5+1e-6).
     assert batch.advantages == pytest.approx([0.999998, -0.999998], rel=1e-6)
-    kept = prepare_batch([same], RLConfig(zero_variance_groups="keep"))
+    kept = prepare_batch([same], from_options(RLConfig, {"zero_variance_groups": "keep"}))
     assert len(kept.datums) == 2 and kept.advantages == [0.0, 0.0]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.clients.create import create_training_client
 from posttrain.engine.optim import create_lr_schedule, lr_multiplier
-from posttrain.trainer.config import SFTConfig
+from posttrain.trainer.config import SFTConfig, from_options
 from posttrain.trainer.sft import sft_batches, train_sft
 from posttrain.types import TokenSegment, Trajectory
 
@@ -21,7 +21,9 @@ def trajectory(seed: int) -> Trajectory:
 
 def schedule_rates(config: SFTConfig, total: int) -> list[float]:
     """engine.optim's LambdaLR over an optimizer at the peak rate, stepped once per update."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
+    optimizer = torch.optim.SGD(
+        [torch.nn.Parameter(torch.zeros(1))], lr=config.optimizer.learning_rate
+    )
     schedule = create_lr_schedule(
         optimizer,
         warmup_steps=config.warmup_steps,
@@ -39,10 +41,10 @@ def schedule_rates(config: SFTConfig, total: int) -> list[float]:
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
 async def test_each_update_uses_the_scheduled_learning_rate(tiny_model_dir, decay):
-    config = SFTConfig(
+    config = from_options(SFTConfig, dict(
         learning_rate=1e-3, lr_schedule=decay, warmup_steps=3, batch_size=2, epochs=2,
         min_lr_ratio=0.0 if decay == "constant" else 0.2,
-    )  # fmt: skip
+    ))  # fmt: skip
     trajectories = [trajectory(i) for i in range(5)]  # 3 batches an epoch: 6 updates
     client = create_training_client(tiny_model_dir, lora_rank=4)
     used: list[float] = []
@@ -58,7 +60,7 @@ async def test_each_update_uses_the_scheduled_learning_rate(tiny_model_dir, deca
 
 
 def test_a_warmup_longer_than_the_call_is_refused_before_any_update():
-    config = SFTConfig(warmup_steps=4, batch_size=2)
+    config = from_options(SFTConfig, {"warmup_steps": 4, "batch_size": 2})
     # 3 trajectories in batches of 2: ceil(3 / 2) = 2 updates, fewer than 4 warm-up steps.
     with pytest.raises(ValueError) as raised:
         sft_batches([trajectory(i) for i in range(3)], config)

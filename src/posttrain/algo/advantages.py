@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from posttrain.algo.config_fields import POSITIVE, Check, check_fields, option
+
 AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "maxrl"]
 ZeroVarianceMode = Literal["drop", "keep"]
 ReductionPreset = Literal["token_mean", "sequence_mean", "constant", "sum"]
@@ -21,6 +23,8 @@ REDUCTION_PRESETS: tuple[ReductionPreset, ...] = ("token_mean", "sequence_mean",
 
 # ART's threshold: rewards closer than this to the first one count as equal.
 ZERO_VARIANCE_TOL = 1e-12
+# grpo's std + eps denominator in every step (group_advantages takes another for direct use).
+ADVANTAGE_EPS = 1e-6
 
 EstimatorFn = Callable[[torch.Tensor, bool, float], torch.Tensor]
 
@@ -100,7 +104,7 @@ def group_advantages(
     *,
     estimator: AdvantageEstimator = "grpo",
     scale_rewards: bool = True,
-    eps: float = 1e-6,
+    eps: float = ADVANTAGE_EPS,
 ) -> torch.Tensor:
     """One advantage per completion of a group; all zeros for a zero-variance group.
 
@@ -134,20 +138,35 @@ def balance_advantages(adv: torch.Tensor, balance: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    """How a step turns group rewards into advantages; zero-variance groups are dropped by default."""
+    """How a step turns group rewards into advantages and per-token loss weights, each field a
+    `train()` option of the same name; zero-variance groups are dropped by default."""
 
-    estimator: AdvantageEstimator = "grpo"
-    scale_rewards: bool = True
-    zero_variance: ZeroVarianceMode = "drop"
-    advantage_balance: float = 0.0
-    eps: float = 1e-6
+    advantage_estimator: AdvantageEstimator = option(
+        "grpo", "group baseline: grpo, dr_grpo (no std), rloo, maxrl"
+    )
+    scale_rewards: bool = option(True, "divide grpo advantages by the group's reward std")
+    zero_variance_groups: ZeroVarianceMode = option(
+        "drop", "drop or keep groups whose rewards are all equal (counted either way)"
+    )
+    advantage_balance: float = option(
+        0.0,
+        "in [-1, 1]: >0 down-weights negative advantages, <0 positive ones",
+        Check("in [-1, 1]", lambda v: -1 <= v <= 1),
+    )
+    loss_reduction: ReductionPreset = option(
+        "token_mean", "token_mean (DAPO), sequence_mean (GRPO), constant (Dr. GRPO), or sum"
+    )
+    loss_reduction_constant: float | None = option(
+        None, "normaliser for loss_reduction='constant'", POSITIVE
+    )
 
     def __post_init__(self) -> None:
-        _check_estimator(self.estimator)
-        if self.zero_variance not in ("drop", "keep"):
-            raise ValueError(f"zero_variance must be 'drop' or 'keep', got {self.zero_variance!r}")
-        _check_balance(self.advantage_balance, "advantage_balance")
-        _check_eps(self.eps)
+        check_fields(self)
+        if self.loss_reduction == "constant" and self.loss_reduction_constant is None:
+            raise ValueError(
+                "option loss_reduction_constant is needed by loss_reduction='constant': "
+                "pass loss_reduction_constant > 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -187,16 +206,16 @@ def compute_group_advantages(
         try:
             adv_G = group_advantages(
                 rewards_G,
-                estimator=config.estimator,
+                estimator=config.advantage_estimator,
                 scale_rewards=config.scale_rewards,
-                eps=config.eps,
+                eps=ADVANTAGE_EPS,
             )
         except ValueError as err:
             raise ValueError(f"groups_rewards[{g}]: {err}") from err
         is_flat = is_zero_variance(rewards_G)
         advantages.append(balance_advantages(adv_G, config.advantage_balance))
         zero_variance.append(is_flat)
-        kept.append(not (is_flat and config.zero_variance == "drop"))
+        kept.append(not (is_flat and config.zero_variance_groups == "drop"))
     return AdvantageResult(advantages=advantages, kept=kept, zero_variance=zero_variance)
 
 

@@ -1,13 +1,17 @@
 """Which inputs and options each loss of `algo.losses` takes, checked before any compute.
 
 A loss given an option it would ignore raises instead of silently degrading, in the spirit of
-SkyRL's per-loss whitelist of Tinker `loss_fn_config` keys.
+SkyRL's per-loss whitelist of Tinker `loss_fn_config` keys: each LossConfig field names the
+losses it applies to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import fields
 from typing import TYPE_CHECKING
+
+from posttrain.algo.config_fields import APPLIES_TO
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +40,7 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "gspo": _POLICY_INPUTS,
 }
 THRESHOLD_KEYS = ("clip_low_threshold", "clip_high_threshold")
+CLIP_KEYS = ("epsilon", "epsilon_high")  # LossConfig's clip range
 # Every loss_fn_input a loss reads, one value per token: each must have logp_BT's [B, T] shape
 # exactly. Broadcasting would silently give a [B, 1] advantage to every token of its row, and a
 # [B, T+1] input (one value per token of the whole sequence rather than per target) would fail
@@ -54,40 +59,44 @@ PER_TOKEN_INPUTS = (
 
 
 def resolved_thresholds(name: str, config: LossConfig) -> tuple[float, float]:
-    """The (lo, hi) ratio bounds loss `name` uses: the config's, else the loss's default."""
+    """The (lo, hi) ratio bounds loss `name` uses: lo = 1 − epsilon, hi = 1 + epsilon_high
+    (epsilon_high defaulting to epsilon), each the loss's default when not set."""
     if name not in DEFAULT_THRESHOLDS:
         raise ValueError(
             f"loss {name!r} has no clip thresholds; losses that do: {list(RATIO_LOSSES)}"
         )
     default_lo, default_hi = DEFAULT_THRESHOLDS[name]
-    lo = default_lo if config.clip_low_threshold is None else config.clip_low_threshold
-    hi = default_hi if config.clip_high_threshold is None else config.clip_high_threshold
-    if lo > hi:
-        raise ValueError(
-            f"clip_low_threshold ({lo}) must be <= clip_high_threshold ({hi}) for loss {name!r} "
-            f"(default thresholds {DEFAULT_THRESHOLDS[name]})"
-        )
+    eps = config.epsilon
+    eps_high = eps if config.epsilon_high is None else config.epsilon_high
+    # The ranges of epsilon (in [0, 1]) and epsilon_high (>= 0) keep lo <= 1 <= hi.
+    lo = default_lo if eps is None else 1 - eps
+    hi = default_hi if eps_high is None else 1 + eps_high
     return lo, hi
 
 
-def check_config(name: str, config: LossConfig) -> None:
-    """Raise ValueError if `config` sets an option that loss `name` would silently ignore."""
+def unused_options(name: str, config: LossConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """The options `config` sets away from their default that loss `name` would silently
+    ignore (its field's `applies_to` leaves `name` out), each with the losses that read it."""
     _check_name(name)
-    ratio_options = {
-        "clip_low_threshold": config.clip_low_threshold is not None,
-        "clip_high_threshold": config.clip_high_threshold is not None,
-        "importance_sampling_level": config.importance_sampling_level != "token",
-        "truncated_importance_sampling": config.truncated_importance_sampling is not None,
-        "mask_prob_ratio": config.mask_prob_ratio,
-        "kimi_k2_tau": config.kimi_k2_tau is not None,
-        "kl_penalty_coef": config.kl_penalty_coef > 0,
-    }
-    set_options = [option for option, is_set in ratio_options.items() if is_set]
-    if name not in RATIO_LOSSES and set_options:
+    return [
+        (f.name, applies)
+        for f in fields(config)
+        if (applies := f.metadata.get(APPLIES_TO)) is not None
+        and name not in applies
+        and getattr(config, f.name) != f.default
+    ]
+
+
+def check_config(name: str, config: LossConfig) -> None:
+    """Raise ValueError if `config` sets an option that loss `name` would silently ignore
+    (`unused_options`), or a combination the loss cannot honour."""
+    unused = unused_options(name, config)
+    if unused:
         raise ValueError(
-            f"loss {name!r} does not use {set_options}; they apply to {list(RATIO_LOSSES)}"
+            f"loss {name!r} does not use {[key for key, _ in unused]}; they apply to "
+            f"{list(unused[0][1])}"
         )
-    thresholds_set = [key for key in THRESHOLD_KEYS if key in set_options]
+    thresholds_set = [key for key in CLIP_KEYS if getattr(config, key) is not None]
     if name == "importance_sampling" and thresholds_set and not config.mask_prob_ratio:
         raise ValueError(
             f"importance_sampling does not clip: {thresholds_set} only set its mask_prob_ratio "
@@ -98,8 +107,6 @@ def check_config(name: str, config: LossConfig) -> None:
             f"gspo is sequence-level by definition: importance_sampling_level must be 'token' "
             f"(the default) or 'sequence', got {config.importance_sampling_level!r}"
         )
-    if name in RATIO_LOSSES:
-        resolved_thresholds(name, config)
 
 
 def check_inputs(name: str, keys: Collection[str], config: LossConfig | None = None) -> None:

@@ -64,9 +64,12 @@ def weight_and_mask(batch: LossBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def missing_remedy(config: LossConfig) -> str | None:
     """What to tell a caller whose logprobs are missing, or None if missing ones are allowed."""
-    if config.allow_missing_logprobs:
+    if config.allow_training_without_logprobs:
         return None
-    return "pass them on every counted token, or set allow_missing_logprobs=True (ratio 1 there)"
+    return (
+        "pass them on every counted token, or set allow_training_without_logprobs=True "
+        "(ratio 1 there)"
+    )
 
 
 def policy_tokens(

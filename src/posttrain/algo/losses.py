@@ -11,27 +11,18 @@ Each loss returns Σ_t w_t·m_t·ℓ_t, with the weights `w` and mask `m` of `Lo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from posttrain.algo.config_fields import (
-    ConfigValue,
-    check_choice,
-    check_number,
-    read_choice,
-    read_flag,
-    read_number,
-    read_optional_number,
-    reject_unknown_keys,
-)
+from posttrain.algo.config_fields import NON_NEGATIVE, Check, ConfigValue, check_fields, option
 from posttrain.algo.loss_checks import (
     DEFAULT_THRESHOLDS,
     RATIO_LOSSES,
     REQUIRED_INPUTS,
-    THRESHOLD_KEYS,
     check_config,
     check_inputs,
     check_shapes,
@@ -44,9 +35,8 @@ from posttrain.algo.loss_inputs import (
     shaped_advantages,
     weight_and_mask,
 )
+from posttrain.algo.loss_wire import from_loss_fn_config
 from posttrain.algo.ratios import (
-    IMPORTANCE_SAMPLING_LEVELS,
-    KL_ESTIMATORS,
     ImportanceSamplingLevel,
     KLEstimator,
     importance_ratio,
@@ -79,98 +69,74 @@ __all__ = [
 ]
 
 KLMode = Literal["loss", "advantage"]
-KL_MODES: tuple[KLMode, ...] = ("loss", "advantage")
-
-_EPSILON_KEYS = ("epsilon", "epsilon_high")
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Options of the policy losses. `None` thresholds take each loss's default."""
+    """Options of the losses, each a `train()` option of the same name. `None` clip bounds take
+    each loss's default."""
 
-    clip_low_threshold: float | None = None
-    clip_high_threshold: float | None = None
-    beta: float = 0.05  # dro's quadratic penalty
-    importance_sampling_level: ImportanceSamplingLevel = "token"
-    truncated_importance_sampling: float | None = None
-    mask_prob_ratio: bool = False
-    kimi_k2_tau: float | None = None
-    kl_penalty_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    kl_mode: KLMode = "loss"
-    allow_missing_logprobs: bool = False
+    epsilon: float | None = option(
+        None,
+        "clip range low side: ratio >= 1 - epsilon (None: the loss's default)",
+        Check("in [0, 1] (the clip floor is 1 - epsilon)", lambda v: 0 <= v <= 1),
+        applies_to=RATIO_LOSSES,
+    )
+    epsilon_high: float | None = option(
+        None,
+        "clip range high side: ratio <= 1 + epsilon_high (None: epsilon)",
+        Check("a finite number >= 0 (the clip ceiling is 1 + epsilon_high)", NON_NEGATIVE.ok),
+        applies_to=RATIO_LOSSES,
+    )
+    dro_beta: float = option(
+        0.05, "quadratic penalty of the dro loss", NON_NEGATIVE, applies_to=("dro",)
+    )
+    importance_sampling_level: ImportanceSamplingLevel = option(
+        "token",
+        "token ratios, one ratio per sequence (GSPO), or a mix",
+        applies_to=RATIO_LOSSES,
+    )
+    truncated_importance_sampling: float | None = option(
+        None,
+        "cap U on the trainer/sampler ratio (needs precalculate_logprobs)",
+        Check("a finite cap > 0 (None: no cap)", lambda v: 0 < v < math.inf),
+        applies_to=RATIO_LOSSES,
+    )
+    mask_prob_ratio: bool = option(
+        False, "zero the loss of tokens whose ratio leaves the clip band", applies_to=RATIO_LOSSES
+    )
+    kimi_k2_tau: float | None = option(
+        None,
+        "Kimi K2's tau: advantages minus tau times the log-ratio",
+        NON_NEGATIVE,
+        applies_to=RATIO_LOSSES,
+    )
+    kl_penalty_coef: float = option(
+        0.0,
+        "KL penalty weight against the base model (LoRA disabled)",
+        NON_NEGATIVE,
+        applies_to=RATIO_LOSSES,
+    )
+    kl_estimator: KLEstimator = option(
+        "k3", "k1 (log-ratio) or k3 (Schulman's unbiased, non-negative) estimator"
+    )
+    kl_mode: KLMode = option(
+        "loss", "add the KL to the loss, or shape the advantages with it (ART)"
+    )
+    allow_training_without_logprobs: bool = option(
+        False, "train trajectories without sampler logprobs (ratio 1)"
+    )
 
     def __post_init__(self) -> None:
-        lo, hi = self.clip_low_threshold, self.clip_high_threshold
-        check_number("clip_low_threshold", lo, "a ratio bound >= 0", lambda v: v >= 0)
-        check_number("clip_high_threshold", hi, "a ratio bound > 0", lambda v: v > 0)
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"clip_low_threshold ({lo}) must be <= clip_high_threshold ({hi})")
-        check_number("beta", self.beta, ">= 0", lambda v: v >= 0)
-        cap = self.truncated_importance_sampling
-        check_number("truncated_importance_sampling", cap, "a cap U > 0", lambda v: v > 0)
-        check_number("kimi_k2_tau", self.kimi_k2_tau, ">= 0", lambda v: v >= 0)
-        check_number("kl_penalty_coef", self.kl_penalty_coef, ">= 0", lambda v: v >= 0)
-        levels = IMPORTANCE_SAMPLING_LEVELS
-        check_choice("importance_sampling_level", self.importance_sampling_level, levels)
-        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        check_choice("kl_mode", self.kl_mode, KL_MODES)
+        check_fields(self)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, ConfigValue]) -> LossConfig:
-        """Build from Tinker's `loss_fn_config` or a TOML table; a None value means the default.
-
-        Also takes ART's `epsilon`/`epsilon_high`: lo = 1 − ε, hi = 1 + ε_high, ε_high
-        defaulting to ε; a mapping gives either these or the thresholds, not both.
-        """
-        reject_unknown_keys(
-            values, [f.name for f in fields(cls)] + list(_EPSILON_KEYS), "loss config"
-        )
-        lo, hi = clip_thresholds(values)
-        return cls(
-            clip_low_threshold=lo,
-            clip_high_threshold=hi,
-            beta=read_number(values, "beta", cls.beta),
-            importance_sampling_level=read_choice(
-                values,
-                "importance_sampling_level",
-                IMPORTANCE_SAMPLING_LEVELS,
-                cls.importance_sampling_level,
-            ),
-            truncated_importance_sampling=read_optional_number(
-                values, "truncated_importance_sampling", cls.truncated_importance_sampling
-            ),
-            mask_prob_ratio=read_flag(values, "mask_prob_ratio", cls.mask_prob_ratio),
-            kimi_k2_tau=read_optional_number(values, "kimi_k2_tau", cls.kimi_k2_tau),
-            kl_penalty_coef=read_number(values, "kl_penalty_coef", cls.kl_penalty_coef),
-            kl_estimator=read_choice(values, "kl_estimator", KL_ESTIMATORS, cls.kl_estimator),
-            kl_mode=read_choice(values, "kl_mode", KL_MODES, cls.kl_mode),
-            allow_missing_logprobs=read_flag(
-                values, "allow_missing_logprobs", cls.allow_missing_logprobs
-            ),
-        )
-
-
-def clip_thresholds(values: Mapping[str, ConfigValue]) -> tuple[float | None, float | None]:
-    """(clip_low_threshold, clip_high_threshold) from either form of a config mapping."""
-    given = [key for key in (*_EPSILON_KEYS, *THRESHOLD_KEYS) if values.get(key) is not None]
-    if not any(key in _EPSILON_KEYS for key in given):
-        low, high = THRESHOLD_KEYS
-        return read_optional_number(values, low, None), read_optional_number(values, high, None)
-    if any(key in THRESHOLD_KEYS for key in given):
-        raise ValueError(
-            f"give the clip range as clip_low_threshold/clip_high_threshold or as "
-            f"epsilon/epsilon_high, not both (got {given})"
-        )
-    eps = read_optional_number(values, "epsilon", None)
-    eps_high = read_optional_number(values, "epsilon_high", eps)
-    check_number(
-        "epsilon", eps, "in [0, 1] (clip_low_threshold = 1 − epsilon)", lambda v: 0 <= v <= 1
-    )
-    check_number(
-        "epsilon_high", eps_high, ">= 0 (clip_high_threshold = 1 + epsilon_high)", lambda v: v >= 0
-    )
-    return (None if eps is None else 1 - eps), (None if eps_high is None else 1 + eps_high)
+    def from_mapping(
+        cls, values: Mapping[str, ConfigValue], loss_fn: str | None = None
+    ) -> LossConfig:
+        """Parse a `loss_fn_config`: Tinker's keys (clip_low_threshold, clip_high_threshold,
+        dro's beta) or LossConfig's own; a None value means the default (`algo.loss_wire`)."""
+        return from_loss_fn_config(cls, values, loss_fn)
 
 
 @dataclass(frozen=True)
@@ -350,7 +316,7 @@ def dro(batch: LossBatch, config: LossConfig) -> LossOutput:
     check_config("dro", config)
     check_inputs("dro", batch.inputs.keys(), config)
     tokens = policy_tokens(batch, config)
-    penalty_BT = 0.5 * config.beta * (tokens.logp_BT - tokens.old_logp_BT) ** 2
+    penalty_BT = 0.5 * config.dro_beta * (tokens.logp_BT - tokens.old_logp_BT) ** 2
     loss_BT = -(tokens.logp_BT * tokens.adv_BT - penalty_BT)
     ratio_BT = log_ratio(tokens.logp_BT, tokens.old_logp_BT).exp().detach()
     return _output(batch, tokens.weight_BT, tokens.mask_BT, loss_BT, {"ratio": ratio_BT})

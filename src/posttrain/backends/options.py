@@ -1,16 +1,18 @@
-"""Typed `train()` / `train_sft()` options, defined once and composed per backend.
+"""Typed `train()` / `train_sft()` options, composed per backend.
 
-Each option set is a `TypedDict` (what pyright checks through `**options: Unpack[...]`) with
-a frozen dataclass of the same keys in `trainer.config` holding defaults and validation. A backend
-composes the sets it honours by TypedDict inheritance; an option it lacks is a pyright error
-and, at run time, a `TypeError` raised by `check_options` before anything else is looked at.
+Each option is defined once, as a field of the nested config in `trainer.config` (default, help,
+range). Each option set here is a `TypedDict` naming some of those fields' flat keys: what
+pyright checks through `**options: Unpack[...]`, so they stay written out, one line per option,
+and tests/backends/test_options.py asserts that they list exactly the configs' keys with the
+same types. A backend composes the sets it honours by TypedDict inheritance; an option it lacks
+is a pyright error and, at run time, a `TypeError` raised by `check_options` before anything
+else is looked at. `HELP` and each set's documentation are derived from the fields.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Literal, get_type_hints
 
 from typing_extensions import TypedDict
@@ -25,6 +27,8 @@ from posttrain.trainer.config import (
     ProtocolPolicyLoss,
     RLConfig,
     SFTConfig,
+    from_options,
+    option_help,
 )
 
 
@@ -122,53 +126,28 @@ def check_options(options: Mapping[str, object], options_type: type, backend: st
 
 def resolve_rl(options: Mapping[str, object], options_type: type, backend: str) -> RLConfig:
     check_options(options, options_type, backend)
-    return RLConfig(**options)  # type: ignore[arg-type]
+    return from_options(RLConfig, options)
 
 
 def resolve_sft(options: Mapping[str, object], backend: str) -> SFTConfig:
     check_options(options, SFTOptions, backend)
-    return SFTConfig(**options)  # type: ignore[arg-type]
+    return from_options(SFTConfig, options)
 
 
-def config_field_names(config_type: type) -> frozenset[str]:
-    return frozenset(f.name for f in fields(config_type))
+# One line per option, shown by `posttrain backends` and the option schemas: the fields' help.
+HELP: dict[str, str] = {**option_help(RLConfig), **option_help(SFTConfig)}
 
 
-# One line per option, shown by `posttrain backends` and the option schemas.
-HELP: dict[str, str] = {
-    "learning_rate": "AdamW learning rate for this call's updates",
-    "loss": "policy loss from posttrain.algo.losses (default 'ppo', or 'cispo' when ppo=False)",
-    "ppo": "ART's switch: True means loss='ppo', False loss='cispo' (a conflicting loss is an error)",
-    "epsilon": "clip range low side: ratio >= 1 - epsilon (None: the loss's default)",
-    "epsilon_high": "clip range high side: ratio <= 1 + epsilon_high (None: epsilon)",
-    "dro_beta": "quadratic penalty of the dro loss",
-    "importance_sampling_level": "token ratios, one ratio per sequence (GSPO), or a mix",
-    "advantage_estimator": "group baseline: grpo, dr_grpo (no std), rloo, maxrl",
-    "scale_rewards": "divide grpo advantages by the group's reward std",
-    "advantage_balance": "in [-1, 1]: >0 down-weights negative advantages, <0 positive ones",
-    "zero_variance_groups": "drop or keep groups whose rewards are all equal (counted either way)",
-    "loss_reduction": "token_mean (DAPO), sequence_mean (GRPO), constant (Dr. GRPO), or sum",
-    "loss_reduction_constant": "normaliser for loss_reduction='constant'",
-    "truncated_importance_sampling": "cap U on the trainer/sampler ratio (needs precalculate_logprobs)",
-    "mask_prob_ratio": "zero the loss of tokens whose ratio leaves the clip band",
-    "kimi_k2_tau": "Kimi K2's tau: advantages minus tau times the log-ratio",
-    "allow_training_without_logprobs": "train trajectories without sampler logprobs (ratio 1)",
-    "num_minibatches": "optimizer steps per call, each on its share of the trajectories",
-    "grad_clip": "max global gradient norm (0 turns clipping off)",
-    "weight_decay": "AdamW decoupled weight decay",
-    "save_checkpoint": "checkpoint after the call (weights, optimizer, RNG, run_state)",
-    "kl_penalty_coef": "KL penalty weight against the base model (LoRA disabled)",
-    "kl_estimator": "k1 (log-ratio) or k3 (Schulman's unbiased, non-negative) estimator",
-    "kl_mode": "add the KL to the loss, or shape the advantages with it (ART)",
-    "precalculate_logprobs": "score the batch with the trainer's weights first; use those as the ratio's reference",
-    "logprob_calculation_chunk_size": "tokens per chunk when computing logprobs (memory vs speed)",
-    "plot_tensors": "save a PNG of the step's advantages, ratios and logprobs",
-    "lr_schedule": "learning-rate decay after warm-up: cosine, linear or constant",
-    "warmup_steps": "linear warm-up steps",
-    "min_lr_ratio": "final learning rate as a fraction of the peak",
-    "batch_size": "trajectories per optimizer step",
-    "epochs": "passes over the trajectories",
-    "assistant_turns": "train every assistant turn, or only the last",
-    "shuffle_seed": "seed of the order the trajectories are visited in",
-    "check_weights_in_sync": "after the step, check that every replica holds the same weights",
-}
+def document(options_type: type, config_type: type) -> None:
+    """Append each option's help line, from `config_type`'s fields, to the set's docstring."""
+    described = option_help(config_type)
+    lines = [f"    {key}: {described[key]}" for key in sorted(option_names(options_type))]
+    options_type.__doc__ = f"{options_type.__doc__ or ''}\n\nOptions:\n" + "\n".join(lines)
+
+
+document(CoreRLFields, RLConfig)
+document(RLOptions, RLConfig)
+document(PosttrainLossFields, RLConfig)
+document(WeightsInProcessFields, RLConfig)
+document(LocalRLOptions, RLConfig)
+document(SFTOptions, SFTConfig)

@@ -10,34 +10,34 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from posttrain.algo.losses import LossConfig, check_config
+from posttrain.algo.loss_checks import unused_options
+from posttrain.algo.losses import check_config
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
 from posttrain.engine.model_source import HubUnreachableError, check_base_model
-from posttrain.trainer.config import RLConfig, SFTConfig
-from posttrain.trainer.rl import loss_fn_config
+from posttrain.trainer.config import RLConfig, SFTConfig, option_defaults, option_values
 from posttrain.types import TrajectoryGroup
 
 if TYPE_CHECKING:
     from posttrain.model import TrainableModel
 
-_RL_DEFAULTS = {f.name: f.default for f in fields(RLConfig)}
-_SFT_DEFAULTS = {f.name: f.default for f in fields(SFTConfig)}
+_RL_DEFAULTS = option_defaults(RLConfig)
+_SFT_DEFAULTS = option_defaults(SFTConfig)
 
 # Options known to give the tokens of one sequence different advantages (the static check).
 TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] = (
     (
         "kimi_k2_tau",
-        lambda c: bool(c.kimi_k2_tau),
+        lambda c: bool(c.loss.kimi_k2_tau),
         "kimi_k2_tau shifts each token's advantage by its log-ratio",
     ),
     (
         "kl_mode",
-        lambda c: c.kl_penalty_coef > 0 and c.kl_mode == "advantage",
+        lambda c: c.loss.kl_penalty_coef > 0 and c.loss.kl_mode == "advantage",
         "kl_mode='advantage' shapes each token's advantage by its KL",
     ),
 )
@@ -59,13 +59,15 @@ class PreflightError(ValueError):
 
 
 def _changed(config: RLConfig, name: str) -> bool:
-    return getattr(config, name) != _RL_DEFAULTS[name]
+    return option_values(config)[name] != _RL_DEFAULTS[name]
 
 
 def conflicts(config: RLConfig) -> list[Problem]:
-    """Options that contradict each other or would have no effect."""
+    """Options that contradict each other or would have no effect (each option's own range is
+    its field's check, already passed)."""
     problems: list[Problem] = []
-    if config.truncated_importance_sampling is not None and not config.precalculate_logprobs:
+    loss, advantages = config.loss, config.advantages
+    if loss.truncated_importance_sampling is not None and not config.precalculate_logprobs:
         problems.append(
             Problem(
                 "truncated_importance_sampling",
@@ -73,7 +75,7 @@ def conflicts(config: RLConfig) -> list[Problem]:
                 "the trainer/sampler ratio needs the trainer's own logprobs",
             )
         )
-    if config.kl_penalty_coef == 0:
+    if loss.kl_penalty_coef == 0:
         for name in ("kl_estimator", "kl_mode"):
             if _changed(config, name):
                 problems.append(
@@ -82,24 +84,27 @@ def conflicts(config: RLConfig) -> list[Problem]:
                         "has no effect with kl_penalty_coef=0; set kl_penalty_coef > 0 or drop it",
                     )
                 )
-    if config.loss_reduction_constant is not None and config.loss_reduction != "constant":
+    if advantages.loss_reduction_constant is not None and advantages.loss_reduction != "constant":
         problems.append(
             Problem("loss_reduction_constant", "only applies to loss_reduction='constant'")
         )
-    if _changed(config, "dro_beta") and config.policy_loss != "dro":
-        problems.append(
-            Problem("dro_beta", f"only applies to loss='dro', not {config.policy_loss!r}")
-        )
-    if not config.scale_rewards and config.advantage_estimator != "grpo":
+    if not advantages.scale_rewards and advantages.advantage_estimator != "grpo":
         problems.append(
             Problem(
                 "scale_rewards",
                 f"only applies to advantage_estimator='grpo'; "
-                f"{config.advantage_estimator!r} never scales by the std",
+                f"{advantages.advantage_estimator!r} never scales by the std",
             )
         )
+    unused = unused_options(config.policy_loss, loss)
+    for name, applies in unused:
+        readers = " or ".join(f"loss={reader!r}" for reader in applies)
+        problems.append(
+            Problem(name, f"only applies to {readers}, not loss={config.policy_loss!r}")
+        )
     try:
-        check_config(config.policy_loss, LossConfig.from_mapping(loss_fn_config(config)))
+        if not unused:  # each was reported above, by name
+            check_config(config.policy_loss, loss)
     except ValueError as exc:
         problems.append(Problem("loss", str(exc)))
     return problems
@@ -157,12 +162,8 @@ def unsupported_options(
     return problems
 
 
-def _values(config: RLConfig | SFTConfig) -> dict[str, object]:
-    return {f.name: getattr(config, f.name) for f in fields(config)}
-
-
 def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[Problem]:
-    if config.allow_training_without_logprobs:
+    if config.loss.allow_training_without_logprobs:
         return []
     for gi, group in enumerate(groups):
         for ti, trajectory in enumerate(group.trajectories):
@@ -195,12 +196,12 @@ def preflight_rl(
     if options is not None:
         # `loss` is judged by the loss the call runs (`ppo=False` means cispo), not its field;
         # a backend that takes `loss` gets `ppo` folded into it, so `ppo` is not judged again.
-        values = {**_values(config), "loss": config.policy_loss}
-        defaults = {**_RL_DEFAULTS, "loss": RLConfig().policy_loss}
+        values = {**option_values(config), "loss": config.policy_loss}
+        defaults = {**option_defaults(type(config)), "loss": RLConfig().policy_loss}
         if any(o.name == "loss" for o in options):
             del values["ppo"], defaults["ppo"]
         problems += unsupported_options(backend, "train", values, defaults, options)
-    if config.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
+    if config.loss.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
             Problem(
                 "kl_penalty_coef",
@@ -232,7 +233,7 @@ def preflight_sft(
         )
     if options is not None:
         problems += unsupported_options(
-            backend, "train_sft", _values(config), _SFT_DEFAULTS, options
+            backend, "train_sft", option_values(config), _SFT_DEFAULTS, options
         )
     if config.warmup_steps and config.lr_schedule == "constant" and config.min_lr_ratio != 0.0:
         problems.append(Problem("min_lr_ratio", "has no effect with lr_schedule='constant'"))

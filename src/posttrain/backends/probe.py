@@ -14,10 +14,10 @@ from typing import Literal
 import torch
 
 from posttrain.algo.loss_inputs import policy_tokens, shaped_advantages
-from posttrain.algo.losses import LossBatch, LossConfig
+from posttrain.algo.losses import LossBatch
 from posttrain.engine.batching import pad_datums
 from posttrain.trainer.config import RLConfig
-from posttrain.trainer.rl import loss_fn_config, prepare_batch, weighted
+from posttrain.trainer.rl import prepare_batch, weighted
 from posttrain.types import Datum, TokenSegment, Trajectory, TrajectoryGroup
 
 # The probe's stand-in learner logprobs are q_t + 0.01*t and its reference ones lp_t - 0.02*t
@@ -81,9 +81,8 @@ def probe_advantage_flow(config: RLConfig) -> ProbeFinding | None:
     if not batch.datums:
         return None
     loss_batch = _stand_in_batch(weighted(batch.datums, batch.masks, config))
-    loss_config = LossConfig.from_mapping(loss_fn_config(config))
-    tokens = policy_tokens(loss_batch, loss_config)
-    adv_BT, _ = shaped_advantages(loss_batch, loss_config, tokens)
+    tokens = policy_tokens(loss_batch, config.loss)
+    adv_BT, _ = shaped_advantages(loss_batch, config.loss, tokens)
     for row in range(adv_BT.shape[0]):
         mask_T = tokens.mask_BT[row]
         for quantity, values in (

@@ -15,6 +15,7 @@ from typing import Unpack
 
 from typing_extensions import TypedDict
 
+from posttrain.algo.config_fields import from_options, option
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import ModelClients
 from posttrain.backends.inputs import group_list, trajectory_list
@@ -25,6 +26,7 @@ from posttrain.backends.options import (
     SFTOptions,
     WeightsInProcessFields,
     check_options,
+    document,
     resolve_sft,
 )
 from posttrain.backends.preflight import preflight_register
@@ -54,8 +56,12 @@ class RayRLOptions(WeightsInProcessFields, RayFields, total=False, closed=True):
 class RayRLConfig(RLConfig):
     """Resolved RayBackend.train() options: RLConfig's plus RayBackend's own."""
 
-    check_weights_in_sync: bool = False  # compare the replicas' weight digests after the step
+    check_weights_in_sync: bool = option(
+        False, "after the step, check that every replica holds the same weights"
+    )
 
+
+document(RayRLOptions, RayRLConfig)
 
 RAY = Capabilities(
     reports_sync_loss=True,
@@ -167,7 +173,7 @@ class RayBackend:
         """One RL step on `trajectory_groups` (any iterable, read once); returns the new step
         and its metrics."""
         check_options(options, RayRLOptions, BACKEND)
-        config = RayRLConfig(**options)
+        config = from_options(RayRLConfig, options)
         groups = group_list(trajectory_groups, f"{BACKEND}.train()")
         result = await self._models.train(model, groups, config)
         if config.check_weights_in_sync:

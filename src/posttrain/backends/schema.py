@@ -1,9 +1,10 @@
 """Option schemas, derived from the typed option definitions (one source of truth).
 
 `option_schema` reads a backend's `train()` / `train_sft()` TypedDict: the type and choices from
-the annotation, the default from the matching config dataclass, the description from
-`Annotated[..., "text"]` metadata on the field or else `backends.options.HELP`. An option with
-no description is an error, so the listing can never show an undocumented option.
+the annotation, the default and the description from the option's field in the matching config
+dataclass (`trainer.config`, where each option is defined once), or `Annotated[..., "text"]`
+metadata on the TypedDict's field, else `backends.options.HELP`. An option with no description
+is an error, so the listing can never show an undocumented option.
 `constructor_schema` describes the keyword arguments a backend's constructor takes (what a job
 config's `[backend]` table may set).
 """
@@ -14,11 +15,12 @@ import inspect
 import keyword
 import types
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Annotated, Literal, Union, get_args, get_origin, get_type_hints
 
 from posttrain.backends.options import HELP, option_names
+from posttrain.trainer.config import option_defaults, option_help
 
 JSONScalar = str | int | float | bool | None
 OPTION_KEYS = ("name", "type", "default", "choices", "description")
@@ -118,17 +120,23 @@ def choices_of(annotation: object) -> tuple[JSONScalar, ...] | None:
     return None
 
 
-def description_of(options_type: type, name: str, annotation: object) -> str:
-    """The field's `Annotated` string metadata, else HELP[name]; missing is an error."""
+def description_of(
+    options_type: type, name: str, annotation: object, described: Mapping[str, str]
+) -> str:
+    """The field's `Annotated` string metadata, else the config field's help (`described`),
+    else HELP[name]; missing is an error."""
     if get_origin(annotation) is Annotated:
         texts = [m for m in annotation.__metadata__ if isinstance(m, str)]  # type: ignore[attr-defined]
         if texts:
             return texts[0]
+    if name in described:
+        return described[name]
     if name in HELP:
         return HELP[name]
     raise ValueError(
-        f"option {name!r} of {options_type.__name__} has no description: annotate it as "
-        f"Annotated[<type>, 'what it does'] (or add it to posttrain.backends.options.HELP)"
+        f"option {name!r} of {options_type.__name__} has no description: give its config field "
+        f"a help line (posttrain.algo.config_fields.option) or annotate it as "
+        f"Annotated[<type>, 'what it does']"
     )
 
 
@@ -136,14 +144,15 @@ def option_schema(options_type: type, config_type: type) -> list[OptionSchema]:
     """Schemas of the options a TypedDict declares, with defaults from its config dataclass."""
     hints = get_type_hints(options_type)
     extras = get_type_hints(options_type, include_extras=True)
-    defaults = {f.name: f.default for f in fields(config_type) if f.default is not MISSING}
+    defaults = option_defaults(config_type)
+    described = option_help(config_type)
     return [
         OptionSchema(
             name=name,
             type=type_name(hints[name]),
             default=defaults.get(name),  # type: ignore[arg-type]  # a plugin option may have no default
             choices=choices_of(hints[name]),
-            description=description_of(options_type, name, extras[name]),
+            description=description_of(options_type, name, extras[name], described),
         )
         for name in sorted(option_names(options_type))
     ]

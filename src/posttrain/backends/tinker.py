@@ -25,7 +25,13 @@ from typing import Any, ClassVar, Unpack, get_args
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import check_model_json, write_model_json
 from posttrain.backends.inputs import group_list, trajectory_list
-from posttrain.backends.options import RLOptions, SFTOptions, resolve_rl, resolve_sft
+from posttrain.backends.options import (
+    RLOptions,
+    SFTOptions,
+    document,
+    resolve_rl,
+    resolve_sft,
+)
 from posttrain.backends.preflight import preflight_register, preflight_rl, preflight_sft
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
@@ -58,6 +64,9 @@ TINKER = Capabilities(
 
 class TinkerRLOptions(RLOptions, total=False, closed=True):
     """TinkerBackend.train() options: exactly what the Tinker protocol carries."""
+
+
+document(TinkerRLOptions, RLConfig)
 
 
 class TinkerBackend:

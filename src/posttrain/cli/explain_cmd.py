@@ -20,6 +20,7 @@ from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
 from posttrain.jobs.config import JobConfig, load_config, redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
+from posttrain.trainer.config import is_config, option_values
 
 # What each plan entry counts.
 PLAN_NOTES = {
@@ -64,6 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _jsonable(value: object) -> object:
+    if is_config(value):  # train() options: flat, by the keys the TOML tables use
+        return option_values(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):

@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from posttrain.algo.loss_metrics import summarize_values
-from posttrain.algo.losses import LossConfig
 from posttrain.clients.futures import APIFuture, OrderedRunner
 from posttrain.clients.local_sampling import (
     LocalSamplingClient,
@@ -17,8 +16,14 @@ from posttrain.clients.local_sampling import (
     load_replica,
     snapshot_replica,
 )
-from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
-from posttrain.engine.dispatch import Dispatch, InProcessExecutor
+from posttrain.clients.protocol import (
+    LoadWeightsResponse,
+    LossFnConfig,
+    SaveWeightsResponse,
+    as_loss_config,
+)
+from posttrain.engine.dispatch import Dispatch
+from posttrain.engine.executor import InProcessExecutor
 from posttrain.engine.sampler import Sampler
 from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import PassResult, Worker
@@ -79,9 +84,9 @@ class LocalTrainingClient:
         self,
         data: Sequence[Datum],
         loss_fn: str,
-        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+        loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        config = LossConfig.from_mapping(loss_fn_config or {})
+        config = as_loss_config(loss_fn, loss_fn_config)
         data = list(data)
         return self._runner.submit(lambda: to_output(self.dispatch.forward(data, loss_fn, config)))
 
@@ -89,9 +94,9 @@ class LocalTrainingClient:
         self,
         data: Sequence[Datum],
         loss_fn: str,
-        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+        loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        config = LossConfig.from_mapping(loss_fn_config or {})
+        config = as_loss_config(loss_fn, loss_fn_config)
         data = list(data)
         return self._runner.submit(
             lambda: to_output(self.dispatch.forward_backward(data, loss_fn, config))
@@ -217,9 +222,7 @@ class LocalTrainingClient:
         """Tokens per chunk of the logprob computation on every worker (from the next call)."""
         if chunk_size < 1:
             raise ValueError(f"logprob chunk size must be >= 1, got {chunk_size}")
-        self._runner.submit(
-            lambda: self.dispatch.pass_through("set_logprob_chunk_size", chunk_size)
-        ).result()
+        self._runner.submit(lambda: self.dispatch.set_logprob_chunk_size(chunk_size)).result()
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.dispatch.tokenizer

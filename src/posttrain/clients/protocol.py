@@ -1,4 +1,9 @@
-"""The TrainingClient protocol: Tinker's primitives, implemented locally, on Ray, or remotely."""
+"""The TrainingClient protocol: Tinker's primitives, implemented locally, on Ray, or remotely.
+
+A loss's configuration travels as a `LossConfig` (what the shared trainer passes). Code written
+for the tinker SDK may pass Tinker's `loss_fn_config` mapping instead: `as_loss_config` parses
+it with `LossConfig.from_mapping`, the one reader of that vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from posttrain.algo.losses import LossConfig
 from posttrain.clients.futures import APIFuture
 from posttrain.types import (
     AdamParams,
@@ -18,6 +24,14 @@ from posttrain.types import (
 )
 
 LossConfigValue = float | str | bool | None
+LossFnConfig = LossConfig | Mapping[str, LossConfigValue]
+
+
+def as_loss_config(loss_fn: str, config: LossFnConfig | None) -> LossConfig:
+    """`config` as a LossConfig: itself, the default for None, or a parsed Tinker mapping."""
+    if isinstance(config, LossConfig):
+        return config
+    return LossConfig.from_mapping(config or {}, loss_fn)
 
 
 @dataclass(frozen=True)
@@ -40,14 +54,14 @@ class TrainingClient(Protocol):
         self,
         data: Sequence[Datum],
         loss_fn: str,
-        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+        loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]: ...
 
     def forward_backward(
         self,
         data: Sequence[Datum],
         loss_fn: str,
-        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+        loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]: ...
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]: ...

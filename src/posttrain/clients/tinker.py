@@ -4,27 +4,33 @@ It speaks to the Tinker service or to `posttrain serve` (extra `posttrain[tinker
 shared trainer builds datums and loss configs in posttrain's vocabulary; this module turns
 them into what Tinker's wire protocol carries, and refuses what it cannot carry:
 
-- the clip range (`epsilon`/`epsilon_high`) becomes `clip_low_threshold`/`clip_high_threshold`;
+- the `LossConfig` becomes Tinker's `loss_fn_config` (`algo.loss_wire.to_loss_fn_config`: the clip
+  range `epsilon`/`epsilon_high` as `clip_low_threshold`/`clip_high_threshold`);
 - per-token loss-reduction `weights` of the RL losses are folded into `advantages` (exact for
   `importance_sampling`, `ppo` and `cispo`: each token's term is linear in its advantage and the
   weights are >= 0), and posttrain's bookkeeping input `mask` stays behind;
 - options only posttrain's loss code knows (KL penalty, truncated IS, ...) are a ValueError
-  when set to anything but their off value. The typed TinkerBackend options keep them out
-  before this point; the check here guards direct use of the client.
+  when set away from their default. The typed TinkerBackend options keep them out before this
+  point; the check here guards direct use of the client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from posttrain.algo.losses import clip_thresholds
+from posttrain.algo.loss_wire import to_loss_fn_config
 from posttrain.clients.futures import APIFuture
-from posttrain.clients.protocol import LoadWeightsResponse, LossConfigValue, SaveWeightsResponse
+from posttrain.clients.protocol import (
+    LoadWeightsResponse,
+    LossFnConfig,
+    SaveWeightsResponse,
+    as_loss_config,
+)
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -44,18 +50,6 @@ U = TypeVar("U")
 
 RL_LOSSES = ("importance_sampling", "ppo", "cispo")
 SUPPORTED_LOSSES = ("cross_entropy", *RL_LOSSES)
-# posttrain loss-config keys and the values that mean "off": anything else cannot travel.
-OFF_VALUES: dict[str, tuple[object, ...]] = {
-    "beta": (None,),
-    "importance_sampling_level": (None, "token"),
-    "truncated_importance_sampling": (None,),
-    "mask_prob_ratio": (None, False),
-    "kimi_k2_tau": (None,),
-    "kl_penalty_coef": (None, 0, 0.0),
-    "kl_estimator": (None, "k1", "k3"),
-    "kl_mode": (None, "loss", "advantage"),
-    "allow_missing_logprobs": (None, False),
-}
 BOOKKEEPING_INPUTS = ("mask",)
 
 
@@ -69,38 +63,15 @@ def import_tinker() -> Any:
     return tinker
 
 
-def protocol_loss_config(
-    loss_fn: str, config: Mapping[str, LossConfigValue] | None
-) -> dict[str, float]:
-    """posttrain's loss config for `loss_fn` as Tinker's `loss_fn_config` (numbers only)."""
+def protocol_loss_config(loss_fn: str, config: LossFnConfig | None) -> dict[str, float]:
+    """The loss config for `loss_fn` as Tinker's `loss_fn_config` (numbers only)."""
     if loss_fn not in SUPPORTED_LOSSES:
         raise ValueError(
             f"loss_fn={loss_fn!r} cannot be sent over the Tinker protocol by posttrain; "
             f"use one of {list(SUPPORTED_LOSSES)}"
         )
-    values = {k: v for k, v in (config or {}).items() if v is not None}
-    for key, value in values.items():
-        if key in OFF_VALUES and value not in OFF_VALUES[key]:
-            raise ValueError(
-                f"loss option {key}={value!r} is not carried by the Tinker protocol; "
-                "train with LocalBackend or RayBackend to use it"
-            )
-        if key not in OFF_VALUES and key not in (
-            "epsilon",
-            "epsilon_high",
-            "clip_low_threshold",
-            "clip_high_threshold",
-        ):
-            raise ValueError(f"unknown loss option {key!r} for the Tinker protocol")
-    if loss_fn == "cross_entropy":
-        return {}
-    low, high = clip_thresholds(values)
-    out: dict[str, float] = {}
-    if low is not None:
-        out["clip_low_threshold"] = low
-    if high is not None:
-        out["clip_high_threshold"] = high
-    return out
+    wire = to_loss_fn_config(loss_fn, as_loss_config(loss_fn, config))
+    return {} if loss_fn == "cross_entropy" else wire
 
 
 def protocol_inputs(loss_fn: str, datum: Datum) -> dict[str, torch.Tensor]:
@@ -204,7 +175,7 @@ class TinkerTrainingClient:
         self,
         data: Sequence[Datum],
         loss_fn: str,
-        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+        loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         config = protocol_loss_config(loss_fn, loss_fn_config)
         batch = [to_tinker_datum(loss_fn, d) for d in data]
@@ -216,7 +187,7 @@ class TinkerTrainingClient:
         self,
         data: Sequence[Datum],
         loss_fn: str,
-        loss_fn_config: Mapping[str, LossConfigValue] | None = None,
+        loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         config = protocol_loss_config(loss_fn, loss_fn_config)
         batch = [to_tinker_datum(loss_fn, d) for d in data]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -25,7 +25,7 @@ from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.config import REDACTED, JobConfig, is_secret
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
 from posttrain.tasks.resolve import ResolvedTask
-from posttrain.trainer.config import RLConfig, SFTConfig, check_value
+from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values
 
 # Constructor arguments the job fills in itself, and where their value comes from.
 JOB_SUPPLIED = {"path": "[run] output_dir", "keep_checkpoints": "[run] keep_checkpoints"}
@@ -268,7 +268,7 @@ def call_options(values: RLConfig | SFTConfig, schema: Sequence[OptionSchema]) -
     """The job's value of every option the backend declares; preflight refused the rest (any
     set away from its default), so leaving them out changes nothing."""
     declared = {o.name for o in schema}
-    out = {f.name: getattr(values, f.name) for f in fields(values) if f.name in declared}
+    out = {key: value for key, value in option_values(values).items() if key in declared}
     if isinstance(values, RLConfig) and "loss" in out:
         out["loss"] = values.policy_loss  # the loss the job runs (`ppo = false` is cispo)
     return out

@@ -12,6 +12,7 @@ from posttrain.engine.checkpoint import step_directories
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig, parse_tiny_spec, redact_secrets
 from posttrain.model import RunState
+from posttrain.trainer.config import option_values
 
 # Settings a resumed run may change: where the run is, how long it goes on, how it is evaluated.
 RESUMABLE_CHANGES = frozenset(
@@ -44,7 +45,8 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
     for table in ("run", "model", "sft", "rl", "eval"):
         values = asdict(getattr(config, table))
         if "trainer" in values:  # [sft] and [rl]: their train options are keys of the table
-            values.update(values.pop("trainer"))
+            del values["trainer"]
+            values.update(option_values(getattr(config, table).trainer))
         record[table] = values
     # For the record (a resume may run elsewhere), without the secrets it may hold.
     record["backend"] = redact_secrets(config.backend)

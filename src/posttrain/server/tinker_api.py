@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
+from posttrain.algo.losses import LossConfig
 from posttrain.server import tinker_schema as s
 from posttrain.server.proto import (
     BodyTooLarge,
@@ -341,7 +342,9 @@ class Api:
         def job() -> Outcome:
             client = self.rt.client(req.model_id)
             call = client.forward if req.forward_only else client.forward_backward
-            out = call(req.data, req.loss_fn, req.loss_fn_config).result()
+            # Tinker's wire keys -> LossConfig (algo.loss_wire, the one reader of them).
+            config = LossConfig.from_mapping(req.loss_fn_config, req.loss_fn)
+            out = call(req.data, req.loss_fn, config).result()
             return Outcome(None, encode_forward_backward_output(out))
 
         kind = "forward" if req.forward_only else "forward_backward"

@@ -1,184 +1,167 @@
-"""Resolved `train()` / `train_sft()` configuration: frozen dataclasses with their defaults.
+"""Resolved `train()` / `train_sft()` configuration: frozen dataclasses nested by concern.
 
-The trainer reads these; `backends.options` defines the typed keyword options that resolve to
-them, so the trainer never imports a backend module.
+Each option is defined once, as a field with its default, help and range
+(`algo.config_fields.option`): the advantage options in `algo.advantages.AdvantageConfig`, the
+loss options in `algo.losses.LossConfig`, the optimizer's in `OptimizerConfig`, and the rest
+here. The flat keyword options of `train()` are the fields' keys (`from_options` builds a config
+from them); `backends.options` declares the typed option sets that resolve to these, so the
+trainer never imports a backend module.
 """
 
 from __future__ import annotations
 
-import math
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Union, get_args, get_origin, get_type_hints
+from typing import Literal
 
-from posttrain.algo.advantages import AdvantageEstimator, ReductionPreset
-from posttrain.algo.ratios import ImportanceSamplingLevel, KLEstimator
+from posttrain.algo.advantages import AdvantageConfig
+from posttrain.algo.config_fields import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    Check,
+    check_field_types,
+    check_fields,
+    check_value,
+    from_options,
+    group,
+    is_config,
+    option,
+    option_defaults,
+    option_fields,
+    option_help,
+    option_values,
+    with_options,
+)
+from posttrain.algo.losses import KLMode, LossConfig
+from posttrain.types import AdamParams
+
+__all__ = [
+    "AssistantTurns",
+    "KLMode",
+    "LRDecay",
+    "OptimizerConfig",
+    "PolicyLoss",
+    "ProtocolPolicyLoss",
+    "RLConfig",
+    "SFTConfig",
+    "check_field_types",
+    "check_value",
+    "from_options",
+    "is_config",
+    "option_defaults",
+    "option_fields",
+    "option_help",
+    "option_values",
+    "with_options",
+]
 
 PolicyLoss = Literal["ppo", "cispo", "importance_sampling", "dro", "gspo"]
 # The policy losses whose semantics Tinker's wire protocol fixes (clip thresholds only); dro's
 # masking and gspo's sequence mask are not specified there, so remote backends do not offer them.
 ProtocolPolicyLoss = Literal["ppo", "cispo", "importance_sampling"]
-KLMode = Literal["loss", "advantage"]
 LRDecay = Literal["cosine", "linear", "constant"]
 AssistantTurns = Literal["all", "last"]
 
-# Infinity means nothing for any float option: "no clipping" is 0, "no cap" is None.
-FINITE_CLIP = "a finite number >= 0 (0 turns clipping off)"
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW settings of a call's updates (betas and eps keep `AdamParams`' defaults)."""
+
+    learning_rate: float = option(1e-5, "AdamW learning rate for this call's updates", NON_NEGATIVE)
+    # Infinity means nothing for any float option: "no clipping" is 0, "no cap" is None.
+    grad_clip: float = option(
+        1.0,
+        "max global gradient norm (0 turns clipping off)",
+        Check("a finite number >= 0 (0 turns clipping off)", NON_NEGATIVE.ok),
+    )
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay", NON_NEGATIVE)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def adam_params(self, learning_rate: float | None = None) -> AdamParams:
+        """These settings as `optim_step`'s parameters, at `learning_rate` if given (a schedule's)."""
+        return AdamParams(
+            learning_rate=self.learning_rate if learning_rate is None else learning_rate,
+            weight_decay=self.weight_decay,
+            grad_clip_norm=self.grad_clip,
+        )
+
+
+def save_checkpoint_option() -> bool:
+    """The `save_checkpoint` option of both calls."""
+    return option(True, "checkpoint after the call (weights, optimizer, RNG, run_state)")
 
 
 @dataclass(frozen=True)
 class RLConfig:
-    """Resolved RL options with their defaults (keys are those of `LocalRLOptions`)."""
+    """Resolved RL options with their defaults (keys are those of `LocalRLOptions`).
 
-    learning_rate: float = 1e-5  # AdamW peak learning rate for this step
-    loss: PolicyLoss | None = None  # policy loss from algo.losses (None: see `policy_loss`)
-    ppo: bool | None = None  # ART's switch: True is loss "ppo", False is "cispo"
-    epsilon: float | None = None  # clip range 1 - epsilon (None: the loss's default)
-    epsilon_high: float | None = None  # clip range 1 + epsilon_high (None: epsilon)
-    dro_beta: float = 0.05  # dro's quadratic penalty
-    importance_sampling_level: ImportanceSamplingLevel = "token"
-    advantage_estimator: AdvantageEstimator = "grpo"
-    scale_rewards: bool = True  # divide group advantages by the group's std (grpo)
-    advantage_balance: float = 0.0  # in [-1, 1]: down-weight one sign of advantage
-    zero_variance_groups: Literal["drop", "keep"] = "drop"
-    loss_reduction: ReductionPreset = "token_mean"
-    loss_reduction_constant: float | None = None  # needed by loss_reduction="constant"
-    truncated_importance_sampling: float | None = None  # cap on trainer/sampler ratio
-    mask_prob_ratio: bool = False  # drop tokens whose ratio leaves the clip band
-    kimi_k2_tau: float | None = None
-    allow_training_without_logprobs: bool = False  # missing sampler logprobs mean ratio 1
-    num_minibatches: int = 1  # optimizer steps per call
-    grad_clip: float = 1.0  # max global grad norm (0: off)
-    weight_decay: float = 0.0
-    save_checkpoint: bool = True
-    kl_penalty_coef: float = 0.0  # KL to the base model (LoRA disabled)
-    kl_estimator: KLEstimator = "k3"
-    kl_mode: KLMode = "loss"
-    precalculate_logprobs: bool = False  # trainer logprobs as the ratio's reference
-    logprob_calculation_chunk_size: int = 1024
-    plot_tensors: bool = False  # PNG plots of advantages, ratios and logprobs per step
+    The flat option `loss` names the policy loss (`loss_fn`, as Tinker calls it): the field
+    `loss` is the loss's configuration, Tinker's `loss_fn_config`.
+    """
+
+    optimizer: OptimizerConfig = group(OptimizerConfig)
+    loss_fn: PolicyLoss | None = option(
+        None,
+        "policy loss from posttrain.algo.losses (default 'ppo', or 'cispo' when ppo=False)",
+        key="loss",
+    )
+    ppo: bool | None = option(
+        None,
+        "ART's switch: True means loss='ppo', False loss='cispo' (a conflicting loss is an error)",
+    )
+    loss: LossConfig = group(LossConfig)
+    advantages: AdvantageConfig = group(AdvantageConfig)
+    num_minibatches: int = option(
+        1, "optimizer steps per call, each on its share of the trajectories", AT_LEAST_ONE
+    )
+    precalculate_logprobs: bool = option(
+        False,
+        "score the batch with the trainer's weights first; use those as the ratio's reference",
+    )
+    logprob_calculation_chunk_size: int = option(
+        1024, "tokens per chunk when computing logprobs (memory vs speed)", AT_LEAST_ONE
+    )
+    save_checkpoint: bool = save_checkpoint_option()
+    plot_tensors: bool = option(False, "save a PNG of the step's advantages, ratios and logprobs")
 
     @property
     def policy_loss(self) -> PolicyLoss:
         """`loss` if given, else what `ppo` asks for; "ppo" when neither is set."""
-        if self.loss is not None:
-            return self.loss
+        if self.loss_fn is not None:
+            return self.loss_fn
         return "cispo" if self.ppo is False else "ppo"
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        if self.loss is not None and self.ppo is not None:
+        check_fields(self)
+        if self.loss_fn is not None and self.ppo is not None:
             implied = "ppo" if self.ppo else "cispo"
-            if self.loss != implied:
+            if self.loss_fn != implied:
                 raise ValueError(
-                    f"options loss={self.loss!r} and ppo={self.ppo} disagree (ppo={self.ppo} "
+                    f"options loss={self.loss_fn!r} and ppo={self.ppo} disagree (ppo={self.ppo} "
                     f"means loss={implied!r}): pass only one of them"
                 )
-        check_range(self, "learning_rate", "a finite number >= 0", lambda v: 0 <= v < math.inf)
-        check_range(
-            self, "epsilon", "in [0, 1] (the clip floor is 1 - epsilon)", lambda v: 0 <= v <= 1
-        )
-        check_range(
-            self,
-            "epsilon_high",
-            "a finite number >= 0 (the clip ceiling is 1 + epsilon_high)",
-            lambda v: 0 <= v < math.inf,
-        )
-        check_range(self, "dro_beta", "a finite number >= 0", lambda v: 0 <= v < math.inf)
-        check_range(self, "advantage_balance", "in [-1, 1]", lambda v: -1 <= v <= 1)
-        check_range(
-            self, "loss_reduction_constant", "a finite number > 0", lambda v: 0 < v < math.inf
-        )
-        if self.loss_reduction == "constant" and self.loss_reduction_constant is None:
-            raise ValueError(
-                "option loss_reduction_constant is needed by loss_reduction='constant': "
-                "pass loss_reduction_constant > 0"
-            )
-        check_range(
-            self,
-            "truncated_importance_sampling",
-            "a finite cap > 0 (None: no cap)",
-            lambda v: 0 < v < math.inf,
-        )
-        check_range(self, "kimi_k2_tau", "a finite number >= 0", lambda v: 0 <= v < math.inf)
-        check_range(self, "num_minibatches", ">= 1", lambda v: v >= 1)
-        check_range(self, "grad_clip", FINITE_CLIP, lambda v: 0 <= v < math.inf)
-        check_range(self, "weight_decay", "a finite number >= 0", lambda v: 0 <= v < math.inf)
-        check_range(self, "kl_penalty_coef", "a finite number >= 0", lambda v: 0 <= v < math.inf)
-        check_range(self, "logprob_calculation_chunk_size", ">= 1", lambda v: v >= 1)
 
 
 @dataclass(frozen=True)
 class SFTConfig:
     """Resolved SFT options with their defaults (keys are those of `SFTOptions`)."""
 
-    learning_rate: float = 1e-4  # peak learning rate of the schedule
-    lr_schedule: LRDecay = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    batch_size: int = 8  # trajectories per optimizer step
-    epochs: int = 1
-    assistant_turns: AssistantTurns = "all"  # train every assistant turn, or the last only
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    shuffle_seed: int = 0
-    save_checkpoint: bool = True
+    optimizer: OptimizerConfig = group(lambda: OptimizerConfig(learning_rate=1e-4))
+    lr_schedule: LRDecay = option(
+        "cosine", "learning-rate decay after warm-up: cosine, linear or constant"
+    )
+    warmup_steps: int = option(0, "linear warm-up steps", Check(">= 0", lambda v: v >= 0))
+    min_lr_ratio: float = option(
+        0.0,
+        "final learning rate as a fraction of the peak",
+        Check("in [0, 1]", lambda v: 0 <= v <= 1),
+    )
+    batch_size: int = option(8, "trajectories per optimizer step", AT_LEAST_ONE)
+    epochs: int = option(1, "passes over the trajectories", AT_LEAST_ONE)
+    assistant_turns: AssistantTurns = option("all", "train every assistant turn, or only the last")
+    shuffle_seed: int = option(0, "seed of the order the trajectories are visited in")
+    save_checkpoint: bool = save_checkpoint_option()
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        check_range(self, "learning_rate", "a finite number >= 0", lambda v: 0 <= v < math.inf)
-        check_range(self, "warmup_steps", ">= 0", lambda v: v >= 0)
-        check_range(self, "min_lr_ratio", "in [0, 1]", lambda v: 0 <= v <= 1)
-        check_range(self, "batch_size", ">= 1", lambda v: v >= 1)
-        check_range(self, "epochs", ">= 1", lambda v: v >= 1)
-        check_range(self, "grad_clip", FINITE_CLIP, lambda v: 0 <= v < math.inf)
-        check_range(self, "weight_decay", "a finite number >= 0", lambda v: 0 <= v < math.inf)
-
-
-def check_range(config: object, name: str, expected: str, ok: Callable[[float], bool]) -> None:
-    """Raise ValueError naming option `name` unless its value (if not None) passes `ok`.
-
-    `ok` is False for NaN whatever the bound, since every comparison with NaN is.
-    """
-    value = getattr(config, name)
-    if value is not None and not ok(value):
-        raise ValueError(f"option {name}={value!r} is invalid: expected {expected}")
-
-
-def _accepts(annotation: object, value: object) -> bool:
-    origin = get_origin(annotation)
-    if origin is Literal:
-        return value in get_args(annotation)
-    if origin in (Union, types.UnionType):
-        return any(_accepts(arg, value) for arg in get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(annotation, type):
-        return isinstance(value, annotation)
-    return True
-
-
-def _describe(annotation: object) -> str:
-    origin = get_origin(annotation)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(annotation))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(annotation))
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def check_field_types(config: object) -> None:
-    """Runtime check of each field against its annotation (Literal choices included)."""
-    for name, annotation in get_type_hints(type(config)).items():
-        check_value(name, annotation, getattr(config, name))
-
-
-def check_value(name: str, annotation: object, value: object) -> None:
-    """Raise ValueError unless `value` fits `annotation` (Literal choices included)."""
-    if not _accepts(annotation, value):
-        raise ValueError(f"option {name}={value!r} is invalid: expected {_describe(annotation)}")
+        check_fields(self)

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algo.advantages import AdvantageConfig, compute_group_advantages, reduction_weights
+from posttrain.algo.advantages import compute_group_advantages, reduction_weights
+from posttrain.algo.losses import LossConfig
 from posttrain.clients.protocol import TrainingClient
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
 from posttrain.trainer.tensor_plots import TensorRecorder
-from posttrain.types import AdamParams, Datum, TrajectoryGroup
+from posttrain.types import Datum, TrajectoryGroup
 
 
 @dataclass(frozen=True)
@@ -33,37 +34,12 @@ class PreparedBatch:
     num_dropped_groups: int
 
 
-def loss_fn_config(config: RLConfig) -> dict[str, float | str | bool | None]:
-    """The algo.losses configuration an RLConfig asks for."""
-    return {
-        "epsilon": config.epsilon,
-        "epsilon_high": config.epsilon_high,
-        "beta": config.dro_beta if config.policy_loss == "dro" else None,
-        "importance_sampling_level": config.importance_sampling_level,
-        "truncated_importance_sampling": config.truncated_importance_sampling,
-        "mask_prob_ratio": config.mask_prob_ratio,
-        "kimi_k2_tau": config.kimi_k2_tau,
-        "kl_penalty_coef": config.kl_penalty_coef,
-        "kl_estimator": config.kl_estimator,
-        "kl_mode": config.kl_mode,
-        "allow_missing_logprobs": config.allow_training_without_logprobs,
-    }
-
-
 def prepare_batch(groups: Sequence[TrajectoryGroup], config: RLConfig) -> PreparedBatch:
     """Advantages per group, then one datum per trajectory of every kept group."""
     require_sequence(groups, "the trajectory groups")
     if not groups:
         raise ValueError("train() got an empty list of trajectory groups; pass at least one group")
-    result = compute_group_advantages(
-        [g.rewards for g in groups],
-        AdvantageConfig(
-            estimator=config.advantage_estimator,
-            scale_rewards=config.scale_rewards,
-            zero_variance=config.zero_variance_groups,
-            advantage_balance=config.advantage_balance,
-        ),
-    )
+    result = compute_group_advantages([g.rewards for g in groups], config.advantages)
     datums: list[Datum] = []
     masks: list[torch.Tensor] = []
     advantages: list[float] = []
@@ -72,7 +48,7 @@ def prepare_batch(groups: Sequence[TrajectoryGroup], config: RLConfig) -> Prepar
             continue
         for trajectory, adv in zip(group.trajectories, adv_G.tolist(), strict=True):
             datum, mask = rl_datum(
-                trajectory, adv, allow_missing_logprobs=config.allow_training_without_logprobs
+                trajectory, adv, allow_missing_logprobs=config.loss.allow_training_without_logprobs
             )
             if mask.sum() == 0:
                 continue
@@ -99,8 +75,9 @@ def split_minibatches(count: int, num_minibatches: int) -> list[range]:
 
 def weighted(datums: list[Datum], masks: list[torch.Tensor], config: RLConfig) -> list[Datum]:
     """Attach the loss-reduction weights, normalised over this whole mini-batch."""
+    reduction = config.advantages
     weights_BT = reduction_weights(
-        pad_masks(masks), config.loss_reduction, constant=config.loss_reduction_constant
+        pad_masks(masks), reduction.loss_reduction, constant=reduction.loss_reduction_constant
     )
     return [
         with_weights(d, weights_BT[i, : m.numel()])
@@ -113,13 +90,15 @@ async def add_reference_inputs(
 ) -> list[Datum]:
     """Trainer logprobs as the ratio's reference (precalculate_logprobs) and KL reference."""
     if config.precalculate_logprobs:
-        allow = {"allow_missing_logprobs": config.allow_training_without_logprobs}
-        scored = await client.forward(datums, "importance_sampling", allow)
+        allow = config.loss.allow_training_without_logprobs
+        scored = await client.forward(
+            datums, "importance_sampling", LossConfig(allow_training_without_logprobs=allow)
+        )
         datums = [
             _with_inputs(d, logprobs=out["logprobs"], sampler_logprobs=d.loss_fn_inputs["logprobs"])
             for d, out in zip(datums, scored.loss_fn_outputs, strict=True)
         ]
-    if config.kl_penalty_coef > 0:
+    if config.loss.kl_penalty_coef > 0:
         reference = getattr(client, "reference_logprobs", None)
         if reference is None:
             raise TypeError(
@@ -164,17 +143,12 @@ async def train_rl_batch(
     if not batch.datums:
         return metrics.nothing_trainable()
     datums = await add_reference_inputs(client, batch.datums, config)
-    adam = AdamParams(
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        grad_clip_norm=config.grad_clip,
-    )
-    loss_cfg = loss_fn_config(config)
+    adam = config.optimizer.adam_params()
     parts = split_minibatches(len(datums), config.num_minibatches)
     with Progress("train", len(parts), "update") as progress:
         for part in parts:
             mini = weighted([datums[i] for i in part], [batch.masks[i] for i in part], config)
-            out = await client.forward_backward(mini, config.policy_loss, loss_cfg)
+            out = await client.forward_backward(mini, config.policy_loss, config.loss)
             if recorder is not None:
                 recorder.record(mini, out)
             step = await client.optim_step(adam)

@@ -13,7 +13,7 @@ from posttrain.trainer.config import SFTConfig
 from posttrain.trainer.datums import pad_masks, require_sequence, sft_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
-from posttrain.types import AdamParams, TokenSegment, Trajectory
+from posttrain.types import TokenSegment, Trajectory
 
 # Called after each update with its index and {"loss": ..., "learning_rate": ...}.
 OnUpdate = Callable[[int, Mapping[str, float]], None]
@@ -63,7 +63,7 @@ def sft_batches(trajectories: Sequence[Trajectory], config: SFTConfig) -> list[l
 
 def learning_rate(config: SFTConfig, index: int, total: int) -> float:
     """The learning rate of update `index` (0-based) of `total`: engine.optim's schedule."""
-    return config.learning_rate * lr_multiplier(
+    return config.optimizer.learning_rate * lr_multiplier(
         index,
         warmup_steps=config.warmup_steps,
         total_steps=total,
@@ -117,11 +117,7 @@ async def _sft_update(
     masks = [m for _, m in pairs]
     weights_BT = reduction_weights(pad_masks(masks), "token_mean")
     datums = [with_weights(d, weights_BT[i, : m.numel()]) for i, (d, m) in enumerate(pairs)]
-    adam = AdamParams(
-        learning_rate=learning_rate(config, index, total),
-        weight_decay=config.weight_decay,
-        grad_clip_norm=config.grad_clip,
-    )
+    adam = config.optimizer.adam_params(learning_rate(config, index, total))
     out = await client.forward_backward(datums, "cross_entropy", {})
     step = await client.optim_step(adam)
     optim = step.metrics or {}
