@@ -1,6 +1,7 @@
 """Multi-turn environments: the `Environment` protocol, the rollout runner that turns episodes
 into trajectories with several trainable turns, the built-in `calculator` tool-use
-environment, and finding an environment by name, dotted path or entry point."""
+environment, finding an environment by name, dotted path or entry point, and playing
+`verifiers` environments through a model's OpenAI endpoint (the `verifiers` extra)."""
 
 from posttrain.environments.calculator import CalculatorEnv
 from posttrain.environments.protocol import Demonstrating, Environment, Reset, Split, Step
@@ -17,6 +18,13 @@ from posttrain.environments.runner import (
     Episodes,
     evaluate_environment,
     run_episodes,
+)
+from posttrain.environments.verifiers_adapter import (
+    VerifiersEpisodeError,
+    evaluate_verifiers,
+    load_verifiers_env,
+    run_verifiers_episodes,
+    verifiers_tasks,
 )
 from posttrain.tool_calls import ToolCall, parse_tool_calls
 
@@ -35,8 +43,13 @@ __all__ = [
     "Split",
     "Step",
     "ToolCall",
+    "VerifiersEpisodeError",
     "evaluate_environment",
+    "evaluate_verifiers",
+    "load_verifiers_env",
     "parse_tool_calls",
     "resolve_environment",
     "run_episodes",
+    "run_verifiers_episodes",
+    "verifiers_tasks",
 ]

@@ -1,5 +1,7 @@
 """Finding an environment by name, as tasks are found: a built-in, a dotted path, or an
-installed entry point (group `posttrain.environments`).
+installed entry point (group `posttrain.environments`); or a `verifiers` environment,
+"verifiers:<taskset id>", whose options are its verifiers env config (see
+`posttrain.environments.verifiers_adapter`).
 
 The spec names a factory (a class or a function) that the runner calls with the options as
 keyword arguments once per episode, each episode having its own environment. A class is
@@ -25,7 +27,8 @@ from posttrain.tasks.imports import DOTTED_PATH, ImportTargetError, import_objec
 from posttrain.tasks.resolve import TaskError, check_options
 
 ENTRY_POINT_GROUP = "posttrain.environments"
-EnvironmentKind = Literal["builtin", "path", "entry_point"]
+EnvironmentKind = Literal["builtin", "path", "entry_point", "verifiers"]
+VERIFIERS_PREFIX = "verifiers:"
 BUILTIN_ENVIRONMENTS: dict[str, type] = {"calculator": CalculatorEnv}
 
 
@@ -56,6 +59,15 @@ def entry_points() -> dict[str, str]:
 def environment_kind(spec: str) -> EnvironmentKind:
     """Which kind of spec this is, without importing anything; an unknown name lists the
     known ones."""
+    if spec.startswith(VERIFIERS_PREFIX):
+        taskset = spec.removeprefix(VERIFIERS_PREFIX)
+        if not taskset or any(c.isspace() or c == ":" for c in taskset):
+            raise EnvironmentSpecError(
+                f"environment {spec!r}: name the verifiers taskset after the prefix, as "
+                "'verifiers:<taskset id>' (an installed package or a module exporting its "
+                "vf.Taskset, e.g. 'verifiers:my_taskset')"
+            )
+        return "verifiers"
     if ":" in spec:
         if not DOTTED_PATH.match(spec):
             raise EnvironmentSpecError(
@@ -90,6 +102,10 @@ def resolve_environment(
     """
     options = dict(options or {})
     kind = environment_kind(spec)
+    if kind == "verifiers":
+        from posttrain.environments.verifiers_adapter import resolve_verifiers_environment
+
+        return resolve_verifiers_environment(spec, options, search=search)
     if kind == "builtin":
         factory: object = BUILTIN_ENVIRONMENTS[spec]
     else:

@@ -309,6 +309,17 @@ class EnvironmentEvaluation:
     mean_reward: float
     trajectories: list[Trajectory]
 
+    @classmethod
+    def of(cls, groups: Sequence[TrajectoryGroup]) -> EnvironmentEvaluation:
+        """The evaluation of played episodes (at least one)."""
+        trajectories = [t for g in groups for t in g.trajectories]
+        rewards = [t.reward for t in trajectories]
+        return cls(
+            accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
+            mean_reward=sum(rewards) / len(rewards),
+            trajectories=trajectories,
+        )
+
 
 async def evaluate_environment(
     sampler: Sampler,
@@ -326,10 +337,4 @@ async def evaluate_environment(
     played = await run_episodes(
         sampler, make_env, seeds, params, split="held_out", limits=limits, name=name
     )
-    trajectories = [t for g in played.groups for t in g.trajectories]
-    rewards = [t.reward for t in trajectories]
-    return EnvironmentEvaluation(
-        accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
-        mean_reward=sum(rewards) / len(rewards),
-        trajectories=trajectories,
-    )
+    return EnvironmentEvaluation.of(played.groups)

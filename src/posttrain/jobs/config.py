@@ -30,10 +30,20 @@ from typing import Literal, get_args
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.tiny import Arch, Size
-from posttrain.environments.resolve import EnvironmentSpecError, environment_kind
+from posttrain.environments.resolve import (
+    VERIFIERS_PREFIX,
+    EnvironmentSpecError,
+    environment_kind,
+)
 from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.rewards import BUILTIN_REWARDS
-from posttrain.trainer.config import RLConfig, SFTConfig, check_field_types
+from posttrain.trainer.config import (
+    RLConfig,
+    SFTConfig,
+    check_field_types,
+    from_options,
+    option_fields,
+)
 
 ARCHES: tuple[str, ...] = get_args(Arch)
 SIZES: tuple[str, ...] = get_args(Size)
@@ -54,7 +64,8 @@ class RunConfig:
     """What to train on and where the run lives: `<output_dir>/<project>/models/<name>/`."""
 
     task: str = "reverse"  # built-in name, "pkg.module:factory", entry-point name, or "data"
-    # Or a multi-turn environment instead of a task: "calculator", "pkg.module:Env", entry point.
+    # Or a multi-turn environment instead of a task: "calculator", "pkg.module:Env", entry point,
+    # or "verifiers:<taskset id>" (a verifiers environment; [environment] is its env config).
     environment: str | None = None
     name: str = "run"
     project: str = "posttrain"
@@ -310,10 +321,12 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         for name, cls in tables.items()
     }
     free = {}
+    # A verifiers environment's [environment] is its verifiers env config, tables and all.
+    nested = str(run.get("environment")).startswith(VERIFIERS_PREFIX)
     for name in ("backend", "task", "environment"):
         free[name] = dict(data.get(name) or {})  # type: ignore[call-overload]
         for key, value in free[name].items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and not (nested and name == "environment"):
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
     dataset = _build(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
     return JobConfig(**built, **free, data=dataset, source=source)  # type: ignore[arg-type]
@@ -351,6 +364,15 @@ def _check_environment_tables(run: Mapping[str, object], data: Mapping[str, obje
                     "(set [run] environment, or remove it)"
                 )
         return
+    rl = data.get("rl")
+    if str(run["environment"]).startswith(VERIFIERS_PREFIX) and isinstance(rl, dict):
+        for key in ("max_turns", "max_context"):
+            if key in rl:
+                raise ValueError(
+                    f"[rl] {key} has no effect on a verifiers environment, whose agent has its "
+                    "own limits: set them in [environment], e.g. agent = { max_turns = 4, "
+                    "max_total_tokens = 512 }"
+                )
     clash = [f"[run] task = {run['task']!r}"] if "task" in run else []
     clash += [f"[{table}]" for table in ("task", "data") if table in data]
     if clash:
@@ -361,11 +383,12 @@ def _check_environment_tables(run: Mapping[str, object], data: Mapping[str, obje
 
 
 def _build(cls: type, table: dict[str, object], name: str) -> object:
-    """`cls(**table)`; keys that are not `cls`'s own go to its `trainer` options, if it has one."""
+    """`cls(**table)`; keys that are not `cls`'s own go to its `trainer` options, if it has one
+    (the flat `train()` / `train_sft()` keys, built into the nested config by `from_options`)."""
     own = {f.name for f in fields(cls)} - {"trainer"}
     trainer = next((f for f in fields(cls) if f.name == "trainer"), None)
     trainer_cls = {"sft": SFTConfig, "rl": RLConfig}.get(name) if trainer else None
-    passthrough = {f.name for f in fields(trainer_cls)} if trainer_cls else set[str]()
+    passthrough = set(option_fields(trainer_cls)) if trainer_cls else set[str]()
     for key, value in table.items():
         if key not in own and key not in passthrough:
             raise ValueError(f"[{name}] unknown key {key!r}{_hint(key, own | passthrough)}")
@@ -374,7 +397,8 @@ def _build(cls: type, table: dict[str, object], name: str) -> object:
     kwargs = {k: v for k, v in table.items() if k in own}
     try:
         if trainer_cls is not None:
-            kwargs["trainer"] = trainer_cls(**{k: v for k, v in table.items() if k in passthrough})
+            options = {k: v for k, v in table.items() if k in passthrough}
+            kwargs["trainer"] = from_options(trainer_cls, options)
         return cls(**kwargs)
     except ValueError as exc:
         message = str(exc)

@@ -21,7 +21,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -43,6 +43,7 @@ from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolv
 from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
 from posttrain.jobs.work import JobWork, job_work
 from posttrain.model import TrainableModel
+from posttrain.trainer.config import with_options
 from posttrain.trainer.progress import INTERVAL_S, duration, report_progress
 from posttrain.types import Trajectory
 
@@ -140,7 +141,7 @@ async def run_job(
         await model.register(backend, resume_step=resume_step)
         run = _Run(
             config=config,
-            work=job_work(config, resolved),
+            work=job_work(config, resolved, model),
             model=model,
             backend=backend,
             info=found.info,
@@ -252,8 +253,8 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
     sampled = sum(t.num_trainable_tokens for g in groups for t in g.trajectories)
     sample_s = time.perf_counter() - began
     warmup = min(1.0, (k + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
-    learning_rate = config.trainer.learning_rate * warmup
-    trainer = replace(config.trainer, learning_rate=learning_rate)
+    learning_rate = config.trainer.optimizer.learning_rate * warmup
+    trainer = with_options(config.trainer, learning_rate=learning_rate)
     options = cast(RLOptions, call_options(trainer, run.info.train_options))
     if "save_checkpoint" in options:  # only where declared: else the backend's default holds
         options["save_checkpoint"] = not _checkpoints_on_demand(run)

@@ -1,24 +1,32 @@
-"""What a job trains on, behind one interface: a task (prompts; one rewarded completion each)
-or an environment (seeds; multi-turn episodes). The warm-up, the RL steps and the evaluations
-of `train_job` call these.
+"""What a job trains on, behind one interface: a task (prompts; one rewarded completion each),
+an environment (seeds; multi-turn episodes) or a `verifiers` environment (its taskset's tasks;
+episodes played through the model's OpenAI endpoint). The warm-up, the RL steps and the
+evaluations of `train_job` call these.
 
 Everything derives from seeds, so a resumed step replays exactly: RL step k's prompts or
-environment seeds from ([run] seed, k), its sampling seed likewise; the warm-up's from
-([run] seed, "sft"); the held-out problems or seeds from [eval] seed alone.
+environment seeds (or verifiers tasks) from ([run] seed, k), its sampling seed likewise; the
+warm-up's from ([run] seed, "sft"); the held-out problems, seeds or tasks from [eval] seed alone.
 """
 
 from __future__ import annotations
 
 import inspect
 import random
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.environments.protocol import Reset
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.environments.runner import EpisodeLimits, evaluate_environment, run_episodes
+from posttrain.environments.verifiers_adapter import (
+    ServesEndpoint,
+    evaluate_verifiers,
+    load_verifiers_env,
+    run_verifiers_episodes,
+    verifiers_tasks,
+)
 from posttrain.evaluation import Sampler, evaluate
 from posttrain.jobs.config import JobConfig
 from posttrain.jobs.rollouts import (
@@ -32,6 +40,10 @@ from posttrain.jobs.sft_data import conversation_to_trajectory
 from posttrain.rollout import TurnClosing, assistant_closing
 from posttrain.tasks import Problem, ResolvedTask, Task
 from posttrain.types import SamplingParams, Trajectory
+
+if TYPE_CHECKING:  # the optional `verifiers` extra
+    from verifiers.v1 import Env
+    from verifiers.v1 import Task as VerifiersTask
 
 
 @dataclass(frozen=True)
@@ -220,8 +232,95 @@ async def _resolved(value: object) -> object:
     return value
 
 
-def job_work(config: JobConfig, resolved: ResolvedTask | ResolvedEnvironment) -> JobWork:
-    """The job's task or environment, ready for its phases."""
+@dataclass
+class VerifiersWork:
+    """A verifiers environment: `prompts_per_step` of its training tasks per step,
+    `group_size` episodes each, played through the model's OpenAI endpoint.
+
+    `[eval] held_out` tasks, drawn by `[eval] seed`, are held out; the step's tasks are drawn
+    from the others (a verifiers taskset has no split of its own)."""
+
+    environment: ResolvedEnvironment
+    config: JobConfig
+    model: ServesEndpoint
+    env: Env = field(init=False)
+    held_out_tasks: list[VerifiersTask] = field(init=False)
+    train_tasks: list[VerifiersTask] = field(init=False)
+
+    def __post_init__(self) -> None:
+        taskset = self.environment.spec.split(":", 1)[1]
+        self.env = load_verifiers_env(
+            taskset, self.environment.options, search=self.config.base_dir
+        )
+        tasks = verifiers_tasks(self.env)
+        n = self.config.eval.held_out
+        if n >= len(tasks):
+            raise ValueError(
+                f"[eval] held_out = {n}, but environment {self.name!r} has {len(tasks)} "
+                "tasks: hold out fewer, so that some are left to train on"
+            )
+        rng = random.Random(derive_seed(self.config.eval.seed, "held_out"))
+        held = set(rng.sample(range(len(tasks)), n))
+        self.held_out_tasks = [t for i, t in enumerate(tasks) if i in held]
+        self.train_tasks = [t for i, t in enumerate(tasks) if i not in held]
+
+    @property
+    def name(self) -> str:
+        return self.environment.spec
+
+    @property
+    def held_out(self) -> int:
+        return len(self.held_out_tasks)
+
+    @property
+    def unit(self) -> str:
+        return "episodes"
+
+    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
+        return []  # never asked: a verifiers environment has no demonstration() (job_task)
+
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+        rl = self.config.rl
+        rng = random.Random(derive_seed(self.config.run.seed, "rl", k))
+        pool, n = self.train_tasks, rl.prompts_per_step
+        tasks = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
+        params = rl_params(self.config, k)
+        played = await run_verifiers_episodes(
+            self.model,
+            self.env,
+            tasks,
+            group_size=rl.group_size,
+            sampling={
+                "max_tokens": rl.max_tokens,
+                "temperature": rl.temperature,
+                "top_p": rl.top_p,
+            },
+            seed=params.seed,
+            max_exceptions=None,  # the job's bound, below, says how many may fail
+        )
+        check_bad_rollouts(played.errors, played.episodes, rl.max_bad_rollouts)
+        return SampledStep(played.groups, len(played.errors), played.episodes)
+
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
+        result = await evaluate_verifiers(
+            self.model, self.env, self.held_out_tasks, max_tokens=eval_max_tokens(self.config)
+        )
+        metrics = {"accuracy": result.accuracy, "mean_reward": result.mean_reward}
+        return Evaluated(result.accuracy, metrics)
+
+
+def job_work(
+    config: JobConfig,
+    resolved: ResolvedTask | ResolvedEnvironment,
+    model: ServesEndpoint | None = None,
+) -> JobWork:
+    """The job's task or environment, ready for its phases; a verifiers environment plays
+    through `model`'s OpenAI endpoint (the job's backend must serve one, as LocalBackend,
+    RayBackend and TinkerBackend on `posttrain serve` do)."""
+    if isinstance(resolved, ResolvedEnvironment) and resolved.kind == "verifiers":
+        if model is None:
+            raise ValueError(f"environment {resolved.spec!r} plays through a model: pass model")
+        return VerifiersWork(resolved, config, model)
     if isinstance(resolved, ResolvedEnvironment):
         return EnvironmentWork(resolved, config)
     problems = resolved.task.held_out(config.eval.seed, config.eval.held_out)
