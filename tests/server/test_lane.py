@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.server.config import ServerConfig
-from posttrain.server.runtime import Lane, Outcome, Runtime
+from posttrain.server.lanes import Lane, Outcome
+from posttrain.server.runtime import Runtime
 from posttrain.server.store import Store
 
 GAP_TIMEOUT = 0.5

@@ -1,10 +1,8 @@
 """What runs behind the endpoints: live models, their ordered request lanes, samplers, futures.
 
-Each live model has a lane: requests wait there until every smaller `seq_id` has been handed
-on, then run one at a time on the lane's thread (torch work never runs on the event loop). A
-gap in `seq_id` waits `seq_gap_timeout` seconds, then the waiting requests fail with a user
-error naming the missing id. A request's outcome is written to the store before its waiters
-are woken, so `retrieve_future` always reads it from one place, after a restart too.
+Each live model has a lane (`server.lanes`) that runs its requests in `seq_id` order. A
+request's outcome is written to the store before its waiters are woken, so `retrieve_future`
+always reads it from one place, after a restart too.
 
 Threads. torch computes on exactly one thread, `Runtime.compute` (one device per server): every
 call of every model and sampler (forward, forward_backward, optim_step, sampling, prompt
@@ -33,7 +31,6 @@ import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.backends.sampling import SamplingClient
@@ -42,122 +39,13 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint
 from posttrain.engine.threads import ComputeThread
 from posttrain.server.config import ServerConfig
+from posttrain.server.lanes import Job, Lane, UserError, category_of
 from posttrain.server.sources import UnknownModelError
 from posttrain.server.store import FutureRow, ModelRow, SamplerRow, Store
 
 log = logging.getLogger(__name__)
 
 RESTARTED = "the server restarted before this request finished; submit it again"
-
-
-class UserError(ValueError):
-    """A request the caller got wrong: its future fails with category "user"."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A finished request: its JSON form, and its protobuf form where the protocol has one.
-
-    `json=None` (forward passes): the JSON form is decoded from `proto` if a client asks for it.
-    """
-
-    json: dict[str, object] | None
-    proto: bytes | None = None
-
-
-Job = Callable[[], Outcome]
-
-
-def category_of(exc: BaseException) -> str:
-    # The engine reports bad input (token ids, shapes, loss names, configs) as ValueError.
-    return "user" if isinstance(exc, ValueError | LookupError | TypeError) else "server"
-
-
-@dataclass
-class _Waiting:
-    request_id: str
-    job: Job
-
-
-class Lane:
-    """One model's requests, run in `seq_id` order (from 1) on one thread.
-
-    Every `seq_id` the client sends takes its turn, refused or not: a request refused before it
-    was queued (a 4xx) is `skip`ped in its turn, so the requests after it never wait for it.
-    """
-
-    def __init__(self, runtime: Runtime, model_id: str) -> None:
-        self.runtime = runtime
-        self.model_id = model_id
-        self.next_seq = 1
-        self.waiting: dict[int, _Waiting | None] = {}  # None: a refused request's turn
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lane")
-        self.timer: asyncio.TimerHandle | None = None
-
-    def submit(self, seq_id: int, request_id: str, job: Job) -> None:
-        """Called on the event loop."""
-        if seq_id < self.next_seq:
-            self.runtime.fail(
-                request_id,
-                f"seq_id {seq_id} arrived after model {self.model_id} moved past it "
-                f"(next expected seq_id is {self.next_seq})",
-            )
-            return
-        if seq_id in self.waiting:  # the store lets one request per seq_id through: a refused one
-            self.runtime.fail(
-                request_id,
-                f"seq_id {seq_id} of model {self.model_id} was taken by a request the server "
-                "refused; send each request with a new seq_id",
-            )
-            return
-        self.waiting[seq_id] = _Waiting(request_id, job)
-        self._drain()
-
-    def skip(self, seq_id: int) -> None:
-        """Called on the event loop for a request refused before it was queued: its turn
-        passes without running anything (a no-op if `seq_id` already has its turn)."""
-        if seq_id >= self.next_seq and seq_id not in self.waiting:
-            self.waiting[seq_id] = None
-            self._drain()
-
-    def _drain(self) -> None:
-        while self.next_seq in self.waiting:
-            item = self.waiting.pop(self.next_seq)
-            if item is not None:
-                self.thread.submit(self.runtime.run, item.request_id, item.job)
-            self.next_seq += 1
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.waiting:
-            loop = self.runtime.loop
-            self.timer = loop.call_later(self.runtime.config.seq_gap_timeout, self._gap_expired)
-
-    def _gap_expired(self) -> None:
-        self.timer = None
-        missing = self.next_seq
-        for seq_id, item in sorted(self.waiting.items()):
-            if item is None:
-                continue
-            self.runtime.fail(
-                item.request_id,
-                f"model {self.model_id}: seq_id {missing} never arrived within "
-                f"{self.runtime.config.seq_gap_timeout:g} s, so seq_id {seq_id} cannot run "
-                "(requests of a model run in seq_id order)",
-            )
-        self.next_seq = max(self.waiting) + 1
-        self.waiting.clear()
-
-    def close(self, reason: str) -> None:
-        """Fail the requests still waiting for their turn; those already handed on run (and
-        fail, as the model is gone)."""
-        if self.timer is not None:
-            self.timer.cancel()
-        for item in self.waiting.values():
-            if item is not None:
-                self.runtime.fail(item.request_id, reason)
-        self.waiting.clear()
-        self.thread.shutdown(wait=False)
 
 
 class Runtime:
@@ -186,6 +74,10 @@ class Runtime:
     def loop(self) -> asyncio.AbstractEventLoop:
         assert self._loop is not None, "Runtime.start was not called"
         return self._loop
+
+    @property
+    def seq_gap_timeout(self) -> float:
+        return self.config.seq_gap_timeout
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

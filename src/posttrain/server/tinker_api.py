@@ -24,6 +24,7 @@ from fastapi import APIRouter, HTTPException, Request, Response
 
 from posttrain.algo.losses import LossConfig
 from posttrain.server import tinker_schema as s
+from posttrain.server.lanes import Job, Outcome, UserError, category_of
 from posttrain.server.proto import (
     BodyTooLarge,
     ProtocolError,
@@ -31,7 +32,7 @@ from posttrain.server.proto import (
     encode_forward_backward_output,
     forward_backward_output_json,
 )
-from posttrain.server.runtime import Job, Outcome, Runtime, UserError, category_of
+from posttrain.server.runtime import Runtime
 from posttrain.server.store import (
     CheckpointRow,
     DuplicateRequest,

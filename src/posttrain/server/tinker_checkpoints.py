@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi import HTTPException, Request
 
 from posttrain.server import tinker_schema as s
-from posttrain.server.runtime import Job, Outcome, UserError
+from posttrain.server.lanes import Job, Outcome, UserError
 from posttrain.server.store import CheckpointKind, CheckpointRow, ModelRow, SamplerRow
 from posttrain.server.tinker_api import Api, in_client_terms, not_found, owner, str_dict
 

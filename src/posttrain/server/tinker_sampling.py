@@ -9,8 +9,8 @@ import uuid
 from fastapi import HTTPException, Request
 
 from posttrain.server import tinker_schema as s
+from posttrain.server.lanes import Outcome
 from posttrain.server.proto import encode_sample_response, sample_response_to_json
-from posttrain.server.runtime import Outcome
 from posttrain.server.store import SamplerRow
 from posttrain.server.tinker_api import Api, in_client_terms, not_found, owner
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
