@@ -23,12 +23,15 @@ from typing import Protocol
 from posttrain.rollout import TrajectoryBuilder, TurnClosing, assistant_closing
 from posttrain.tasks.protocol import Problem, Task
 from posttrain.tasks.rewards import score
+from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
 
 
 class Sampler(Protocol):
     """What `evaluate` samples with: `backend.sampling_client(model)` is one."""
 
+    # `object` while sampling clients hold an untyped tokenizer: readers check it with
+    # `as_tokenizer`.
     @property
     def tokenizer(self) -> object: ...
 
@@ -60,7 +63,7 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
-def completion_text(tokenizer: object, sequence: SampledSequence, closing: TurnClosing) -> str:
+def completion_text(tokenizer: Tokenizer, sequence: SampledSequence, closing: TurnClosing) -> str:
     """The completion without the end of turn it stopped on: the template's closing through its
     EOS (Llama 2's " " EOS) when it ends with all of it, else its final token. Any other
     special token stays visible as text, so a completion that emits one never equals an answer."""
@@ -68,11 +71,11 @@ def completion_text(tokenizer: object, sequence: SampledSequence, closing: TurnC
     if sequence.stop_reason == "stop":
         end = closing.through_end
         tokens = tokens[: -len(end)] if tuple(tokens[-len(end) :]) == end else tokens[:-1]
-    return str(tokenizer.decode(tokens, skip_special_tokens=False))  # type: ignore[attr-defined]
+    return str(tokenizer.decode(tokens, skip_special_tokens=False))
 
 
 def prompt_builders(
-    tokenizer: object, problems: Sequence[Problem], closing: TurnClosing
+    tokenizer: Tokenizer, problems: Sequence[Problem], closing: TurnClosing
 ) -> list[TrajectoryBuilder]:
     """One builder per problem, holding its chat rendered with the generation prompt."""
     builders = [TrajectoryBuilder(tokenizer, closing=closing) for _ in problems]
@@ -107,7 +110,7 @@ async def evaluate(
     chosen = list(task.held_out(seed, held_out) if problems is None else problems)
     if not chosen:
         raise ValueError("evaluate() got no problems")
-    tokenizer = sampler.tokenizer
+    tokenizer = as_tokenizer(sampler.tokenizer)
     closing = assistant_closing(tokenizer)
     prompts = [b.tokens for b in prompt_builders(tokenizer, chosen, closing)]
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)

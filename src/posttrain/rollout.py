@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 # The gather functions live in posttrain.gather (one implementation, two names); re-exported.
 from posttrain.gather import gather_groups, gather_trajectory_groups  # noqa: F401
+from posttrain.tokenizer import Tokenizer, eos_token_id
 from posttrain.types import JSONScalar, SampledSequence, TokenSegment, Trajectory
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class TrajectoryBuilder:
 
     def __init__(
         self,
-        tokenizer: object,
+        tokenizer: Tokenizer,
         *,
         closing: TurnClosing | None = None,
         tools: Sequence[Mapping[str, object]] | None = None,
@@ -138,7 +139,7 @@ class TrajectoryBuilder:
                 logprobs=tuple(sequence.logprobs) if sequence.logprobs is not None else None,
             )
         )
-        text = self.tokenizer.decode(sequence.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+        text = str(self.tokenizer.decode(sequence.tokens, skip_special_tokens=True))
         self.messages.append({"role": "assistant", "content": text})
         self._last, self._prompted = sequence, False
         return text
@@ -174,25 +175,29 @@ class TrajectoryBuilder:
 
 
 def render_chat(
-    tokenizer: object,
+    tokenizer: Tokenizer,
     messages: Sequence[ChatMessage],
     generation_prompt: bool,
     *,
     tools: Sequence[Mapping[str, object]] | None = None,
 ) -> list[int]:
     """The chat template's token ids for `messages` (with `tools`, if any)."""
-    extra = {"tools": [dict(t) for t in tools]} if tools is not None else {}
-    out = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+    out = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
+        tools=[dict(t) for t in tools] if tools is not None else None,
         add_generation_prompt=generation_prompt,
         tokenize=True,
         return_dict=False,
-        **extra,
     )
+    if not isinstance(out, list):
+        raise TypeError(
+            f"apply_chat_template(tokenize=True, return_dict=False) returned a "
+            f"{type(out).__name__}; posttrain needs the list of token ids"
+        )
     return [int(t) for t in out]
 
 
-def assistant_closing(tokenizer: object) -> TurnClosing:
+def assistant_closing(tokenizer: Tokenizer) -> TurnClosing:
     """The tokens a chat template puts after an assistant message's content, cut after the
     end-of-turn token.
 
@@ -214,7 +219,7 @@ def assistant_closing(tokenizer: object) -> TurnClosing:
     while common < min(map(len, renders)) and renders[0][-1 - common] == renders[1][-1 - common]:
         common += 1
     closing = tuple(renders[0][len(renders[0]) - common :])
-    special = {*tokenizer.all_special_ids, tokenizer.eos_token_id}  # type: ignore[attr-defined]
+    special = {*tokenizer.all_special_ids, eos_token_id(tokenizer)}
     end = next((i for i, t in enumerate(closing) if t in special), 0)
     return TurnClosing(closing[: end + 1], closing[end + 1 :])
 

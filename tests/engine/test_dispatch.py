@@ -30,7 +30,9 @@ from posttrain.engine.executor import (
     TensorKind,
 )
 from posttrain.engine.placement import StateGroup
+from posttrain.engine.tiny import build_tokenizer
 from posttrain.engine.worker import PassResult
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -141,6 +143,7 @@ class RecordingExecutor:
         self.calls: list[tuple[str, list[object]]] = []
         self.passes: list[list[PassShard | None]] = []  # forward and forward_backward inputs
         self.prompts: list[list[PromptShard | None]] = []  # sample inputs
+        self.tokenizer = build_tokenizer()
 
     @property
     def num_workers(self) -> int:
@@ -217,8 +220,8 @@ class RecordingExecutor:
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None:
         self._record("set_logprob_chunk_size", sizes)
 
-    def get_tokenizer(self) -> object:
-        return "tokenizer"
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
 
     def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:
         self.calls.append(("move", [list(offload), list(reload)]))
@@ -285,7 +288,7 @@ def test_an_executor_is_all_a_dispatch_needs(tmp_path):
     assert recording.calls[-1] == ("load_state", [LoadRequest(tmp_path, False)] * 3)
     dispatch.set_logprob_chunk_size(64)
     assert recording.calls[-1] == ("set_logprob_chunk_size", [64, 64, 64])
-    assert dispatch.tokenizer == "tokenizer"
+    assert dispatch.tokenizer is recording.tokenizer
     # Placement goes to the executor as one move per prepare: sampling parked the gradients
     # and AdamW moments, load_state brought the moments back to load into, and optim_step
     # brings back the gradients.

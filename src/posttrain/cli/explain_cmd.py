@@ -20,6 +20,7 @@ from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
 from posttrain.jobs.config import JobConfig, load_config, redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
+from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.config import is_config, option_values
 
 # What each plan entry counts.
@@ -76,7 +77,7 @@ def _jsonable(value: object) -> object:
     return value
 
 
-def load_tokenizer(config: JobConfig) -> object | None:
+def load_tokenizer(config: JobConfig) -> Tokenizer | None:
     """The base model's tokenizer without building or downloading anything, else None."""
     spec = config.model.base_model
     if spec.startswith("tiny:"):
@@ -91,7 +92,7 @@ def load_tokenizer(config: JobConfig) -> object | None:
         return None
 
 
-def dataset_rows(config: JobConfig, tokenizer: object | None) -> int:
+def dataset_rows(config: JobConfig, tokenizer: Tokenizer | None) -> int:
     """Conversations in `[sft] dataset`: read as the job reads them when the tokenizer is at
     hand, else its non-blank lines."""
     path = config.dataset_path()
@@ -103,11 +104,11 @@ def dataset_rows(config: JobConfig, tokenizer: object | None) -> int:
         return sum(1 for line in path.read_text().splitlines() if line.strip())
     from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
 
-    return len(load_sft_dataset(path, tokenizer, fields=sft_fields(config.data)))  # type: ignore[arg-type]
+    return len(load_sft_dataset(path, tokenizer, fields=sft_fields(config.data)))
 
 
 def prompt_tokens(
-    config: JobConfig, task: ResolvedTask | None, tokenizer: object | None
+    config: JobConfig, task: ResolvedTask | None, tokenizer: Tokenizer | None
 ) -> int | None:
     """Prompt tokens of RL step 1's prompts, rendered as the job renders them."""
     if tokenizer is None or task is None:

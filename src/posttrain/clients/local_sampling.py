@@ -24,6 +24,7 @@ from posttrain.clients.futures import APIFuture, OrderedRunner
 from posttrain.engine import checkpoint
 from posttrain.engine.sampler import Sampler
 from posttrain.engine.worker import Worker
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 
 
@@ -91,7 +92,7 @@ class LocalSamplingClient:
         sampler = self._open()
         return self._runner.submit(lambda: sampler.compute_logprobs(tokens))
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer:
         return self._open().tokenizer
 
     def get_base_model(self) -> str:

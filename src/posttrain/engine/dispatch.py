@@ -26,6 +26,7 @@ from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.executor import Executor, LoadRequest, PassShard, PromptShard, SaveRequest
 from posttrain.engine.placement import GROUPS, KEEPS, NEEDS, Operation, Placement, StateGroup
 from posttrain.engine.worker import PassResult
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
 A = TypeVar("A")
@@ -220,5 +221,5 @@ class Dispatch:
         self.pass_through(self.executor.set_logprob_chunk_size, chunk_size)
 
     @property
-    def tokenizer(self) -> object:
+    def tokenizer(self) -> Tokenizer | None:
         return self.executor.get_tokenizer()

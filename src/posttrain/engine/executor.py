@@ -27,6 +27,7 @@ from posttrain.algo.losses import LossConfig
 from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.placement import StateGroup
 from posttrain.engine.worker import PassResult, Worker
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
 A = TypeVar("A")
@@ -99,7 +100,7 @@ class Executor(Protocol):
 
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None: ...
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer | None:
         """Rank 0's tokenizer (every rank holds the same)."""
         ...
 
@@ -218,7 +219,7 @@ class InProcessExecutor:
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None:
         self._each(sizes, lambda w, size: w.set_logprob_chunk_size(size))
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer | None:
         return self.workers[0].get_tokenizer()
 
     def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:

@@ -46,6 +46,7 @@ from posttrain.engine.rank_calls import (
 )
 from posttrain.engine.ray_session import loopback_interface
 from posttrain.engine.worker import PassResult, Worker
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ class WorkerHost:
             self.worker.set_logprob_chunk_size(size)
 
     @rank_call(read_only=True)
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer | None:
         return self.worker.get_tokenizer()
 
     @rank_call(read_only=False)

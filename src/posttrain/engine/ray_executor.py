@@ -49,6 +49,7 @@ from posttrain.engine.ray_actor import Sharding, WorkerHost, store_directory
 from posttrain.engine.ray_calls import ActorCalls, WorkerGroupError, remote
 from posttrain.engine.ray_session import acquire_ray, import_ray, release_ray
 from posttrain.engine.worker import PassResult, Worker
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse
 
 CollectiveBackend = Literal["auto", "gloo", "nccl"]
@@ -231,7 +232,7 @@ class RayExecutor:
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None:
         self._calls.per_rank(WorkerHost.set_logprob_chunk_size, sizes)
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer | None:
         return self._calls.on_rank(0, WorkerHost.get_tokenizer)
 
     def move(self, offload: Sequence[StateGroup], reload: Sequence[StateGroup]) -> None:

@@ -39,6 +39,7 @@ from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.placement import Parking, StateGroup
 from posttrain.engine.sampler import Sampler
 from posttrain.engine.shared_prefix import MicroBatch, plan_micro_batches
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
 
@@ -279,7 +280,7 @@ class Worker:
     def set_logprob_chunk_size(self, chunk_size: int) -> None:
         self.config = replace(self.config, logprob_chunk_size=chunk_size)
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
     def sampler(self) -> Sampler:

@@ -42,6 +42,7 @@ from posttrain.environments.protocol import SPLITS, Environment, Reset, Split, S
 from posttrain.environments.protocol import missing_methods as missing_env_methods
 from posttrain.evaluation import Sampler
 from posttrain.rollout import ChatMessage, TrajectoryBuilder, TurnClosing, assistant_closing
+from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import SampledSequence, SamplingParams, Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,12 @@ async def run_episodes(
     if limits.max_context is not None and params.max_tokens is None:
         raise ValueError("a max_context limit needs SamplingParams.max_tokens (per turn)")
     label: str = name or getattr(make_env, "__qualname__", None) or repr(make_env)
-    closing = assistant_closing(sampler.tokenizer)
+    tokenizer = as_tokenizer(sampler.tokenizer)
+    closing = assistant_closing(tokenizer)
     episodes = [_Episode(seed, i) for i, seed in enumerate(seeds) for _ in range(group_size)]
     try:
         await asyncio.gather(
-            *(_start(e, make_env, split, sampler.tokenizer, closing, label) for e in episodes)
+            *(_start(e, make_env, split, tokenizer, closing, label) for e in episodes)
         )
         for turn in itertools.count():
             live = [e for e in episodes if e.running and _ready(e, limits, params, label)]
@@ -167,7 +169,7 @@ async def _start(
     e: _Episode,
     make_env: Callable[[], Environment],
     split: Split,
-    tokenizer: object,
+    tokenizer: Tokenizer,
     closing: TurnClosing,
     name: str,
 ) -> None:

@@ -22,6 +22,7 @@ from posttrain.jobs.sft_data import conversation_to_trajectory
 from posttrain.rollout import assistant_closing
 from posttrain.tasks import Problem, Task
 from posttrain.tasks.rewards import RewardError, score
+from posttrain.tokenizer import as_tokenizer
 from posttrain.types import SamplingParams, Trajectory, TrajectoryGroup
 
 __all__ = ["SampledStep", "completion_text", "derive_seed", "sample_groups", "sft_examples"]
@@ -65,7 +66,7 @@ async def sample_groups(
     max_bad_rollouts: float = 0.0,
 ) -> SampledStep:
     """`group_size` completions of each problem, all in one `sample_many` call, rewarded."""
-    tokenizer = sampler.tokenizer
+    tokenizer = as_tokenizer(sampler.tokenizer)
     closing = assistant_closing(tokenizer)
     prompted = prompt_builders(tokenizer, problems, closing)
     responses = await sampler.sample_many([b.tokens for b in prompted], group_size, params)

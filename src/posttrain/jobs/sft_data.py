@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, overload
 
-from transformers import PreTrainedTokenizerBase
-
 from posttrain.rollout import TurnClosing, assistant_closing, render_chat
 from posttrain.tasks.dataset import json_object
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import TokenSegment, Trajectory
 
 if TYPE_CHECKING:
@@ -36,7 +35,7 @@ Conversation: TypeAlias = list[dict[str, str]]
 
 def conversation_to_trajectory(
     messages: Sequence[Mapping[str, str]],
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     closing: TurnClosing | None = None,
     *,
     tools: Sequence[Mapping[str, object]] | None = None,
@@ -119,13 +118,13 @@ def load_sft_dataset(
 
 @overload
 def load_sft_dataset(
-    path: str | Path, tokenizer: PreTrainedTokenizerBase, *, fields: SFTFields = SFTFields()
+    path: str | Path, tokenizer: Tokenizer, *, fields: SFTFields = SFTFields()
 ) -> list[Trajectory]: ...
 
 
 def load_sft_dataset(
     path: str | Path,
-    tokenizer: PreTrainedTokenizerBase | None = None,
+    tokenizer: Tokenizer | None = None,
     *,
     fields: SFTFields = SFTFields(),
 ) -> list[Conversation] | list[Trajectory]:

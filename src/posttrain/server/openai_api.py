@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -49,6 +50,7 @@ from posttrain.server.openai_schema import (
 )
 from posttrain.server.sources import SamplerSource, UnknownModelError
 from posttrain.server.tool_calls import parse_tool_calls
+from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import SampleResponse, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -189,7 +191,7 @@ async def _completion(source: SamplerSource, batchers: Batchers, request: Reques
             param="logprobs",
         )
     sampler = await _sampler(source, req.model, _owner(request))
-    tokenizer = sampler.tokenizer
+    tokenizer = as_tokenizer(sampler.tokenizer)
     prompt = _completion_prompt(tokenizer, req.prompt)
     max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     params = sampling_params(req, max_tokens, eos_texts(tokenizer))
@@ -221,7 +223,7 @@ async def _completion(source: SamplerSource, batchers: Batchers, request: Reques
 
 
 def _completion_prompt(
-    tokenizer: object, prompt: str | list[int] | list[str] | list[list[int]]
+    tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]]
 ) -> list[int]:
     """A string (tokenized with the tokenizer's special tokens, as vLLM does) or token ids."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -233,7 +235,7 @@ def _completion_prompt(
             )
         prompt = prompt[0]  # type: ignore[assignment]
     if isinstance(prompt, str):
-        return [int(t) for t in tokenizer.encode(prompt)]  # type: ignore[attr-defined]
+        return [int(t) for t in tokenizer.encode(prompt)]
     return [int(t) for t in prompt]  # type: ignore[arg-type]
 
 
@@ -247,7 +249,7 @@ async def _chat(source: SamplerSource, batchers: Batchers, request: Request) -> 
             param="top_logprobs",
         )
     sampler = await _sampler(source, req.model, _owner(request))
-    tokenizer = sampler.tokenizer
+    tokenizer = as_tokenizer(sampler.tokenizer)
     prompt = _chat_prompt(tokenizer, req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = sampling_params(req, max_tokens, eos_texts(tokenizer))
@@ -292,10 +294,10 @@ def _message(text: str, finish: str, tools: bool) -> tuple[Json, str]:
     return message, "tool_calls" if finish == "stop" else finish
 
 
-def _chat_prompt(tokenizer: object, req: ChatRequest) -> list[int]:
+def _chat_prompt(tokenizer: Tokenizer, req: ChatRequest) -> list[int]:
     """The conversation rendered by the model's chat template, with the generation prompt (and
     the request's tools and chat_template_kwargs)."""
-    extra = dict(req.chat_template_kwargs or {})
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})  # template variables: any JSON
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
     if reserved:
         raise OpenAIError(
@@ -303,11 +305,10 @@ def _chat_prompt(tokenizer: object, req: ChatRequest) -> list[int]:
             f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do",
             param="chat_template_kwargs",
         )
-    if req.tools:
-        extra["tools"] = [tool.model_dump() for tool in req.tools]
     try:
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        text = tokenizer.apply_chat_template(
             [m.for_template() for m in req.messages],
+            tools=[tool.model_dump() for tool in req.tools] if req.tools else None,
             add_generation_prompt=True,
             tokenize=False,
             **extra,
@@ -316,14 +317,18 @@ def _chat_prompt(tokenizer: object, req: ChatRequest) -> list[int]:
         raise OpenAIError(
             400, f"the model's chat template cannot render messages: {exc}", param="messages"
         ) from None
+    if not isinstance(text, str):
+        raise TypeError(
+            f"apply_chat_template(tokenize=False) returned a {type(text).__name__}, not the text"
+        )
     return encode_rendered(tokenizer, text)
 
 
-def encode_rendered(tokenizer: object, text: str) -> list[int]:
+def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
     """What `apply_chat_template(tokenize=True)` gives for the rendered `text`: its tokens
     without added special tokens. A fast tokenizer's Rust backend is called directly: the
     Python wrapper costs more than the encoding, on every request."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return list(backend.encode(text, add_special_tokens=False).ids)
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]

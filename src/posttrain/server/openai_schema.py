@@ -20,6 +20,7 @@ from posttrain.server.tinker_schema import (
     TokenId,
     unencodable_text,
 )
+from posttrain.tokenizer import Tokenizer, eos_token
 from posttrain.types import SampledSequence, SamplingParams
 
 MAX_N = 128
@@ -236,9 +237,9 @@ def sampling_params(
         raise OpenAIError(400, str(exc)) from None
 
 
-def eos_texts(tokenizer: object) -> tuple[str, ...]:
-    eos = getattr(tokenizer, "eos_token", None)
-    return (eos,) if isinstance(eos, str) and eos else ()
+def eos_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
+    eos = eos_token(tokenizer)
+    return (eos,) if eos else ()
 
 
 def user_stops(request: _SamplingFields) -> tuple[str, ...]:
@@ -249,10 +250,10 @@ def user_stops(request: _SamplingFields) -> tuple[str, ...]:
 
 
 def completion_text(
-    tokenizer: object, sequence: SampledSequence, stops: Sequence[str]
+    tokenizer: Tokenizer, sequence: SampledSequence, stops: Sequence[str]
 ) -> tuple[str, Literal["stop", "length"]]:
     """The choice's text (ending before the first stop string, as OpenAI's) and finish_reason."""
-    text: str = tokenizer.decode(sequence.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+    text = str(tokenizer.decode(sequence.tokens, skip_special_tokens=True))
     if sequence.stop_reason == "stop" and stops:
         cut = min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))
         text = text[:cut]
@@ -265,16 +266,16 @@ def _logprobs_of(sequence: SampledSequence) -> list[float]:
     return list(sequence.logprobs)
 
 
-def token_texts(tokenizer: object, tokens: Sequence[int], as_ids: bool = False) -> list[str]:
+def token_texts(tokenizer: Tokenizer, tokens: Sequence[int], as_ids: bool = False) -> list[str]:
     """Each token's text, or "token_id:<id>" (vLLM's `return_tokens_as_token_ids`)."""
     if as_ids:
         return [f"token_id:{t}" for t in tokens]
-    decode = tokenizer.decode  # type: ignore[attr-defined]
-    return [decode([t], skip_special_tokens=False) for t in tokens]
+    decode = tokenizer.decode
+    return [str(decode([t], skip_special_tokens=False)) for t in tokens]
 
 
 def legacy_logprobs(
-    tokenizer: object, sequence: SampledSequence, as_ids: bool = False
+    tokenizer: Tokenizer, sequence: SampledSequence, as_ids: bool = False
 ) -> dict[str, object]:
     """The /v1/completions `logprobs` object for the sampled tokens (no top alternatives)."""
     texts = token_texts(tokenizer, sequence.tokens, as_ids)
@@ -291,7 +292,7 @@ def legacy_logprobs(
 
 
 def chat_logprobs(
-    tokenizer: object, sequence: SampledSequence, as_ids: bool = False
+    tokenizer: Tokenizer, sequence: SampledSequence, as_ids: bool = False
 ) -> dict[str, object]:
     """The /v1/chat/completions `logprobs` object: one entry per sampled token."""
     texts = token_texts(tokenizer, sequence.tokens, as_ids)

@@ -1,0 +1,89 @@
+"""The Tokenizer protocol: transformers' tokenizers satisfy it (pyright checks the assignments
+below), a tokenizer with only its members drives the rollout code, and `as_tokenizer` names
+what a wrong object lacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from posttrain.engine.models import load_tokenizer
+from posttrain.engine.tiny import build_tokenizer
+from posttrain.rollout import TrajectoryBuilder, TurnClosing, assistant_closing
+from posttrain.tokenizer import Tokenizer, as_tokenizer, eos_token, eos_token_id
+from posttrain.types import SampledSequence
+
+
+def hf_tokenizers_are_tokenizers(base: PreTrainedTokenizerBase, fast: PreTrainedTokenizerFast):
+    """Never called: pyright checks that each assignment type-checks."""
+    a: Tokenizer = base
+    b: Tokenizer = fast
+    c: Tokenizer = build_tokenizer()
+    d: Tokenizer = load_tokenizer("model-dir")
+    return a, b, c, d
+
+
+class LetterTokenizer:
+    """A tokenizer with the protocol's members and nothing else: one token per character
+    (its code point), 0 is the end of a turn. No eos_token attributes: they are optional."""
+
+    END = 0
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [self.END]
+
+    def encode(self, text: str, /, *, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int], /, *, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(t) for t in token_ids if t != self.END or not skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        /,
+        *,
+        tools: list[dict[str, Any] | Any] | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        **template_kwargs: Any,
+    ) -> object:
+        ids = [t for m in conversation for t in [*self.encode(f"{m['role']}:{m['content']}"), 0]]
+        ids += self.encode("assistant:") if add_generation_prompt else []
+        return ids if tokenize else self.decode(ids)
+
+
+def test_a_tokenizer_with_only_the_protocol_drives_a_rollout():
+    tok: Tokenizer = LetterTokenizer()
+    # Renders of "a" and "b" end with the content's letter then 0: the closing is the end token.
+    assert assistant_closing(tok) == TurnClosing(through_end=(0,), after_end=())
+    builder = TrajectoryBuilder(tok)
+    prompt = builder.prompt({"role": "user", "content": "hi"})
+    assert prompt == [*map(ord, "user:hi"), 0, *map(ord, "assistant:")]
+    sampled = SampledSequence("stop", [ord("y"), ord("o"), 0], [-0.5, -0.25, -0.125])
+    assert builder.completion(sampled) == "yo"
+    trajectory = builder.build(reward=1.0)
+    assert trajectory.tokens == [*prompt, ord("y"), ord("o"), 0]
+    assert trajectory.num_trainable_tokens == 3
+
+
+def test_hf_tokenizers_pass_the_check_and_give_their_eos(tiny_model_dir: Path):
+    for tok in (build_tokenizer(), load_tokenizer(tiny_model_dir)):
+        assert as_tokenizer(tok) is tok
+        # posttrain's tiny tokenizer: specials at 256..259, `<|eos|>` is 257 (engine/tiny.py)
+        assert (eos_token(tok), eos_token_id(tok)) == ("<|eos|>", 257)
+    assert (eos_token(LetterTokenizer()), eos_token_id(LetterTokenizer())) == (None, None)
+
+
+def test_a_wrong_tokenizer_is_named_with_what_it_lacks():
+    with pytest.raises(
+        TypeError,
+        match=r"a str is not a tokenizer: it has no all_special_ids, apply_chat_template, "
+        r"decode; give a transformers tokenizer",
+    ):
+        as_tokenizer("gpt2")
