@@ -12,16 +12,12 @@ import string
 import tempfile
 
 import posttrain
-from posttrain.backends.local import LocalBackend
-from posttrain.engine.tiny import make_tiny_model
-from posttrain.model import TrainableModel
-from posttrain.rollout import TrajectoryBuilder, gather_groups
 
 
 async def rollout(sampler, word: str, group_size: int) -> posttrain.TrajectoryGroup:
     """One prompt, `group_size` completions: reward 1 for the exact reversal, else 0.5 x the
     share of lowercase letters (so an untrained model's samples differ in reward)."""
-    builder = TrajectoryBuilder(sampler.tokenizer)
+    builder = posttrain.TrajectoryBuilder(sampler.tokenizer)
     prompt = builder.prompt({"role": "user", "content": f"reverse: {word}"})
     params = posttrain.SamplingParams(max_tokens=12, temperature=1.0)
     response = await sampler.sample(prompt, group_size, params)
@@ -41,16 +37,18 @@ async def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--path", default=tempfile.mkdtemp(prefix="posttrain-recipe-"))
     args = parser.parse_args(argv)
-    base = args.base_model or str(make_tiny_model(tempfile.mkdtemp()))
-    backend = LocalBackend(args.path)
-    model = TrainableModel(name="reverser", project="recipes", base_model=base, lora_rank=None)
+    base = args.base_model or str(posttrain.make_tiny_model(tempfile.mkdtemp()))
+    backend = posttrain.LocalBackend(args.path)
+    model = posttrain.TrainableModel(
+        name="reverser", project="recipes", base_model=base, lora_rank=None
+    )
     await model.register(backend)
     rng = random.Random(0)
     metrics = []
     for _ in range(args.steps):
         words = ["".join(rng.choices("abcdefgh", k=rng.randint(3, 5))) for _ in range(8)]
         sampler = backend.sampling_client(model)
-        groups = await gather_groups(rollout(sampler, w, 8) for w in words)
+        groups = await posttrain.gather_groups(rollout(sampler, w, 8) for w in words)
         result = await backend.train(model, groups, learning_rate=2e-4, loss="ppo")
         await model.log(groups, metrics=result.metrics, step=result.step)
         metrics.append(dict(result.metrics))

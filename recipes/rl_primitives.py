@@ -15,10 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain import AdamParams, Datum, ModelInput, SamplingParams
+from posttrain import (
+    AdamParams,
+    Datum,
+    ModelInput,
+    SamplingParams,
+    create_training_client,
+    make_tiny_model,
+)
 from posttrain.algo.advantages import group_advantages
-from posttrain.clients.create import create_training_client
-from posttrain.engine.tiny import make_tiny_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,98 +1,91 @@
-"""posttrain: post-train language models with RL and SFT on one training core, many backends."""
+"""posttrain: post-train language models with RL and SFT on one training core, many backends.
+
+`import posttrain` imports none of posttrain's modules: each name below loads its module on
+first use (most import torch). Everything not listed stays importable from its module.
+"""
+
+from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from posttrain.types import (
-    AdamParams,
-    Datum,
-    EncodedTextChunk,
-    ModelInput,
-    SampledSequence,
-    SampleResponse,
-    SamplingParams,
-    TokenSegment,
-    TrainResult,
-    Trajectory,
-    TrajectoryGroup,
-)
+# The public API, each name with the module that defines it. `__all__`, attribute access and
+# `dir()` derive from it; the imports below repeat it for type checkers only, and
+# tests/test_public_api.py checks that the two agree.
+_EXPORTS = {
+    # data: what rollouts produce and backends train on; Tinker's primitive types
+    "Trajectory": "posttrain.trajectories",
+    "TrajectoryGroup": "posttrain.trajectories",
+    "TrainResult": "posttrain.types",
+    "SamplingParams": "posttrain.types",
+    "AdamParams": "posttrain.types",
+    "Datum": "posttrain.types",
+    "ModelInput": "posttrain.types",
+    # models and backends
+    "TrainableModel": "posttrain.model",
+    "TrainableBackend": "posttrain.backends.protocol",
+    "LocalBackend": "posttrain.backends.local",
+    "RayBackend": "posttrain.backends.ray",
+    "TinkerBackend": "posttrain.backends.tinker",
+    # rollouts
+    "TrajectoryBuilder": "posttrain.rollout",
+    "gather_groups": "posttrain.gather",
+    "gather_trajectory_groups": "posttrain.gather",
+    # tasks, environments, evaluation
+    "Task": "posttrain.tasks.protocol",
+    "Problem": "posttrain.tasks.protocol",
+    "DatasetTask": "posttrain.tasks.dataset",
+    "resolve_task": "posttrain.tasks.resolve",
+    "Environment": "posttrain.environments.protocol",
+    "run_episodes": "posttrain.environments.runner",
+    "evaluate": "posttrain.evaluation",
+    # building blocks
+    "create_training_client": "posttrain.clients.create",
+    "make_tiny_model": "posttrain.engine.tiny",
+    "load_sft_dataset": "posttrain.jobs.sft_data",
+}
 
 if TYPE_CHECKING:
-    from posttrain.backends.local import LocalBackend
-    from posttrain.backends.protocol import TrainableBackend
-    from posttrain.backends.ray import RayBackend
-    from posttrain.backends.tinker import TinkerBackend
-    from posttrain.clients.create import create_training_client
-    from posttrain.environments import Environment, run_episodes
-    from posttrain.evaluation import Evaluation, evaluate
-    from posttrain.gather import gather_trajectory_groups
-    from posttrain.jobs.sft_data import load_sft_dataset
-    from posttrain.model import TrainableModel
-    from posttrain.rollout import TrajectoryBuilder, gather_groups
-    from posttrain.tasks import DatasetTask, Problem, ResolvedTask, Task, resolve_task
+    from posttrain.backends.local import LocalBackend as LocalBackend
+    from posttrain.backends.protocol import TrainableBackend as TrainableBackend
+    from posttrain.backends.ray import RayBackend as RayBackend
+    from posttrain.backends.tinker import TinkerBackend as TinkerBackend
+    from posttrain.clients.create import create_training_client as create_training_client
+    from posttrain.engine.tiny import make_tiny_model as make_tiny_model
+    from posttrain.environments.protocol import Environment as Environment
+    from posttrain.environments.runner import run_episodes as run_episodes
+    from posttrain.evaluation import evaluate as evaluate
+    from posttrain.gather import gather_groups as gather_groups
+    from posttrain.gather import gather_trajectory_groups as gather_trajectory_groups
+    from posttrain.jobs.sft_data import load_sft_dataset as load_sft_dataset
+    from posttrain.model import TrainableModel as TrainableModel
+    from posttrain.rollout import TrajectoryBuilder as TrajectoryBuilder
+    from posttrain.tasks.dataset import DatasetTask as DatasetTask
+    from posttrain.tasks.protocol import Problem as Problem
+    from posttrain.tasks.protocol import Task as Task
+    from posttrain.tasks.resolve import resolve_task as resolve_task
+    from posttrain.trajectories import Trajectory as Trajectory
+    from posttrain.trajectories import TrajectoryGroup as TrajectoryGroup
+    from posttrain.types import AdamParams as AdamParams
+    from posttrain.types import Datum as Datum
+    from posttrain.types import ModelInput as ModelInput
+    from posttrain.types import SamplingParams as SamplingParams
+    from posttrain.types import TrainResult as TrainResult
 
 __version__ = "0.1.0"
+# Pyright reads only literal lists here; it takes the public names from the `X as X` imports.
+__all__ = ["__version__", *_EXPORTS]  # pyright: ignore[reportUnsupportedDunderAll]
 
+if not TYPE_CHECKING:  # type checkers see the imports above; an unknown name is their error
 
-def __getattr__(name: str) -> object:
-    # The heavier pieces import torch and transformers; load them on first use only.
-    lazy = {
-        "TrainableModel": "posttrain.model",
-        "LocalBackend": "posttrain.backends.local",
-        "TrainableBackend": "posttrain.backends.protocol",
-        "RayBackend": "posttrain.backends.ray",
-        "TinkerBackend": "posttrain.backends.tinker",
-        "create_training_client": "posttrain.clients.create",
-        "Environment": "posttrain.environments",
-        "run_episodes": "posttrain.environments",
-        "gather_groups": "posttrain.rollout",
-        "gather_trajectory_groups": "posttrain.gather",
-        "TrajectoryBuilder": "posttrain.rollout",
-        "load_sft_dataset": "posttrain.jobs.sft_data",
-        "evaluate": "posttrain.evaluation",
-        "Evaluation": "posttrain.evaluation",
-        "DatasetTask": "posttrain.tasks",
-        "Problem": "posttrain.tasks",
-        "ResolvedTask": "posttrain.tasks",
-        "Task": "posttrain.tasks",
-        "resolve_task": "posttrain.tasks",
-    }
-    if name in lazy:
+    def __getattr__(name: str) -> object:
+        if name not in _EXPORTS:
+            raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
         import importlib
 
-        return getattr(importlib.import_module(lazy[name]), name)
-    raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # found once; later lookups skip __getattr__
+        return value
 
 
-__all__ = [
-    "AdamParams",
-    "DatasetTask",
-    "Datum",
-    "EncodedTextChunk",
-    "Environment",
-    "Evaluation",
-    "LocalBackend",
-    "ModelInput",
-    "Problem",
-    "RayBackend",
-    "ResolvedTask",
-    "SampleResponse",
-    "SampledSequence",
-    "SamplingParams",
-    "Task",
-    "TinkerBackend",
-    "TokenSegment",
-    "TrainResult",
-    "TrainableBackend",
-    "TrainableModel",
-    "Trajectory",
-    "TrajectoryBuilder",
-    "TrajectoryGroup",
-    "__version__",
-    "create_training_client",
-    "evaluate",
-    "gather_groups",
-    "gather_trajectory_groups",
-    "load_sft_dataset",
-    "resolve_task",
-    "run_episodes",
-]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
