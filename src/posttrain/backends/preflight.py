@@ -44,7 +44,9 @@ TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] =
 
 
 @dataclass(frozen=True)
-class Problem:
+class PreflightProblem:
+    """One reason preflight refuses: the option at fault, and what is wrong with it."""
+
     option: str
     message: str
 
@@ -52,7 +54,7 @@ class Problem:
 class PreflightError(ValueError):
     """Every problem preflight found, each naming the option, the backend and the fix."""
 
-    def __init__(self, backend: str, problems: Sequence[Problem]) -> None:
+    def __init__(self, backend: str, problems: Sequence[PreflightProblem]) -> None:
         self.problems = list(problems)
         lines = [f"  - {p.option}: {p.message}" for p in problems]
         super().__init__(f"{backend} refuses this configuration:\n" + "\n".join(lines))
@@ -62,14 +64,14 @@ def _changed(config: RLConfig, name: str) -> bool:
     return option_values(config)[name] != _RL_DEFAULTS[name]
 
 
-def conflicts(config: RLConfig) -> list[Problem]:
+def conflicts(config: RLConfig) -> list[PreflightProblem]:
     """Options that contradict each other or would have no effect (each option's own range is
     its field's check, already passed)."""
-    problems: list[Problem] = []
+    problems: list[PreflightProblem] = []
     loss, advantages = config.loss, config.advantages
     if loss.truncated_importance_sampling is not None and not config.precalculate_logprobs:
         problems.append(
-            Problem(
+            PreflightProblem(
                 "truncated_importance_sampling",
                 "needs precalculate_logprobs=True: "
                 "the trainer/sampler ratio needs the trainer's own logprobs",
@@ -79,18 +81,18 @@ def conflicts(config: RLConfig) -> list[Problem]:
         for name in ("kl_estimator", "kl_mode"):
             if _changed(config, name):
                 problems.append(
-                    Problem(
+                    PreflightProblem(
                         name,
                         "has no effect with kl_penalty_coef=0; set kl_penalty_coef > 0 or drop it",
                     )
                 )
     if advantages.loss_reduction_constant is not None and advantages.loss_reduction != "constant":
         problems.append(
-            Problem("loss_reduction_constant", "only applies to loss_reduction='constant'")
+            PreflightProblem("loss_reduction_constant", "only applies to loss_reduction='constant'")
         )
     if not advantages.scale_rewards and advantages.advantage_estimator != "grpo":
         problems.append(
-            Problem(
+            PreflightProblem(
                 "scale_rewards",
                 f"only applies to advantage_estimator='grpo'; "
                 f"{advantages.advantage_estimator!r} never scales by the std",
@@ -100,28 +102,30 @@ def conflicts(config: RLConfig) -> list[Problem]:
     for name, applies in unused:
         readers = " or ".join(f"loss={reader!r}" for reader in applies)
         problems.append(
-            Problem(name, f"only applies to {readers}, not loss={config.policy_loss!r}")
+            PreflightProblem(name, f"only applies to {readers}, not loss={config.policy_loss!r}")
         )
     try:
         if not unused:  # each was reported above, by name
             check_config(config.policy_loss, loss)
     except ValueError as exc:
-        problems.append(Problem("loss", str(exc)))
+        problems.append(PreflightProblem("loss", str(exc)))
     return problems
 
 
-def token_advantage_problem(backend: str, config: RLConfig) -> Problem | None:
+def token_advantage_problem(backend: str, config: RLConfig) -> PreflightProblem | None:
     """Token-varying advantages for a backend that keeps one per sequence: found from the
     options (static) and by the probe, which also catches flows no static rule names."""
     static = [(name, why) for name, applies, why in TOKEN_VARYING_OPTIONS if applies(config)]
     try:
         finding = probe_advantage_flow(config)
     except ValueError as exc:
-        return Problem("advantages", f"the advantage-flow probe failed on synthetic groups: {exc}")
+        return PreflightProblem(
+            "advantages", f"the advantage-flow probe failed on synthetic groups: {exc}"
+        )
     if not static and finding is None:
         return None
     reasons = [why for _, why in static] + ([str(finding)] if finding else [])
-    return Problem(
+    return PreflightProblem(
         static[0][0] if static else "advantages",
         f"{'; '.join(reasons)}; but {backend} does not preserve token-level advantages "
         "(preserves_token_advantages=false), so it would carry one value per sequence; "
@@ -135,17 +139,17 @@ def unsupported_options(
     values: Mapping[str, object],
     defaults: Mapping[str, object],
     schema: Sequence[OptionSchema],
-) -> list[Problem]:
+) -> list[PreflightProblem]:
     """Options `backend` does not declare, set away from their default, and values outside
     the choices it declares (a remote backend may offer fewer losses than the local one)."""
     declared = {o.name: o for o in schema}
-    problems: list[Problem] = []
+    problems: list[PreflightProblem] = []
     for name, value in values.items():
         if name not in declared:
             if value != defaults[name]:
                 supported = ", ".join(sorted(declared)) or "none declared"
                 problems.append(
-                    Problem(
+                    PreflightProblem(
                         name,
                         f"{backend}.{call}() does not take this option (set to {value!r}); "
                         f"remove it or use a backend that has it ({backend} takes: {supported})",
@@ -153,7 +157,7 @@ def unsupported_options(
                 )
         elif declared[name].choices is not None and value not in declared[name].choices:  # type: ignore[operator]
             problems.append(
-                Problem(
+                PreflightProblem(
                     name,
                     f"{value!r} is not one of the choices {backend}.{call}() declares "
                     f"{list(declared[name].choices or ())}; pick one of those or another backend",
@@ -162,14 +166,14 @@ def unsupported_options(
     return problems
 
 
-def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[Problem]:
+def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[PreflightProblem]:
     if config.loss.allow_training_without_logprobs:
         return []
     for gi, group in enumerate(groups):
         for ti, trajectory in enumerate(group.trajectories):
             if any(s.trainable and s.logprobs is None for s in trajectory.segments):
                 return [
-                    Problem(
+                    PreflightProblem(
                         "allow_training_without_logprobs",
                         f"group {gi} trajectory {ti} has a "
                         "trainable segment without sampler logprobs; sample with logprobs or set "
@@ -203,7 +207,7 @@ def preflight_rl(
         problems += unsupported_options(backend, "train", values, defaults, options)
     if config.loss.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
-            Problem(
+            PreflightProblem(
                 "kl_penalty_coef",
                 f"{backend} cannot score tokens under a reference model; "
                 "set kl_penalty_coef=0 or use a backend with supports_kl_reference",
@@ -226,17 +230,19 @@ def preflight_sft(
     options: Sequence[OptionSchema] | None = None,
 ) -> None:
     """Raise PreflightError listing every problem of an SFT call; `options` as in preflight_rl."""
-    problems: list[Problem] = []
+    problems: list[PreflightProblem] = []
     if not capabilities.supports_sft:
         problems.append(
-            Problem("train_sft", f"{backend} does not support SFT (supports_sft=false)")
+            PreflightProblem("train_sft", f"{backend} does not support SFT (supports_sft=false)")
         )
     if options is not None:
         problems += unsupported_options(
             backend, "train_sft", option_values(config), _SFT_DEFAULTS, options
         )
     if config.warmup_steps and config.lr_schedule == "constant" and config.min_lr_ratio != 0.0:
-        problems.append(Problem("min_lr_ratio", "has no effect with lr_schedule='constant'"))
+        problems.append(
+            PreflightProblem("min_lr_ratio", "has no effect with lr_schedule='constant'")
+        )
     if problems:
         raise PreflightError(backend, problems)
 
