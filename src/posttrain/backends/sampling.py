@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from posttrain.clients.protocol import TrainingClient
+from posttrain.clients.protocol import BatchSampler, TrainingClient
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 
 
@@ -34,9 +34,8 @@ class SamplingClient:
     ) -> list[SampleResponse]:
         """Several prompts in one batched call where the client supports it."""
         inputs = [p if isinstance(p, ModelInput) else ModelInput.from_ints(p) for p in prompts]
-        batched = getattr(self._client, "sample_many", None)
-        if batched is not None:
-            return await batched(inputs, num_samples, params)
+        if isinstance(self._client, BatchSampler):
+            return await self._client.sample_many(inputs, num_samples, params)
         return [await self._client.sample(p, num_samples, params) for p in inputs]
 
     async def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> list[float | None]:

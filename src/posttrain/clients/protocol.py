@@ -1,5 +1,8 @@
 """The TrainingClient protocol: Tinker's primitives, implemented locally, on Ray, or remotely.
 
+Beside it, small optional protocols name what only some clients offer, so shared code asks
+`isinstance(client, ReferenceScorer)` instead of probing for a method by name.
+
 A loss's configuration travels as a `LossConfig` (what the shared trainer passes). Code written
 for the tinker SDK may pass Tinker's `loss_fn_config` mapping instead: `as_loss_config` parses
 it with `LossConfig.from_mapping`, the one reader of that vocabulary.
@@ -7,7 +10,7 @@ it with `LossConfig.from_mapping`, the one reader of that vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -79,3 +82,40 @@ class TrainingClient(Protocol):
     ) -> APIFuture[LoadWeightsResponse]: ...
 
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]: ...
+
+    def get_tokenizer(self) -> object: ...
+
+    def close(self) -> None:
+        """Finish the calls already made, then let go of what the client holds."""
+        ...
+
+
+@runtime_checkable
+class ReferenceScorer(Protocol):
+    """A client that scores datums under the reference policy (the base model), for KL."""
+
+    def reference_logprobs(self, data: Sequence[Datum]) -> APIFuture[list[list[float]]]: ...
+
+
+@runtime_checkable
+class BatchSampler(Protocol):
+    """A client that samples several prompts in one batched call (posttrain's extension)."""
+
+    def sample_many(
+        self, prompts: Sequence[ModelInput], num_samples: int, sampling_params: SamplingParams
+    ) -> Awaitable[list[SampleResponse]]: ...
+
+
+@runtime_checkable
+class LogprobChunking(Protocol):
+    """A client whose workers compute logprobs in chunks of a size the caller sets."""
+
+    def set_logprob_chunk_size(self, chunk_size: int) -> None: ...
+
+
+class SavesTrainerState(Protocol):
+    """A client that saves JSON trainer state inside its checkpoint files, for exact resume."""
+
+    def save_state(
+        self, name: str, trainer_state: Mapping[str, object] | None = None
+    ) -> APIFuture[SaveWeightsResponse]: ...

@@ -168,9 +168,6 @@ class TinkerTrainingClient:
     def get_tokenizer(self) -> object:
         return self._tokenizer
 
-    def set_logprob_chunk_size(self, chunk_size: int) -> None:
-        """Chunking is the server's business; accepted for the shared backend code."""
-
     def forward(
         self,
         data: Sequence[Datum],

@@ -12,7 +12,7 @@ import torch
 
 from posttrain.algo.advantages import compute_group_advantages, reduction_weights
 from posttrain.algo.losses import LossConfig
-from posttrain.clients.protocol import TrainingClient
+from posttrain.clients.protocol import ReferenceScorer, TrainingClient
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
@@ -99,13 +99,12 @@ async def add_reference_inputs(
             for d, out in zip(datums, scored.loss_fn_outputs, strict=True)
         ]
     if config.loss.kl_penalty_coef > 0:
-        reference = getattr(client, "reference_logprobs", None)
-        if reference is None:
+        if not isinstance(client, ReferenceScorer):
             raise TypeError(
                 f"kl_penalty_coef needs reference logprobs, which {type(client).__name__} "
                 "cannot compute; use a local backend or set kl_penalty_coef=0"
             )
-        ref = await reference(datums)
+        ref = await client.reference_logprobs(datums)
         datums = [
             _with_inputs(d, ref_logprobs=torch.tensor(r)) for d, r in zip(datums, ref, strict=True)
         ]
