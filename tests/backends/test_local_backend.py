@@ -133,54 +133,6 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
     await backend.close()
 
 
-async def test_a_failed_step_leaves_the_last_good_state(tiny_model_dir, tmp_path):
-    """Two ways a step's checkpoint fails after its updates: a stray directory where the
-    checkpoint goes, and a run_state that is not JSON. Each time the step, the checkpoints and
-    the weights stay those of the last good step, the step's plot is removed, and the retried
-    step gives bit for bit what an uninterrupted run gives."""
-
-    async def registered(path):
-        backend = LocalBackend(path)
-        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
-        await model.register(backend)
-        return backend, model
-
-    straight, reference = await registered(tmp_path / "a")
-    await straight.train(reference, synthetic_groups(1), learning_rate=1e-2)
-    after_one = weights_of(straight, reference)
-    await straight.train(reference, synthetic_groups(2), learning_rate=1e-2)
-    after_two = weights_of(straight, reference)
-    await straight.close()
-
-    backend, model = await registered(tmp_path / "b")
-    await backend.train(model, synthetic_groups(1), learning_rate=1e-2)
-    checkpoints = model.directory / "checkpoints"
-    (checkpoints / "2").mkdir()
-    (checkpoints / "2" / "notes.txt").write_text("not a checkpoint")
-    with pytest.raises(ValueError, match="refusing to replace"):
-        await backend.train(model, synthetic_groups(2), learning_rate=1e-2, plot_tensors=True)
-    assert model.step == 1
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2"]  # no temp dir left
-    assert (checkpoints / "2" / "notes.txt").read_text() == "not a checkpoint"
-    assert not (model.directory / "plots" / "step_00002.png").exists()
-    for name, value in after_one.items():
-        assert torch.equal(weights_of(backend, model)[name], value), name
-    (checkpoints / "2" / "notes.txt").unlink()
-    (checkpoints / "2").rmdir()
-
-    model.run_state["cursor"] = float("nan")  # not JSON: the trainer state cannot be written
-    with pytest.raises(ValueError):
-        await backend.train(model, synthetic_groups(2), learning_rate=1e-2)
-    assert model.step == 1 and sorted(p.name for p in checkpoints.iterdir()) == ["1"]
-    del model.run_state["cursor"]
-
-    result = await backend.train(model, synthetic_groups(2), learning_rate=1e-2)
-    assert result.step == model.step == 2
-    for name, value in after_two.items():
-        assert torch.equal(weights_of(backend, model)[name], value), name
-    await backend.close()
-
-
 def test_ppo_switch_picks_the_loss_and_refuses_a_conflict():
     assert RLConfig().policy_loss == "ppo"
     assert from_options(RLConfig, dict(ppo=True)).policy_loss == "ppo"

@@ -1,6 +1,7 @@
 """TinkerBackend against a real `posttrain serve` on loopback: register, train and train_sft,
 the checkpoint index and resume, sampling, option errors, model.openai_client(), and parity
-with LocalBackend on the same train() calls."""
+with LocalBackend on the same train() calls. (Failed steps, damaged checkpoints and
+resume_step, on every backend: test_model_lifecycle.py.)"""
 
 from __future__ import annotations
 
@@ -133,37 +134,6 @@ async def test_train_checkpoint_and_resume(
     await again.close()
 
 
-async def test_resume_step_resumes_an_earlier_checkpoint_and_sets_later_ones_aside(
-    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    backend = tinker_backend(server, tmp_path)
-    model = tiny("m", tiny_model_dir, seed=3)
-    await model.register(backend)
-    await backend.train(model, groups(0), learning_rate=LR)
-    at_step_1 = (await backend.sampling_client(model).compute_logprobs(PROMPT))[1:]
-    model.run_state = {"cursor": 1}
-    await backend.train(model, groups(1), learning_rate=LR)
-    model.run_state = {"cursor": 2}
-    await backend.train(model, groups(2), learning_rate=LR)
-    await backend.close()
-
-    again = tinker_backend(server, tmp_path)
-    resumed = tiny("m", tiny_model_dir, seed=3)
-    with pytest.raises(ValueError, match=r"resume_step=7: .*no checkpoint of that step.*\[1, 2, 3\]"):
-        await resumed.register(again, resume_step=7)
-    await resumed.register(again, resume_step=1)
-    assert resumed.step == 1 and resumed.run_state == {}  # run_state as saved with step 1
-    assert (await again.sampling_client(resumed).compute_logprobs(PROMPT))[1:] == pytest.approx(
-        at_step_1, rel=1e-6
-    )
-    assert [r["step"] for r in index_of(resumed)] == [1]
-    (aside,) = resumed.directory.glob("checkpoints.set-aside-after-step-1-*.jsonl")
-    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [2, 3]
-    result = await again.train(resumed, groups(5), learning_rate=LR)
-    assert result.step == 2 and [r["step"] for r in index_of(resumed)] == [1, 2]
-    await again.close()
-
-
 async def test_sampling(server: ServerProcess, tiny_model_dir: Path, tmp_path: Path) -> None:
     backend = tinker_backend(server, tmp_path)
     model = tiny("s", tiny_model_dir)
@@ -236,39 +206,6 @@ async def test_a_base_model_only_the_server_has_is_refused_before_the_service_ma
     assert runs() == before
     assert not (tmp_path / "runs" / "p" / "models" / "t" / "model.json").exists()
     await backend.close()
-
-
-async def test_a_failed_step_leaves_the_last_good_state(
-    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """A step whose checkpoint cannot be indexed fails whole: the step stays, the service's
-    weights and optimizer go back to the last checkpoint, and the retry is the step an
-    uninterrupted run takes."""
-
-    async def run(name: str, fail: bool) -> tuple[int, list[float | None]]:
-        backend = tinker_backend(server, tmp_path / name)
-        model = tiny(name, tiny_model_dir, seed=4)
-        await model.register(backend)
-        await backend.train(model, groups(1), learning_rate=LR)
-        if fail:
-            failed_model = model_id_of(backend, model)
-            model.run_state = {"cursor": object()}  # type: ignore[dict-item]  # not JSON
-            with pytest.raises(TypeError, match="JSON serializable"):
-                await backend.train(model, groups(2), learning_rate=LR)
-            assert model.step == 1 and [r["step"] for r in index_of(model)] == [1]
-            # The model reloaded from the checkpoint is a new one; the old one is freed now.
-            assert model_id_of(backend, model) != failed_model
-            assert not is_loaded(server, failed_model)
-            model.run_state = {"cursor": 2}
-        result = await backend.train(model, groups(2), learning_rate=LR)
-        logprobs = await backend.sampling_client(model).compute_logprobs(PROMPT)
-        await backend.close()
-        return result.step, logprobs[1:]
-
-    failed_once, clean = await run("failed", True), await run("clean", False)
-    assert failed_once[0] == clean[0] == 2
-    # Same server process and inputs: the reloaded state gives the same step to float32 rounding.
-    assert failed_once[1] == pytest.approx(clean[1], rel=1e-6)
 
 
 async def test_a_failed_publish_fails_the_step_whole(

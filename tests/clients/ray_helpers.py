@@ -53,7 +53,7 @@ def summed(per_rank: list[Tensors], names: set[str]) -> Tensors:
     return {n: torch.stack([rank[n] for rank in per_rank if n in rank]).sum(0) for n in names}
 
 
-def stepped_norm(client: LocalTrainingClient, adam: AdamParams) -> float:
+def stepped_norm(client: LocalTrainingClient | RayTrainingClient, adam: AdamParams) -> float:
     """optim_step; returns the pre-clip gradient norm it reports."""
     metrics = client.optim_step(adam).result().metrics
     assert metrics is not None

@@ -1,9 +1,10 @@
-"""What every backend over a posttrain training client does the same way.
+"""The model lifecycle every backend shares, whatever its training client.
 
-`ModelClients` keeps the models a backend registered, each with its training client, and
-runs the shared trainer on them: register (or resume from the latest checkpoint), one RL or
-SFT step, checkpoint with retention, close. LocalBackend and RayBackend each hold one and
-differ only in how a client is made.
+`ModelClients` keeps the models a backend registered, each with its training client, and runs
+the shared trainer on them: register (or resume from the latest checkpoint), one RL or SFT step,
+checkpoint, close. What differs between backends sits behind the two small protocols of
+`checkpoint_index`: how a client is made, reloaded and freed (`ClientSource`: `InProcessClients`
+for LocalBackend and RayBackend), and where checkpoints are kept (`CheckpointIndex`).
 
 A step is all or nothing: the model's step advances only once its updates, plots and
 checkpoint are done. If any of them fails, the step and the checkpoints stay as they were and
@@ -14,19 +15,19 @@ last good state.
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
 from posttrain.backends.capabilities import Capabilities
+from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
+from posttrain.backends.inputs import group_list, trajectory_list
+from posttrain.backends.model_json import check_model_json, write_model_json
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
-from posttrain.backends.resume import resume_point, set_aside
-from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.checkpoint import is_complete_checkpoint, prune_checkpoints
-from posttrain.model import RunState, TrainableModel
+from posttrain.backends.sampling import SamplingClient
+from posttrain.clients.protocol import LogprobChunking, TrainingClient
+from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.rl import prepare_batch, train_rl_batch
@@ -34,9 +35,10 @@ from posttrain.trainer.sft import sft_batches, train_sft_batches
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
-ClientT = TypeVar("ClientT", bound=LocalTrainingClient)
-# model.json keys that must match to reuse a model directory.
-IDENTITY_KEYS = ("base_model", "lora_rank")
+ClientT = TypeVar("ClientT", bound=TrainingClient)
+# Called with the model and its step once its client's weights changed: after a step's updates
+# (a failure fails the step), or after a failed step's reload (a failure becomes a note).
+WeightsHook = Callable[[TrainableModel, int], Awaitable[None]]
 
 
 class ModelClients(Generic[ClientT]):
@@ -45,60 +47,61 @@ class ModelClients(Generic[ClientT]):
     def __init__(
         self,
         path: str | Path,
-        keep_checkpoints: int,
         *,
         backend: str,
         capabilities: Capabilities,
+        clients: ClientSource[ClientT],
+        index: CheckpointIndex[ClientT],
+        after_update: WeightsHook | None = None,
+        after_reload: WeightsHook | None = None,
     ) -> None:
+        self.path = Path(path)
         self.backend = backend
         self.capabilities = capabilities
-        if keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
-        self.path = Path(path)
-        self.keep_checkpoints = keep_checkpoints
+        self.clients = clients
+        self.index = index
+        self.after_update = after_update
+        self.after_reload = after_reload
         self._clients: dict[int, ClientT] = {}
+        self._registered: dict[tuple[str, str], TrainableModel] = {}
 
     def model_dir(self, model: TrainableModel) -> Path:
         return self.path / model.project / "models" / model.name
 
-    async def register(
-        self,
-        backend: TrainableBackend,
-        model: TrainableModel,
-        make_client: Callable[[Path], ClientT],
-    ) -> None:
-        """Create the model's client (`make_client(directory)`), resume its latest checkpoint.
+    async def register(self, backend: TrainableBackend, model: TrainableModel) -> None:
+        """Make the model's client, on its latest checkpoint if it has one, and attach it.
 
-        model.json is written only once the client is up: a registration that fails (a base
-        model that does not exist, say) leaves nothing behind to trip the next attempt.
+        Nothing is written before the client is up (model.json included): a registration that
+        fails (a base model that does not exist, a metric sink that refuses) leaves nothing
+        behind to trip the next attempt, frees the client it made, and leaves the model as it
+        was (not attached, its run_state untouched).
         """
         directory = self.model_dir(model)
         check_model_json(directory, model)
-        # Before the client is made: a damaged latest checkpoint costs no model load.
         resume_step = model.take_resume_step()
-        resume = resume_point(model, directory / "checkpoints", resume_step)
-        try:
-            client = await asyncio.to_thread(make_client, directory)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(missing_base_model(model, exc)) from exc
+        # Before the client is made: a damaged latest checkpoint costs no model load.
+        resume = self.index.resume_point(model, directory, resume_step)
+        checkpoint = resume.checkpoint
+        path = checkpoint.path if checkpoint is not None else None
+        client = await self.clients.open(model, directory, path)
         attached = False
         try:
-            step, run_state = 0, None
-            if resume.checkpoint is not None:
-                await client.load_state(str(resume.checkpoint), with_optimizer=True)
-                step, run_state = read_trainer_state(resume.checkpoint)
-            model.attach(backend, directory, step)  # opens the metric sinks, which may refuse
-            attached = True
+            model.attach(backend, directory, checkpoint.step if checkpoint else 0)
+            attached = True  # the metric sinks opened (they may refuse)
             write_model_json(directory, model)
-            set_aside(resume.later, directory / "checkpoints", resume_step)
+            resume.set_aside()
         except BaseException:
-            client.close()
             if attached:
                 model.detach()
+            await self.clients.release(client)
             raise
-        if run_state is not None:  # last: a failed registration leaves the model as it was
-            model.run_state = run_state
+        if checkpoint is not None:  # last: a failed registration leaves the model as it was
+            model.run_state = dict(checkpoint.run_state)
         self._clients[id(model)] = client
+        self._registered[(model.project, model.name)] = model
+
+    def registered_models(self) -> list[TrainableModel]:
+        return list(self._registered.values())
 
     def client(self, model: TrainableModel) -> ClientT:
         try:
@@ -109,14 +112,20 @@ class ModelClients(Generic[ClientT]):
                 "call `await model.register(backend)` first"
             ) from None
 
+    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+        client = self.client(model)
+        return SamplingClient(client, client.get_tokenizer())
+
     async def train(
-        self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: RLConfig
+        self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], config: RLConfig
     ) -> TrainResult:
         """Preflight, one RL step through the shared trainer, then a checkpoint and the step."""
+        groups = group_list(trajectory_groups, f"{self.backend}.train()")  # read once, here
         preflight_rl(self.backend, self.capabilities, config, groups)
         client = self.client(model)
         batch = prepare_batch(groups, config)  # bad input fails here, before any update
-        client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
+        if isinstance(client, LogprobChunking):
+            client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
         step = model.step + 1
         plot = model.directory / "plots" / f"step_{step:05d}.png"
@@ -130,16 +139,15 @@ class ModelClients(Generic[ClientT]):
         return await self._step(model, step, run, config.save_checkpoint, leftovers=[plot])
 
     async def train_sft(
-        self, model: TrainableModel, trajectories: Sequence[Trajectory], config: SFTConfig
+        self, model: TrainableModel, trajectories: Iterable[Trajectory], config: SFTConfig
     ) -> TrainResult:
+        listed = trajectory_list(trajectories, f"{self.backend}.train_sft()")  # read once, here
         preflight_sft(self.backend, self.capabilities, config)
         client = self.client(model)
-        batches = sft_batches(trajectories, config)  # bad input fails here, before any update
+        batches = sft_batches(listed, config)  # bad input fails here, before any update
 
         async def run() -> StepMetrics:
-            return await train_sft_batches(
-                client, batches, config, num_trajectories=len(trajectories)
-            )
+            return await train_sft_batches(client, batches, config, num_trajectories=len(listed))
 
         return await self._step(model, model.step + 1, run, config.save_checkpoint)
 
@@ -155,14 +163,13 @@ class ModelClients(Generic[ClientT]):
         path: str | None = None
         try:
             metrics = await run()
+            if self.after_update is not None:
+                await self.after_update(model, step)
             if save:
-                path = await self._save(model, step)
-                prune_checkpoints(model.directory / "checkpoints", self.keep_checkpoints)
+                path = await self.index.save(self.client(model), model, step)
         except Exception as exc:
             for leftover in leftovers:
                 leftover.unlink(missing_ok=True)
-            if path is not None:  # saved, then pruning failed: the step is not done after all
-                shutil.rmtree(path, ignore_errors=True)
             await self._restore(model, exc)
             raise
         model.set_step(step)
@@ -170,47 +177,66 @@ class ModelClients(Generic[ClientT]):
 
     async def _restore(self, model: TrainableModel, error: Exception) -> None:
         """After a failed step: reload the checkpoint of the model's (unchanged) step."""
-        last_good = model.directory / "checkpoints" / str(model.step)
-        if not is_complete_checkpoint(last_good):
+        last_good = self.index.checkpoint_of(model.directory, model.step)
+        if last_good is None:
             error.add_note(
                 f"model {model.name!r} stays at step {model.step}, but no checkpoint of that step "
-                "exists to reload, so its weights in memory may include part of the failed step; "
+                "exists to reload, so its weights may include part of the failed step; "
                 "register the model again to start from its latest checkpoint or base model"
             )
             return
+        old = self.client(model)
         try:
-            await self.client(model).load_state(str(last_good), with_optimizer=True)
+            client = await self.clients.reload(old, last_good)
         except Exception as reload_error:
             error.add_note(f"reloading {last_good} after the failure failed too: {reload_error!r}")
+            return
+        if client is not old:
+            self._clients[id(model)] = client
+            await self.clients.release(old)  # the failed step's
+        if self.after_reload is not None:
+            try:
+                await self.after_reload(model, model.step)
+            except Exception as hook_error:
+                error.add_note(f"after reloading {last_good}: {hook_error}")
 
     async def checkpoint(self, model: TrainableModel) -> str:
-        """Save the model's current state as `checkpoints/<step>`; keep the newest few."""
-        path = await self._save(model, model.step)
-        prune_checkpoints(model.directory / "checkpoints", self.keep_checkpoints)
-        return path
-
-    async def _save(self, model: TrainableModel, step: int) -> str:
-        record = model_record(model.directory, model)
-        state = {"step": step, "run_state": model.run_state, "model": record}
-        saved = await self.client(model).save_state(str(step), trainer_state=state)
-        return saved.path
+        """Save the model's current state as the checkpoint of its step."""
+        return await self.index.save(self.client(model), model, model.step)
 
     def close(self) -> None:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        self._registered.clear()
 
 
-def read_trainer_state(checkpoint: Path) -> tuple[int, RunState]:
-    """(step, run_state) saved with a checkpoint by `ModelClients`."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    missing = [key for key in ("step", "run_state") if key not in state]
-    if missing:
-        raise ValueError(
-            f"{checkpoint}/trainer_state.json has no {' or '.join(missing)}: it was not written "
-            "by a posttrain backend; move the checkpoint away or register under another name"
-        )
-    return int(state["step"]), dict(state["run_state"])
+class InProcessClients(Generic[ClientT]):
+    """The `ClientSource` of LocalBackend and RayBackend: `make(model, directory)` builds a
+    client that loads checkpoint files itself."""
+
+    def __init__(self, make: Callable[[TrainableModel, Path], ClientT]) -> None:
+        self.make = make
+
+    async def open(self, model: TrainableModel, directory: Path, checkpoint: str | None) -> ClientT:
+        try:
+            client = await asyncio.to_thread(self.make, model, directory)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(missing_base_model(model, exc)) from exc
+        if checkpoint is not None:
+            try:
+                await client.load_state(checkpoint, with_optimizer=True)
+            except BaseException:
+                client.close()
+                raise
+        return client
+
+    async def reload(self, client: ClientT, checkpoint: str) -> ClientT:
+        await client.load_state(checkpoint, with_optimizer=True)
+        return client
+
+    async def release(self, client: ClientT) -> None:
+        client.close()
 
 
 def missing_base_model(model: TrainableModel, error: FileNotFoundError) -> str:
@@ -219,50 +245,3 @@ def missing_base_model(model: TrainableModel, error: FileNotFoundError) -> str:
         f"({error}). Pass an existing model directory (one with config.json, e.g. built by "
         "`posttrain make-tiny-model DIR`) or a Hugging Face hub id such as 'Qwen/Qwen3-0.6B'"
     )
-
-
-def check_model_json(directory: Path, model: TrainableModel) -> None:
-    """Refuse a directory that already holds a different model (another base or LoRA rank)."""
-    path = directory / "model.json"
-    if not path.exists():
-        return
-    saved = json.loads(path.read_text())
-    config = model_record(directory, model)
-    missing = [key for key in IDENTITY_KEYS if key not in saved]
-    if missing:
-        raise ValueError(f"{path} has no {', '.join(missing)}: it is not a posttrain model.json")
-    # A model.json written before base models inside the directory were stored relative.
-    saved = {**saved, "base_model": portable_base_model(str(saved["base_model"]), directory)}
-    if any(saved[key] != config[key] for key in IDENTITY_KEYS):
-        raise ValueError(
-            f"{directory} already holds model {model.name!r} with base_model="
-            f"{saved['base_model']!r}, lora_rank={saved['lora_rank']!r}; use another "
-            "name or the same settings"
-        )
-
-
-def write_model_json(directory: Path, model: TrainableModel) -> None:
-    """Check (as `check_model_json`), then write the model's settings to `model.json`."""
-    check_model_json(directory, model)
-    directory.mkdir(parents=True, exist_ok=True)
-    record = model_record(directory, model)
-    (directory / "model.json").write_text(json.dumps(record, indent=2) + "\n")
-
-
-def model_record(directory: Path, model: TrainableModel) -> dict[str, object]:
-    """The model's settings as written under `directory` (model.json, checkpoints): a base
-    model inside the directory is named relative to it, so the directory can be moved or
-    copied and resumed elsewhere."""
-    return {**model.config_dict(), "base_model": portable_base_model(model.base_model, directory)}
-
-
-def portable_base_model(base_model: str, directory: Path) -> str:
-    """`./<path>` for a base model directory inside `directory`; any other value as it is."""
-    path = Path(base_model)
-    if base_model.startswith("./") or not path.exists():  # relative already, or a hub id
-        return base_model
-    try:
-        inside = path.resolve().relative_to(directory.resolve())
-    except ValueError:
-        return base_model
-    return f"./{inside.as_posix()}"

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import ClassVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
-from posttrain.backends.client_models import ModelClients
-from posttrain.backends.inputs import group_list, trajectory_list
+from posttrain.backends.client_models import InProcessClients, ModelClients
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, resolve_sft
 from posttrain.backends.preflight import preflight_register
+from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
@@ -45,13 +45,16 @@ class LocalBackend:
     ) -> None:
         self.device = resolve_device(device, option=f"{BACKEND} device")
         self._models: ModelClients[LocalTrainingClient] = ModelClients(
-            path, keep_checkpoints, backend=BACKEND, capabilities=self.capabilities
+            path,
+            backend=BACKEND,
+            capabilities=self.capabilities,
+            clients=InProcessClients(self._make_client),
+            index=DirectoryCheckpoints(keep_checkpoints),
         )
         self.path = Path(path)
         self.num_workers = num_workers
         self.micro_batch_tokens = micro_batch_tokens
         self.keep_checkpoints = keep_checkpoints
-        self._registered: dict[tuple[str, str], TrainableModel] = {}
         self._openai: OpenAIServer | None = None
 
     def model_dir(self, model: TrainableModel) -> Path:
@@ -61,25 +64,23 @@ class LocalBackend:
         """Load the base model, or resume the latest checkpoint; a base model this machine cannot
         get is an error before anything loads."""
         await preflight_register(BACKEND, model)
+        await self._models.register(self, model)
 
-        def make_client(directory: Path) -> LocalTrainingClient:
-            return create_training_client(
-                model.base_model,
-                lora_rank=model.lora_rank,
-                lora_alpha=model.lora_alpha,
-                dtype=model.dtype,
-                device=self.device,
-                num_workers=self.num_workers,
-                micro_batch_tokens=self.micro_batch_tokens,
-                storage_dir=directory,
-                seed=model.seed,
-            )
-
-        await self._models.register(self, model, make_client)
-        self._registered[(model.project, model.name)] = model
+    def _make_client(self, model: TrainableModel, directory: Path) -> LocalTrainingClient:
+        return create_training_client(
+            model.base_model,
+            lora_rank=model.lora_rank,
+            lora_alpha=model.lora_alpha,
+            dtype=model.dtype,
+            device=self.device,
+            num_workers=self.num_workers,
+            micro_batch_tokens=self.micro_batch_tokens,
+            storage_dir=directory,
+            seed=model.seed,
+        )
 
     def registered_models(self) -> list[TrainableModel]:
-        return list(self._registered.values())
+        return self._models.registered_models()
 
     def client(self, model: TrainableModel) -> LocalTrainingClient:
         """The primitive-level client of a registered model (for power users)."""
@@ -94,8 +95,7 @@ class LocalBackend:
         """One RL step on `trajectory_groups` (any iterable, read once); returns the new step
         and its metrics."""
         config = resolve_rl(options, LocalRLOptions, BACKEND)
-        groups = group_list(trajectory_groups, f"{BACKEND}.train()")
-        return await self._models.train(model, groups, config)
+        return await self._models.train(model, trajectory_groups, config)
 
     async def train_sft(
         self,
@@ -106,8 +106,7 @@ class LocalBackend:
         """Supervised fine-tuning on `trajectories` (any iterable, read once; their trainable
         segments), then one step."""
         config = resolve_sft(options, BACKEND)
-        listed = trajectory_list(trajectories, f"{BACKEND}.train_sft()")
-        return await self._models.train_sft(model, listed, config)
+        return await self._models.train_sft(model, trajectories, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's weights, optimizer, RNG and run_state now, as `checkpoints/<step>`.
@@ -118,8 +117,7 @@ class LocalBackend:
         return await self._models.checkpoint(model)
 
     def sampling_client(self, model: TrainableModel) -> SamplingClient:
-        client = self.client(model)
-        return SamplingClient(client, client.get_tokenizer())
+        return self._models.sampling_client(model)
 
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
         """Serve registered models' latest weights OpenAI-style on loopback (started on first call).
@@ -136,5 +134,4 @@ class LocalBackend:
         if self._openai is not None:
             await asyncio.to_thread(self._openai.stop)
             self._openai = None
-        self._registered.clear()
         self._models.close()

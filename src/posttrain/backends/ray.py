@@ -17,8 +17,7 @@ from typing_extensions import TypedDict
 
 from posttrain.algo.config_fields import from_options, option
 from posttrain.backends.capabilities import Capabilities
-from posttrain.backends.client_models import ModelClients
-from posttrain.backends.inputs import group_list, trajectory_list
+from posttrain.backends.client_models import InProcessClients, ModelClients
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     RLConfig,
@@ -30,6 +29,7 @@ from posttrain.backends.options import (
     resolve_sft,
 )
 from posttrain.backends.preflight import preflight_register
+from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import SamplingClient
 from posttrain.clients.create import create_training_client
 from posttrain.clients.ray import RayTrainingClient
@@ -109,7 +109,11 @@ class RayBackend:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self._models: ModelClients[RayTrainingClient] = ModelClients(
-            path, keep_checkpoints, backend="RayBackend", capabilities=self.capabilities
+            path,
+            backend=BACKEND,
+            capabilities=self.capabilities,
+            clients=InProcessClients(self._make_client),
+            index=DirectoryCheckpoints(keep_checkpoints),
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -124,7 +128,6 @@ class RayBackend:
         if sharding is not None:
             ray_config = replace(ray_config or RayConfig(), sharding=sharding)
         self.ray_config = ray_config
-        self._registered: dict[tuple[str, str], TrainableModel] = {}
         self._openai: OpenAIServer | None = None
 
     def model_dir(self, model: TrainableModel) -> Path:
@@ -134,31 +137,27 @@ class RayBackend:
         """Start the workers on the base model, or resume the latest checkpoint; a base model
         this machine cannot get is an error before any worker starts."""
         await preflight_register(BACKEND, model)
+        await self._models.register(self, model)
 
-        def make_client(directory: Path) -> RayTrainingClient:
-            client = create_training_client(
-                model.base_model,
-                lora_rank=model.lora_rank,
-                lora_alpha=model.lora_alpha,
-                dtype=model.dtype,
-                device=self.device,
-                num_workers=self.num_workers,
-                micro_batch_tokens=self.micro_batch_tokens,
-                storage_dir=directory,
-                seed=model.seed,
-                executor="ray",
-                address=self.address,
-                resources_per_worker=self.resources_per_worker,
-                ray_config=self.ray_config,
-            )
-            assert isinstance(client, RayTrainingClient)
-            return client
-
-        await self._models.register(self, model, make_client)
-        self._registered[(model.project, model.name)] = model
+    def _make_client(self, model: TrainableModel, directory: Path) -> RayTrainingClient:
+        return create_training_client(
+            model.base_model,
+            lora_rank=model.lora_rank,
+            lora_alpha=model.lora_alpha,
+            dtype=model.dtype,
+            device=self.device,
+            num_workers=self.num_workers,
+            micro_batch_tokens=self.micro_batch_tokens,
+            storage_dir=directory,
+            seed=model.seed,
+            executor="ray",
+            address=self.address,
+            resources_per_worker=self.resources_per_worker,
+            ray_config=self.ray_config,
+        )
 
     def registered_models(self) -> list[TrainableModel]:
-        return list(self._registered.values())
+        return self._models.registered_models()
 
     def client(self, model: TrainableModel) -> RayTrainingClient:
         """The primitive-level client of a registered model (for power users)."""
@@ -174,8 +173,7 @@ class RayBackend:
         and its metrics."""
         check_options(options, RayRLOptions, BACKEND)
         config = from_options(RayRLConfig, options)
-        groups = group_list(trajectory_groups, f"{BACKEND}.train()")
-        result = await self._models.train(model, groups, config)
+        result = await self._models.train(model, trajectory_groups, config)
         if config.check_weights_in_sync:
             await self.check_weights_in_sync(model)
         return result
@@ -189,8 +187,7 @@ class RayBackend:
         """Supervised fine-tuning on `trajectories` (any iterable, read once; their trainable
         segments), then one step."""
         config = resolve_sft(options, BACKEND)
-        listed = trajectory_list(trajectories, f"{BACKEND}.train_sft()")
-        return await self._models.train_sft(model, listed, config)
+        return await self._models.train_sft(model, trajectories, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's state now as `checkpoints/<step>` (see LocalBackend.checkpoint)."""
@@ -207,8 +204,7 @@ class RayBackend:
             )
 
     def sampling_client(self, model: TrainableModel) -> SamplingClient:
-        client = self.client(model)
-        return SamplingClient(client, client.get_tokenizer())
+        return self._models.sampling_client(model)
 
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
         """Serve registered models' latest weights OpenAI-style on loopback (started on first
@@ -225,5 +221,4 @@ class RayBackend:
         if self._openai is not None:
             await asyncio.to_thread(self._openai.stop)
             self._openai = None
-        self._registered.clear()
         self._models.close()

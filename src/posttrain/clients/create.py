@@ -136,7 +136,7 @@ def create_training_client(
     resources_per_worker: Mapping[str, float] | None = None,
     ray_config: RayConfig | None = None,
     compute_thread: ComputeThread | None = None,
-) -> LocalTrainingClient:
+) -> LocalTrainingClient | RayTrainingClient:
     """Load `base_model` (a local directory or hub id), optionally wrap it with LoRA, and return
     a client over `num_workers` data-parallel replicas.
 

@@ -1,4 +1,8 @@
-"""LocalTrainingClient: the TrainingClient protocol over in-process workers."""
+"""LocalTrainingClient: the TrainingClient protocol over a `Dispatch` of workers.
+
+The workers are in this process (`InProcessExecutor`), or Ray actors: a RayTrainingClient
+holds one of these over its `RayExecutor` and adds what only Ray has.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from posttrain.algo.loss_metrics import summarize_values
 from posttrain.clients.futures import APIFuture, OrderedRunner
@@ -37,6 +42,7 @@ from posttrain.types import (
     SamplingParams,
 )
 
+T = TypeVar("T")
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -224,8 +230,12 @@ class LocalTrainingClient:
             raise ValueError(f"logprob chunk size must be >= 1, got {chunk_size}")
         self._runner.submit(lambda: self.dispatch.set_logprob_chunk_size(chunk_size)).result()
 
-    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+    def get_tokenizer(self) -> object:
         return self.dispatch.tokenizer
+
+    def submit(self, fn: Callable[[], T]) -> APIFuture[T]:
+        """Run `fn` in call order with this client's calls (for a client that wraps this one)."""
+        return self._runner.submit(fn)
 
     def close(self) -> None:
         self._runner.close()

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from posttrain.clients.futures import APIFuture
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.local_sampling import LocalSamplingClient
+from posttrain.clients.protocol import LoadWeightsResponse, LossFnConfig, SaveWeightsResponse
 from posttrain.engine.dispatch import Dispatch
 from posttrain.engine.ray_executor import RayExecutor
 from posttrain.engine.worker import Worker
+from posttrain.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+)
 
 
-class RayTrainingClient(LocalTrainingClient):
-    """LocalTrainingClient's calls, run by `Dispatch` on a `RayExecutor`'s actors.
+class RayTrainingClient:
+    """The primitives of a LocalTrainingClient whose `Dispatch` runs on a `RayExecutor`'s actors.
 
-    Only the executor differs, so results match the local client's; `close()` also frees
-    the actors and the local Ray it started. Sampling clients (`create_sampling_client`,
-    `save_weights_and_get_sampling_client`) hold their replica in this process, built by
+    It holds that client (`core`) and passes each call to it, so results match the local
+    client's; what it adds is Ray's: `weight_digests`, a check that rank 0 shares this machine
+    before a snapshot is read from its files, and a `close()` that also frees the actors and the
+    local Ray it started. Sampling clients hold their replica in this process, built by
     `worker_factory`.
     """
 
@@ -30,13 +41,72 @@ class RayTrainingClient(LocalTrainingClient):
         base_model: str = "",
         worker_factory: Callable[[], Worker] | None = None,
     ) -> None:
-        super().__init__(
+        self.executor = executor
+        self.core = LocalTrainingClient(
             Dispatch(executor),
             storage_dir=storage_dir,
             base_model=base_model,
             worker_factory=worker_factory,
         )
-        self.executor = executor
+
+    @property
+    def dispatch(self) -> Dispatch:
+        return self.core.dispatch
+
+    @property
+    def storage_dir(self) -> Path:
+        return self.core.storage_dir
+
+    @property
+    def base_model(self) -> str:
+        return self.core.base_model
+
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: LossFnConfig | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.core.forward(data, loss_fn, loss_fn_config)
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: LossFnConfig | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.core.forward_backward(data, loss_fn, loss_fn_config)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return self.core.optim_step(adam_params)
+
+    def sample(
+        self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams
+    ) -> APIFuture[SampleResponse]:
+        return self.core.sample(prompt, num_samples, sampling_params)
+
+    def sample_many(
+        self, prompts: Sequence[ModelInput], num_samples: int, sampling_params: SamplingParams
+    ) -> APIFuture[list[SampleResponse]]:
+        return self.core.sample_many(prompts, num_samples, sampling_params)
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        return self.core.compute_logprobs(prompt)
+
+    def reference_logprobs(self, data: Sequence[Datum]) -> APIFuture[list[list[float]]]:
+        return self.core.reference_logprobs(data)
+
+    def save_state(
+        self, name: str, trainer_state: Mapping[str, object] | None = None
+    ) -> APIFuture[SaveWeightsResponse]:
+        """Rank 0 writes the checkpoint under `storage_dir` (see LocalTrainingClient.save_state)."""
+        return self.core.save_state(name, trainer_state)
+
+    def load_state(self, path: str, with_optimizer: bool = False) -> APIFuture[LoadWeightsResponse]:
+        return self.core.load_state(path, with_optimizer)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self.core.load_state(path, with_optimizer=True)
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        return self.core.save_weights_for_sampler(name)
+
+    def create_sampling_client(self, model_path: str) -> APIFuture[LocalSamplingClient]:
+        return self.core.create_sampling_client(model_path)
 
     def save_weights_and_get_sampling_client(self) -> APIFuture[LocalSamplingClient]:
         """As the local client's: rank 0's actor writes the snapshot and this process reads it,
@@ -51,12 +121,21 @@ class RayTrainingClient(LocalTrainingClient):
                 "save_weights_for_sampler(name) and create the sampling client from that path "
                 "in a process on the cluster that sees it"
             )
-        return super().save_weights_and_get_sampling_client()
+        return self.core.save_weights_and_get_sampling_client()
+
+    def offload(self) -> APIFuture[None]:
+        return self.core.offload()
+
+    def set_logprob_chunk_size(self, chunk_size: int) -> None:
+        self.core.set_logprob_chunk_size(chunk_size)
+
+    def get_tokenizer(self) -> object:
+        return self.core.get_tokenizer()
 
     def weight_digests(self) -> APIFuture[list[str]]:
         """A digest of each rank's trainable weights (all equal while replicas are in sync)."""
-        return self._runner.submit(self.executor.weight_digests)
+        return self.core.submit(self.executor.weight_digests)
 
     def close(self) -> None:
-        super().close()
+        self.core.close()
         self.executor.close()
