@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 DEVICE_KINDS = ("cpu", "cuda", "remote")
+# retrain's BackendCapabilities: its four flags, and two fields posttrain reads but has no flag for.
+RETRAIN_FLAGS = (
+    "reports_sync_loss",
+    "preserves_token_advantages",
+    "supports_checkpoint_resume",
+    "resume_runtime_dependent",
+)
+RETRAIN_ONLY = ("checkpoint_resume_mode", "supports_echo_shared_forward")
+RESUME_MODES = ("unsupported", "adapter_only", "exact")
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,10 @@ class Capabilities:
     supports_kl_reference: bool  # can score tokens under the base model for KL penalties
     supports_sampling: bool
     device_kinds: tuple[str, ...]
+    # Its sampler can return each sampled token's Shannon entropy (TokenSegment.entropies),
+    # which uncertainty_kind='shannon_entropy' reads. Optional in a plugin's dict: a flag added
+    # after the others, so a plugin written before it keeps working (conservatively False).
+    provides_token_entropies: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -36,20 +50,70 @@ class Capabilities:
     def from_mapping(cls, values: Mapping[str, object], source: str) -> Capabilities:
         """Build from a plugin hook's dict; unknown or missing keys are errors naming `source`."""
         known = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
         unknown = sorted(set(values) - known)
-        missing = sorted(known - set(values))
+        missing = sorted(required - set(values))
         if unknown or missing:
             found = [f"unknown keys {unknown}"] if unknown else []
             found += [f"missing keys {missing}"] if missing else []
+            hint = (
+                " (a plugin that knows only retrain's four flags can declare them through "
+                "retrain_backend_capabilities and get conservative values for the rest)"
+                if missing and not unknown
+                else ""
+            )
             raise ValueError(
                 f"{source} returned malformed capabilities: {', '.join(found)}; "
-                f"expected exactly {sorted(known)}"
+                f"expected exactly {sorted(required)}, optionally {sorted(known - required)}{hint}"
             )
         data = dict(values)
         kinds = data.get("device_kinds")
         data["device_kinds"] = tuple(kinds) if isinstance(kinds, list | tuple) else kinds
         try:
             return cls(**data)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ValueError(f"{source} returned malformed capabilities: {exc}") from None
+
+    @classmethod
+    def from_retrain(cls, values: object, source: str) -> Capabilities:
+        """Build from retrain's formats: a dict of its four flags, or its `BackendCapabilities`
+        (any object with the four flags as attributes). posttrain's other flags may be given
+        too; those left out take their CONSERVATIVE value. Errors name `source`, the key and
+        the fix."""
+        expected = (
+            f"return a dict with retrain's four flags {list(RETRAIN_FLAGS)} (posttrain's own "
+            "flags may be added) or a BackendCapabilities"
+        )
+        posttrain_flags = [f.name for f in fields(cls)]
+        if isinstance(values, Mapping):
+            data = {str(k): v for k, v in values.items()}
+        else:
+            names = [*RETRAIN_FLAGS, *RETRAIN_ONLY, *posttrain_flags]
+            data = {n: getattr(values, n) for n in names if hasattr(values, n)}
+        known = sorted({*posttrain_flags, *RETRAIN_ONLY})
+        for key in sorted(set(data) - set(known)):
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{source} returned an unknown capability {key!r}{hint}; {expected}")
+        missing = [k for k in RETRAIN_FLAGS if k not in data]
+        if missing:
+            what = "capabilities" if isinstance(values, Mapping) else type(values).__name__
+            raise ValueError(f"{source} returned {what} without {missing}; {expected}")
+        mode = data.pop("checkpoint_resume_mode", "exact")
+        if mode not in RESUME_MODES:
+            raise ValueError(
+                f"{source} returned checkpoint_resume_mode={mode!r}; use one of {list(RESUME_MODES)}"
+            )
+        data.pop("supports_echo_shared_forward", None)  # a retrain engine detail, no posttrain use
+        if mode != "exact" and data["supports_checkpoint_resume"] is True:
+            # posttrain's flag promises weights, optimizer and RNG back exactly; retrain's
+            # "adapter_only" resume brings back the weights alone.
+            data["supports_checkpoint_resume"] = False
+        kinds = data.get("device_kinds", CONSERVATIVE.device_kinds)
+        if isinstance(kinds, list):
+            data["device_kinds"] = tuple(kinds)
+        try:
+            return replace(CONSERVATIVE, **data)
         except ValueError as exc:
             raise ValueError(f"{source} returned malformed capabilities: {exc}") from None
 
@@ -80,4 +144,5 @@ LOCAL = Capabilities(
     supports_kl_reference=True,
     supports_sampling=True,
     device_kinds=("cpu", "cuda"),
+    provides_token_entropies=True,  # engine.sampler computes them per decode step
 )

@@ -4,10 +4,11 @@ entry-point group, each described with its capabilities and option schemas.
 A backend (a class, or any factory returning a backend) declares `capabilities` (a
 `Capabilities`), `rl_options` / `sft_options` (TypedDicts) and `rl_config` / `sft_config` (their
 defaults). A plugin may instead give hooks, on the factory or on its module:
-`posttrain_capabilities()` returning a dict of every capability, and
-`posttrain_option_schema()` returning `{"train": [...], "train_sft": [...]}` of option dicts
-(name, type, default, choices, description). Without hooks a plugin gets conservative
-capabilities and an empty schema, so preflight refuses any option set away from its default.
+`posttrain_capabilities` giving a dict of every capability, and `posttrain_option_schema`
+giving `{"train": [...], "train_sft": [...]}` of option dicts (name, type, default, choices,
+description). retrain's hooks are read too (`backends.hooks` has the names, formats and which
+wins). Without hooks a plugin gets conservative capabilities and an empty schema, so preflight
+refuses any option set away from its default.
 """
 
 from __future__ import annotations
@@ -17,26 +18,26 @@ import importlib
 import importlib.metadata
 import importlib.util
 import re
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from posttrain.backends.backend_options import with_backend_options
 from posttrain.backends.capabilities import CONSERVATIVE, Capabilities
-from posttrain.backends.schema import (
-    OptionSchema,
-    ParameterSchema,
-    constructor_schema,
-    option_schema,
+from posttrain.backends.hooks import (
+    CAPABILITIES_HOOK,
+    OPTION_SCHEMA_HOOK,
+    PRECEDENCE,
+    RETRAIN_CAPABILITIES_HOOKS,
+    RETRAIN_OPTION_SCHEMA_HOOKS,
+    CapabilitiesSource,
+    read_declarations,
 )
-from posttrain.trainer.config import RLConfig, SFTConfig
+from posttrain.backends.schema import OptionSchema, ParameterSchema, constructor_schema
 
 ENTRY_POINT_GROUP = "posttrain.backends"
-CAPABILITIES_HOOK = "posttrain_capabilities"
-OPTION_SCHEMA_HOOK = "posttrain_option_schema"
 TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 Source = Literal["builtin", "entry_point", "plugin"]
-CapabilitiesSource = Literal["declared", "hook", "default"]
 Factory = Callable[..., object]
 
 
@@ -62,6 +63,9 @@ class Resolved:
     extra: str | None
 
 
+HOOK_PARTS = ("capabilities", "option_schema", "backend_options")
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     """What `posttrain backends` shows about one backend."""
@@ -78,6 +82,10 @@ class BackendInfo:
     train_options: list[OptionSchema] = field(default_factory=list[OptionSchema])
     train_sft_options: list[OptionSchema] = field(default_factory=list[OptionSchema])
     constructor: list[ParameterSchema] = field(default_factory=list[ParameterSchema])
+    # The hook that gave the capabilities, the train options and the [backend] options (None:
+    # declared by the factory itself, or nothing), and hooks it has that lost to another.
+    hooks: Mapping[str, str | None] = field(default_factory=dict[str, str | None])
+    overridden_hooks: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -96,6 +104,10 @@ class BackendInfo:
             "error": self.error,
             "capabilities": self.capabilities.as_dict(),
             "capabilities_source": self.capabilities_source,
+            "hooks": {
+                **{k: self.hooks.get(k) for k in HOOK_PARTS},
+                "overridden": list(self.overridden_hooks),
+            },
             "options": {
                 "train": [o.as_dict() for o in self.train_options],
                 "train_sft": [o.as_dict() for o in self.train_sft_options],
@@ -174,97 +186,18 @@ def load(spec: str) -> Factory:
         raise
 
 
-def _hook(backend: object, name: str, source: str) -> Callable[[], object] | None:
-    """The hook on the factory, else on its module; a hook that is not a function is an error."""
-    hook = getattr(backend, name, None)
-    if hook is None:
-        module = sys.modules.get(getattr(backend, "__module__", "") or "")
-        hook = getattr(module, name, None)
-    if hook is None:
-        return None
-    if not callable(hook):
-        raise ValueError(f"{source}: {name} must be a function, got a {type(hook).__name__}")
-    return hook
-
-
-def _call(hook: Callable[[], object], name: str, source: str) -> object:
-    try:
-        return hook()
-    except Exception as exc:  # plugin code: report what it raised, where
-        raise ValueError(f"{source}: {name}() raised {type(exc).__name__}: {exc}") from exc
-
-
-def capabilities_of(backend: object, source: str) -> tuple[Capabilities, CapabilitiesSource]:
-    declared = getattr(backend, "capabilities", None)
-    if isinstance(declared, Capabilities):
-        return declared, "declared"
-    if declared is not None:
-        raise ValueError(
-            f"{source}: `capabilities` must be a posttrain.backends.capabilities.Capabilities, "
-            f"got a {type(declared).__name__}; or give a {CAPABILITIES_HOOK}() hook returning a dict"
-        )
-    hook = _hook(backend, CAPABILITIES_HOOK, source)
-    if hook is None:
-        return CONSERVATIVE, "default"
-    values = _call(hook, CAPABILITIES_HOOK, source)
-    if not isinstance(values, Mapping):
-        raise ValueError(
-            f"{source}: {CAPABILITIES_HOOK}() must return a dict, got {type(values).__name__}"
-        )
-    return Capabilities.from_mapping(values, f"{source}: {CAPABILITIES_HOOK}()"), "hook"  # type: ignore[arg-type]
-
-
-def _schema_from_hook(values: object, source: str) -> tuple[list[OptionSchema], list[OptionSchema]]:
-    where = f"{source}: {OPTION_SCHEMA_HOOK}()"
-    if not isinstance(values, Mapping) or not set(values) <= {"train", "train_sft"}:
-        raise ValueError(
-            f"{where} must return {{'train': [...], 'train_sft': [...]}}, got {values!r}"
-        )
-    out: list[list[OptionSchema]] = []
-    for key in ("train", "train_sft"):
-        rows = values.get(key, [])  # a hook may leave out a call it has no options for
-        if not isinstance(rows, list | tuple):
-            raise ValueError(f"{where}[{key!r}] must be a list of option dicts")
-        out.append([OptionSchema.from_mapping(row, f"{where}[{key!r}]") for row in rows])
-        names = [o.name for o in out[-1]]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{where}[{key!r}] lists an option twice: {names}")
-    return out[0], out[1]
-
-
-def _typed_options(
-    backend: object, attr: str, config_attr: str, default: type, source: str
-) -> list[OptionSchema]:
-    options = getattr(backend, attr, None)
-    if options is None:
-        return []
-    if not isinstance(options, type):
-        raise ValueError(f"{source}: `{attr}` must be a TypedDict class, got {options!r}")
-    return option_schema(options, getattr(backend, config_attr, default))
-
-
-def options_of(backend: object, source: str) -> tuple[list[OptionSchema], list[OptionSchema]]:
-    """(train, train_sft) option schemas: typed declarations first, else the hook, else none."""
-    if (
-        getattr(backend, "rl_options", None) is not None
-        or getattr(backend, "sft_options", None) is not None
-    ):
-        train = _typed_options(backend, "rl_options", "rl_config", RLConfig, source)
-        return train, _typed_options(backend, "sft_options", "sft_config", SFTConfig, source)
-    hook = _hook(backend, OPTION_SCHEMA_HOOK, source)
-    return _schema_from_hook(_call(hook, OPTION_SCHEMA_HOOK, source), source) if hook else ([], [])
-
-
-def describe(spec: str) -> BackendInfo:
+def describe(spec: str, backend_options: Mapping[str, object] | None = None) -> BackendInfo:
     """Everything known about one backend. A bad name or malformed hooks raise ValueError;
-    a backend that cannot be imported is described as such (`importable=False`)."""
+    a backend that cannot be imported is described as such (`importable=False`).
+    `backend_options` (a job's `[backend]` table) go to hooks that take them."""
     r = resolve(spec)
     try:
         backend = import_target(r.target)
     except ImportError as exc:
         return BackendInfo(r.name, r.target, r.source, r.extra, False, str(exc))
-    caps, caps_source = capabilities_of(backend, r.target)
-    train, train_sft = options_of(backend, r.target)
+    found = read_declarations(backend, r.target, backend_options)
+    label = r.target.rpartition(":")[2]
+    constructor = with_backend_options(constructor_schema(backend), found.backend_options, label)
     missing = _missing_dependency(r.name if r.source == "builtin" else None)
     return BackendInfo(
         r.name,
@@ -273,11 +206,17 @@ def describe(spec: str) -> BackendInfo:
         r.extra,
         importable=missing is None,
         import_error=missing,
-        capabilities=caps,
-        capabilities_source=caps_source,
-        train_options=train,
-        train_sft_options=train_sft,
-        constructor=constructor_schema(backend),
+        capabilities=found.capabilities,
+        capabilities_source=found.capabilities_source,
+        train_options=found.train,
+        train_sft_options=found.train_sft,
+        constructor=constructor,
+        hooks={
+            "capabilities": found.capabilities_hook,
+            "option_schema": found.option_schema_hook,
+            "backend_options": found.backend_options_hook,
+        },
+        overridden_hooks=found.overridden,
     )
 
 
@@ -310,5 +249,8 @@ def plugin_contract() -> dict[str, object]:
         "entry_point_group": ENTRY_POINT_GROUP,
         "capabilities_hook": CAPABILITIES_HOOK,
         "option_schema_hook": OPTION_SCHEMA_HOOK,
+        "retrain_capabilities_hooks": list(RETRAIN_CAPABILITIES_HOOKS),
+        "retrain_option_schema_hooks": list(RETRAIN_OPTION_SCHEMA_HOOKS),
+        "precedence": PRECEDENCE,
         "default_capabilities": CONSERVATIVE.as_dict(),
     }

@@ -6,7 +6,8 @@ dataclass (`trainer.config`, where each option is defined once), or `Annotated[.
 metadata on the TypedDict's field, else `backends.options.HELP`. An option with no description
 is an error, so the listing can never show an undocumented option.
 `constructor_schema` describes the keyword arguments a backend's constructor takes (what a job
-config's `[backend]` table may set).
+config's `[backend]` table may set); `backends.backend_options` adds what a plugin declares
+about them.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Annotated, Literal, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Literal, Union, get_args, get_origin, get_type_hints
 
 from posttrain.backends.options import HELP, option_names
 from posttrain.trainer.config import option_defaults, option_help
+
+if TYPE_CHECKING:
+    from posttrain.backends.backend_options import BackendOption
 
 JSONScalar = str | int | float | bool | None
 OPTION_KEYS = ("name", "type", "default", "choices", "description")
@@ -60,10 +64,10 @@ class OptionSchema:
             raise ValueError(f"{source}: option {name!r} needs its type as a string, got {type_!r}")
         if not isinstance(description, str) or not description.strip():
             raise ValueError(f"{source}: option {name!r} needs a description (a non-empty string)")
-        if not _is_scalar(default):
+        if not is_scalar(default):
             raise ValueError(f"{source}: option {name!r} default {default!r} is not a JSON scalar")
         if choices is not None:
-            if not isinstance(choices, list | tuple) or not all(_is_scalar(c) for c in choices):
+            if not isinstance(choices, list | tuple) or not all(is_scalar(c) for c in choices):
                 raise ValueError(
                     f"{source}: option {name!r} choices must be a list of scalars or null"
                 )
@@ -77,23 +81,28 @@ class OptionSchema:
 
 @dataclass(frozen=True)
 class ParameterSchema:
-    """One keyword argument of a backend's constructor; `**name` stands for `**kwargs`."""
+    """One keyword argument of a backend's constructor; `**name` stands for `**kwargs`.
+    `option` is set when a plugin's option schema declares it (choices, validator)."""
 
     name: str
     type: str
     default: JSONScalar
     required: bool
+    option: BackendOption | None = None
 
     def as_dict(self) -> dict[str, object]:
+        choices = self.option.choices if self.option is not None else None
         return {
             "name": self.name,
             "type": self.type,
             "default": self.default,
             "required": self.required,
+            "choices": list(choices) if choices is not None else None,
+            "has_validator": self.option is not None and self.option.validator is not None,
         }
 
 
-def _is_scalar(value: object) -> bool:
+def is_scalar(value: object) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
 
 
@@ -191,7 +200,7 @@ def constructor_schema(factory: Callable[..., object]) -> list[ParameterSchema]:
         required = default is inspect.Parameter.empty
         if required:
             default = None
-        elif not _is_scalar(default):
+        elif not is_scalar(default):
             default = repr(default)
         out.append(ParameterSchema(name, type_, default, required))
     return out

@@ -18,9 +18,12 @@ from posttrain.backends.registry import (
     plugin_contract,
     resolve,
 )
+from posttrain.backends.schema import ParameterSchema
 
 # 2: adds "error" and "constructor" to each backend and the top-level "plugins" contract.
-SCHEMA_VERSION = 2
+# 3: adds "hooks" to each backend, "choices" and "has_validator" to each constructor argument,
+#    and retrain's hook names and the precedence to "plugins".
+SCHEMA_VERSION = 3
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -77,8 +80,15 @@ def _text(info: BackendInfo) -> str:
     flags = [k for k, v in caps.items() if v is True]
     lines.append(f"  capabilities ({info.capabilities_source}): {', '.join(flags) or 'none'}")
     lines.append(f"  devices: {', '.join(info.capabilities.device_kinds) or '-'}")
+    used = [f"{hook} ({part})" for part, hook in info.hooks.items() if hook]
+    if used:
+        lines.append(f"  hooks: {', '.join(used)}")
+    if info.overridden_hooks:
+        lines.append(
+            f"  hooks overridden: {', '.join(info.overridden_hooks)} (a higher-precedence declaration won)"
+        )
     if info.constructor:
-        args = [p.name + ("" if p.required else f"={p.default!r}") for p in info.constructor]
+        args = [_argument(p) for p in info.constructor]
         lines.append(f"  constructor ([backend] table): {', '.join(args)}")
     for call, options in (("train", info.train_options), ("train_sft", info.train_sft_options)):
         lines.append(f"  {call}() options:" + ("" if options else " none declared"))
@@ -87,6 +97,12 @@ def _text(info: BackendInfo) -> str:
             lines.append(f"    {o.name:32s} {o.type:18s} default={o.default!r}{choices}")
             lines.append(f"      {o.description}")
     return "\n".join(lines)
+
+
+def _argument(p: ParameterSchema) -> str:
+    text = p.name + ("" if p.required else f"={p.default!r}")
+    choices = p.option.choices if p.option is not None else None
+    return text + (f" {{{', '.join(map(str, choices))}}}" if choices else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
             f"\nplugins: name one by dotted path ({contract['dotted_path']}) or install it under "
             f"the entry-point group {contract['entry_point_group']!r}; hooks "
             f"{contract['capabilities_hook']}() and {contract['option_schema_hook']}() on the "
-            "factory or its module declare what it can do (without them: conservative defaults)"
+            "factory or its module declare what it can do (without them: conservative defaults); "
+            f"retrain's hooks are read too. Capabilities come from {contract['precedence']}"
         )
     for error in errors:
         print(f"posttrain backends: error: {error}", file=sys.stderr)

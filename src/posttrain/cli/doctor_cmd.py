@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from posttrain.jobs.backend import JobBackend
     from posttrain.jobs.config import JobConfig
 
 Status = Literal["pass", "warn", "fail"]
@@ -238,11 +239,20 @@ def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | 
     if backend_problems:
         check = Check("backend", "fail", "; ".join(str(p) for p in backend_problems))
     else:
-        source = found.info.capabilities_source if found else "?"
-        check = Check("backend", "pass", f"{config.run.backend} (capabilities: {source})")
+        check = Check("backend", "pass", f"{config.run.backend} ({_capabilities_note(found)})")
     checks = [Check("config", "pass", str(path)), check_task(config), check]
     checks.append(check_base_model(config.model.base_model))
     return checks, dict(config.backend), config.run.output_dir
+
+
+def _capabilities_note(found: JobBackend | None) -> str:
+    """Where the backend's capabilities come from, and any hook that lost to another."""
+    if found is None:
+        return "capabilities: ?"
+    hook = found.info.hooks.get("capabilities")
+    note = f"capabilities: {found.info.capabilities_source}" + (f" {hook}" if hook else "")
+    overridden = found.info.overridden_hooks
+    return note + (f"; overridden: {', '.join(overridden)}" if overridden else "")
 
 
 def check_task(config: JobConfig) -> Check:

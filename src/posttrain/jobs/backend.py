@@ -18,7 +18,12 @@ from typing import Literal
 from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
-from posttrain.backends.schema import OptionSchema, constructor_hints, constructor_parameters
+from posttrain.backends.schema import (
+    OptionSchema,
+    ParameterSchema,
+    constructor_hints,
+    constructor_parameters,
+)
 from posttrain.engine.devices import resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, check_base_model
 from posttrain.environments.resolve import ResolvedEnvironment
@@ -54,33 +59,51 @@ class JobPreflightError(ValueError):
         super().__init__("the job cannot start:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def constructor_kwargs(config: JobConfig, factory: Factory, path: Path) -> dict[str, object]:
-    """Keyword arguments for the backend's constructor; errors name the `[backend]` key."""
+def constructor_kwargs(
+    config: JobConfig, factory: Factory, path: Path, declared: Sequence[ParameterSchema] = ()
+) -> dict[str, object]:
+    """Keyword arguments for the backend's constructor; errors name the `[backend]` key.
+    `declared` is the constructor as the registry describes it: options a plugin's option
+    schema declares are checked (type, choices, validator), and their defaults passed."""
     spec = config.run.backend
     params = constructor_parameters(factory)
     named = {n: p for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    open_ended = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    options = {p.name: p.option for p in declared if p.option is not None}
+    # A constructor taking **kwargs that declares its options takes only those, as in retrain.
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in params.values()) and not options
+    accepted = [*named, *(n for n in options if n not in named)]
     hints = constructor_hints(factory)
     for key, value in config.backend.items():
         if key in JOB_SUPPLIED:
             raise ValueError(
                 f"[backend] {key}: the job sets it from {JOB_SUPPLIED[key]}; set it there instead"
             )
-        if key not in named and not open_ended:
-            close = difflib.get_close_matches(key, sorted(named), n=1)
+        if key not in accepted and not open_ended:
+            close = difflib.get_close_matches(key, accepted, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            takes = ", ".join(n for n in named if n not in JOB_SUPPLIED) or "nothing"
+            takes = ", ".join(n for n in accepted if n not in JOB_SUPPLIED) or "nothing"
             raise ValueError(
                 f"[backend] unknown key {key!r} for backend {spec!r}{hint} "
                 f"(its constructor takes: {takes})"
             )
         if key in hints:
             _check_type(key, hints[key], value)
+        if key in options and (problem := options[key].problem(value)) is not None:
+            shown = REDACTED if is_secret(key) else value
+            raise ValueError(
+                f"[backend] {key}={shown!r} is invalid: {problem} "
+                f"(declared by {options[key].declared_by})"
+            )
     kwargs: dict[str, object] = {}
     if "path" in named:
         kwargs["path"] = path
     if "keep_checkpoints" in named:
         kwargs["keep_checkpoints"] = config.run.keep_checkpoints
+    for row in declared:
+        own = named.get(row.name)
+        own_default = own is not None and own.default is not own.empty
+        if row.option is not None and not row.required and not own_default:
+            kwargs[row.name] = row.default  # declared, but the constructor has no default
     kwargs.update(config.backend)
     missing = [
         n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs
@@ -137,7 +160,7 @@ def job_problems(
     spec = config.run.backend
     model_problems = base_model_problems(config.model.base_model) if base_model else []
     try:
-        info = describe(spec)
+        info = describe(spec, config.backend)  # hooks that take the backend options get them
         factory = load(spec) if info.importable else None
     except (ValueError, ImportError) as exc:
         return None, [*model_problems, JobProblem("backend", "[run] backend", str(exc))]
@@ -148,7 +171,9 @@ def job_problems(
         return JobBackend(info, None, None), [*model_problems, problem]
     problems = model_problems
     try:
-        kwargs = constructor_kwargs(config, factory, path or Path(config.run.output_dir))
+        kwargs = constructor_kwargs(
+            config, factory, path or Path(config.run.output_dir), info.constructor
+        )
     except ValueError as exc:
         kwargs = None
         problems.append(JobProblem("backend", "[backend]", str(exc)))
