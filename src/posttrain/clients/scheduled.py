@@ -1,0 +1,88 @@
+"""A training client whose `optim_step` brings its own AdamW settings and learning-rate
+schedule, around any TrainingClient (`posttrain.blocks.create_backend_with_scheduler` builds
+one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from posttrain.clients.futures import APIFuture
+from posttrain.clients.protocol import (
+    LoadWeightsResponse,
+    LossFnConfig,
+    SaveWeightsResponse,
+    TrainingClient,
+)
+from posttrain.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+)
+
+
+class ScheduledTrainingClient:
+    """A training client whose `optim_step` applies its own AdamW settings, the learning rate
+    scaled by a schedule: step k (0-based, counted here) uses `learning_rate * schedule(k)`.
+    `optim_step(adam_params)` scales the rate given instead, as LambdaLR scales a base rate.
+    Set `steps` after loading a checkpoint to resume the schedule where it was. Every other
+    call goes to `client`."""
+
+    def __init__(
+        self,
+        client: TrainingClient,
+        adam: AdamParams,
+        schedule: Callable[[int], float] | None = None,
+    ) -> None:
+        self.client = client
+        self.adam = adam
+        self.schedule = schedule or (lambda _step: 1.0)
+        self.steps = 0
+
+    @property
+    def learning_rate(self) -> float:
+        """The rate the next `optim_step()` applies."""
+        return self.adam.learning_rate * self.schedule(self.steps)
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        base = adam_params or self.adam
+        rate = base.learning_rate * self.schedule(self.steps)
+        self.steps += 1
+        return self.client.optim_step(replace(base, learning_rate=rate))
+
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: LossFnConfig | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.client.forward(data, loss_fn, loss_fn_config)
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: LossFnConfig | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.client.forward_backward(data, loss_fn, loss_fn_config)
+
+    def sample(
+        self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams
+    ) -> APIFuture[SampleResponse]:
+        return self.client.sample(prompt, num_samples, sampling_params)
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        return self.client.compute_logprobs(prompt)
+
+    def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        return self.client.save_state(name)
+
+    def load_state(self, path: str, with_optimizer: bool = False) -> APIFuture[LoadWeightsResponse]:
+        return self.client.load_state(path, with_optimizer)
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        return self.client.save_weights_for_sampler(name)
+
+    def get_tokenizer(self) -> object:
+        return self.client.get_tokenizer()
+
+    def close(self) -> None:
+        self.client.close()
