@@ -16,7 +16,7 @@ from posttrain.algo.advantages import (
     reduction_weights,
 )
 
-ESTIMATORS = ["grpo", "rloo", "dr_grpo", "maxrl"]
+ESTIMATORS = ["grpo", "rloo", "dr_grpo", "maxrl", "reinforce_pp"]
 PRESETS = ["token_mean", "sequence_mean", "constant", "sum"]
 EPS = 1e-6
 
@@ -41,7 +41,7 @@ def naive_advantages(rewards: list[float], estimator: str, scale_rewards: bool) 
     if estimator == "grpo":
         std = statistics.pstdev(rewards)
         return [(r - mean) / (std + EPS) if scale_rewards else r - mean for r in rewards]
-    if estimator == "dr_grpo":
+    if estimator in ("dr_grpo", "reinforce_pp"):  # reinforce_pp's group part: centring only
         return [r - mean for r in rewards]
     if estimator == "rloo":
         out = []

@@ -14,9 +14,33 @@ from typing import Literal
 
 import torch
 
-from posttrain.algo.config_fields import POSITIVE, Check, check_fields, option
+from posttrain.algo.config_fields import POSITIVE, Check, check_fields, group, option
+from posttrain.algo.sepa import SEPAConfig
+from posttrain.algo.token_transforms import TokenTransform, TokenTransformConfig
 
-AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "maxrl"]
+AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "maxrl", "reinforce_pp"]
+# retrain's fixed recipes, <estimator>_<transform>. retrain's grpo centres without dividing
+# by the std, which is posttrain's dr_grpo.
+AlgorithmMode = Literal[
+    "grpo_none",
+    "maxrl_none",
+    "maxrl_gtpo",
+    "maxrl_gtpo_hicra",
+    "maxrl_gtpo_sepa",
+    "reinforce_pp_none",
+    "reinforce_pp_gtpo",
+    "reinforce_pp_gtpo_sepa",
+]
+ALGORITHM_MODES: dict[AlgorithmMode, tuple[AdvantageEstimator, TokenTransform]] = {
+    "grpo_none": ("dr_grpo", "none"),
+    "maxrl_none": ("maxrl", "none"),
+    "maxrl_gtpo": ("maxrl", "gtpo"),
+    "maxrl_gtpo_hicra": ("maxrl", "gtpo_hicra"),
+    "maxrl_gtpo_sepa": ("maxrl", "gtpo_sepa"),
+    "reinforce_pp_none": ("reinforce_pp", "none"),
+    "reinforce_pp_gtpo": ("reinforce_pp", "gtpo"),
+    "reinforce_pp_gtpo_sepa": ("reinforce_pp", "gtpo_sepa"),
+}
 ZeroVarianceMode = Literal["drop", "keep"]
 ReductionPreset = Literal["token_mean", "sequence_mean", "constant", "sum"]
 REDUCTION_PRESETS: tuple[ReductionPreset, ...] = ("token_mean", "sequence_mean", "constant", "sum")
@@ -59,12 +83,20 @@ def _maxrl(r_G: torch.Tensor, scale_rewards: bool, eps: float) -> torch.Tensor:
     return (r_G - mean) / (mean + eps)
 
 
+def _reinforce_pp(r_G: torch.Tensor, scale_rewards: bool, eps: float) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu 2025): A_i = r_i - mean r here; the trainer then
+    whitens every completion token's advantage over the whole batch (`token_transforms.whiten`).
+    """
+    return r_G - r_G.mean()
+
+
 # `scale_rewards` only affects "grpo": the other estimators fix their own scaling.
 ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, EstimatorFn] = {
     "grpo": _grpo,
     "rloo": _rloo,
     "dr_grpo": _dr_grpo,
     "maxrl": _maxrl,
+    "reinforce_pp": _reinforce_pp,
 }
 
 
@@ -142,7 +174,14 @@ class AdvantageConfig:
     `train()` option of the same name; zero-variance groups are dropped by default."""
 
     advantage_estimator: AdvantageEstimator = option(
-        "grpo", "group baseline: grpo, dr_grpo (no std), rloo, maxrl"
+        "grpo",
+        "group baseline: grpo, dr_grpo (no std), rloo, maxrl, reinforce_pp (centred, then "
+        "whitened over the batch's completion tokens)",
+    )
+    algorithm_mode: AlgorithmMode | None = option(
+        None,
+        "a retrain recipe <estimator>_<transform> (e.g. maxrl_gtpo_sepa; grpo means dr_grpo): "
+        "sets advantage_estimator and token_transform",
     )
     scale_rewards: bool = option(True, "divide grpo advantages by the group's reward std")
     zero_variance_groups: ZeroVarianceMode = option(
@@ -159,6 +198,8 @@ class AdvantageConfig:
     loss_reduction_constant: float | None = option(
         None, "normaliser for loss_reduction='constant'", POSITIVE
     )
+    tokens: TokenTransformConfig = group(TokenTransformConfig)
+    sepa: SEPAConfig = group(SEPAConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -167,6 +208,32 @@ class AdvantageConfig:
                 "option loss_reduction_constant is needed by loss_reduction='constant': "
                 "pass loss_reduction_constant > 0"
             )
+        if self.algorithm_mode is not None:
+            estimator, transform = ALGORITHM_MODES[self.algorithm_mode]
+            # A value at its default cannot be told from one left out: only others conflict.
+            for key, value, implied, default in (
+                ("advantage_estimator", self.advantage_estimator, estimator, "grpo"),
+                ("token_transform", self.tokens.token_transform, transform, "none"),
+            ):
+                if value not in (implied, default):
+                    raise ValueError(
+                        f"options algorithm_mode={self.algorithm_mode!r} and {key}={value!r} "
+                        f"disagree (the mode means {key}={implied!r}): pass only one of them"
+                    )
+
+    @property
+    def estimator(self) -> AdvantageEstimator:
+        """The episode estimator: algorithm_mode's if set, else advantage_estimator."""
+        if self.algorithm_mode is None:
+            return self.advantage_estimator
+        return ALGORITHM_MODES[self.algorithm_mode][0]
+
+    @property
+    def transform(self) -> TokenTransform:
+        """The token transform: algorithm_mode's if set, else token_transform."""
+        if self.algorithm_mode is None:
+            return self.tokens.token_transform
+        return ALGORITHM_MODES[self.algorithm_mode][1]
 
 
 @dataclass(frozen=True)
@@ -206,7 +273,7 @@ def compute_group_advantages(
         try:
             adv_G = group_advantages(
                 rewards_G,
-                estimator=config.advantage_estimator,
+                estimator=config.estimator,
                 scale_rewards=config.scale_rewards,
                 eps=ADVANTAGE_EPS,
             )

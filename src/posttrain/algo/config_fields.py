@@ -227,9 +227,25 @@ def check_field_types(config: object) -> None:
 
 
 def check_value(name: str, annotation: object, value: object) -> None:
-    """Raise ValueError unless `value` fits `annotation` (Literal choices included)."""
+    """Raise ValueError unless `value` fits `annotation` (Literal choices included); a string
+    that is not one of the choices names the nearest one."""
     if not _accepts(annotation, value):
-        raise ValueError(f"option {name}={value!r} is invalid: expected {_describe(annotation)}")
+        hint = ""
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, _string_choices(annotation), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"option {name}={value!r} is invalid: expected {_describe(annotation)}{hint}"
+        )
+
+
+def _string_choices(annotation: object) -> list[str]:
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return [a for a in get_args(annotation) if isinstance(a, str)]
+    if origin in (Union, types.UnionType):
+        return [c for a in get_args(annotation) for c in _string_choices(a)]
+    return []
 
 
 def _takes_float(annotation: object) -> bool:

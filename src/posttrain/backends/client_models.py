@@ -123,20 +123,31 @@ class ModelClients(Generic[ClientT]):
         groups = group_list(trajectory_groups, f"{self.backend}.train()")  # read once, here
         preflight_rl(self.backend, self.capabilities, config, groups)
         client = self.client(model)
-        batch = prepare_batch(groups, config)  # bad input fails here, before any update
+        # Bad input fails here, before any update. The advantage flow reads its controller
+        # state (SEPA) from run_state; the tokenizer is fetched only to find planning tokens.
+        batch = prepare_batch(
+            groups, config, run_state=model.run_state, tokenizer=client.get_tokenizer
+        )
         if isinstance(client, LogprobChunking):
             client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
         step = model.step + 1
         plot = model.directory / "plots" / f"step_{step:05d}.png"
+        before = dict(model.run_state)
 
         async def run() -> StepMetrics:
             metrics = await train_rl_batch(client, batch, config, recorder=recorder)
             if recorder is not None:
                 recorder.save(plot)
+            model.run_state.update(batch.run_state)  # saved with this step's checkpoint
             return metrics
 
-        return await self._step(model, step, run, config.save_checkpoint, leftovers=[plot])
+        try:
+            return await self._step(model, step, run, config.save_checkpoint, leftovers=[plot])
+        except BaseException:
+            model.run_state.clear()  # a failed step leaves the controller state as it was
+            model.run_state.update(before)
+            raise
 
     async def train_sft(
         self, model: TrainableModel, trajectories: Iterable[Trajectory], config: SFTConfig

@@ -17,11 +17,14 @@ from typing import Literal, get_type_hints
 
 from typing_extensions import TypedDict
 
-from posttrain.algo.advantages import AdvantageEstimator, ReductionPreset
+from posttrain.algo.advantages import AdvantageEstimator, AlgorithmMode, ReductionPreset
 from posttrain.algo.ratios import ImportanceSamplingLevel, KLEstimator
+from posttrain.algo.sepa import SEPASchedule
+from posttrain.algo.token_transforms import TokenTransform
 from posttrain.trainer.config import (
     AssistantTurns,
     KLMode,
+    LossName,
     LRDecay,
     PolicyLoss,
     ProtocolPolicyLoss,
@@ -35,8 +38,9 @@ from posttrain.trainer.config import (
 class CoreRLFields(TypedDict, total=False):
     """RL options computed by the trainer or carried by Tinker's wire protocol.
 
-    Advantages, loss reduction and mini-batching happen in the shared trainer on the caller's
-    side; the clip range travels as the loss's thresholds; the rest go with `optim_step`.
+    Advantages (per token too: token transforms, SEPA), loss reduction and mini-batching
+    happen in the shared trainer on the caller's side; per-token advantages travel in the
+    datums; the clip range travels as the loss's thresholds; the rest go with `optim_step`.
     """
 
     learning_rate: float
@@ -49,28 +53,44 @@ class CoreRLFields(TypedDict, total=False):
     zero_variance_groups: Literal["drop", "keep"]
     loss_reduction: ReductionPreset
     loss_reduction_constant: float | None
+    algorithm_mode: AlgorithmMode | None
+    token_transform: TokenTransform
+    uncertainty_kind: str
+    gtpo_beta: float
+    hicra_alpha: float
+    entropy_mask_rho: float
+    strategic_grams: str | None
+    sepa_schedule: SEPASchedule
+    sepa_steps: int
+    sepa_delay_steps: int
+    sepa_correct_rate_gate: float
+    sepa_warmup_steps: int
+    sepa_ema_decay: float
     num_minibatches: int
     grad_clip: float
     weight_decay: float
     save_checkpoint: bool
+    verbose: bool
+    scale_learning_rate_by_reward_std_dev: bool
 
 
 # Closed TypedDicts (PEP 728): no keys beyond those declared. That is what lets pyright accept
 # a backend with more options where backend-agnostic code expects `TrainableBackend`.
 class RLOptions(CoreRLFields, total=False, closed=True):
-    """What backend-agnostic code may pass to any backend's `train()` (TinkerBackend's set)."""
+    """What backend-agnostic code may pass to any backend's `train()`."""
 
-    loss: ProtocolPolicyLoss
+    loss: ProtocolPolicyLoss | LossName
 
 
 class PosttrainLossFields(CoreRLFields, total=False):
     """Options of posttrain's own loss code, honoured wherever it runs the loss."""
 
-    loss: PolicyLoss
+    loss: PolicyLoss | LossName
     dro_beta: float
     importance_sampling_level: ImportanceSamplingLevel
     truncated_importance_sampling: float | None
     mask_prob_ratio: bool
+    max_negative_advantage_importance_sampling_weight: float | None
     kimi_k2_tau: float | None
     allow_training_without_logprobs: bool
 

@@ -1,9 +1,10 @@
 """Preflight: refuse, before any work, a configuration a backend would silently degrade.
 
 Checks options against the backend's capabilities, conflicting options, options the chosen loss
-would ignore, and whether the configured advantage flow produces token-varying advantages
-(found statically and by probing it on synthetic groups) for a backend that cannot carry them;
-and, before `register` loads anything, that the model's base model can be had here.
+or token transform would ignore, whether the backend provides the per-token data the configured
+uncertainty kind reads, and whether the configured advantage flow produces token-varying
+advantages (found statically and by probing it on synthetic groups) for a backend that cannot
+carry them; and, before `register` loads anything, that the model's base model can be had here.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ from typing import TYPE_CHECKING
 
 from posttrain.algo.loss_checks import unused_options
 from posttrain.algo.losses import check_config
+from posttrain.algo.sepa import SEPAConfig
+from posttrain.algo.token_transforms import NEEDS_PLANNING, TOKEN_TRANSFORMS, TokenTransform
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
+from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.engine.model_source import HubUnreachableError, check_base_model
-from posttrain.trainer.config import RLConfig, SFTConfig, option_defaults, option_values
+from posttrain.trainer.config import (
+    RLConfig,
+    SFTConfig,
+    option_defaults,
+    option_fields,
+    option_values,
+)
+from posttrain.trainer.token_advantages import kind_needs_entropies, uses_token_path
 from posttrain.types import TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -41,6 +52,18 @@ TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] =
         "kl_mode='advantage' shapes each token's advantage by its KL",
     ),
 )
+
+
+_GTPO_FAMILY = frozenset(TOKEN_TRANSFORMS) - {"none"}
+# The token transforms that read each option of the token flow.
+FLOW_READERS: dict[str, frozenset[TokenTransform]] = {
+    "uncertainty_kind": _GTPO_FAMILY,
+    "gtpo_beta": _GTPO_FAMILY,
+    "hicra_alpha": frozenset({"gtpo_hicra"}),
+    "entropy_mask_rho": frozenset({"entropy_mask"}),
+    "strategic_grams": NEEDS_PLANNING,
+    **{key: frozenset({"gtpo_sepa"}) for key in option_fields(SEPAConfig)},
+}
 
 
 @dataclass(frozen=True)
@@ -90,14 +113,17 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
         problems.append(
             PreflightProblem("loss_reduction_constant", "only applies to loss_reduction='constant'")
         )
-    if not advantages.scale_rewards and advantages.advantage_estimator != "grpo":
+    if not advantages.scale_rewards and advantages.estimator != "grpo":
         problems.append(
             PreflightProblem(
                 "scale_rewards",
                 f"only applies to advantage_estimator='grpo'; "
-                f"{advantages.advantage_estimator!r} never scales by the std",
+                f"{advantages.estimator!r} never scales by the std",
             )
         )
+    problems += token_flow_conflicts(config)
+    if is_custom_loss(config.policy_loss):
+        return problems + custom_loss_conflicts(config)
     unused = unused_options(config.policy_loss, loss)
     for name, applies in unused:
         readers = " or ".join(f"loss={reader!r}" for reader in applies)
@@ -112,17 +138,101 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
     return problems
 
 
-def token_advantage_problem(backend: str, config: RLConfig) -> PreflightProblem | None:
-    """Token-varying advantages for a backend that keeps one per sequence: found from the
-    options (static) and by the probe, which also catches flows no static rule names."""
+def custom_loss_conflicts(config: RLConfig) -> list[PreflightProblem]:
+    """A custom loss reads none of the loss options: each set is refused, by name."""
+    return [
+        PreflightProblem(name, f"has no effect on the custom loss {config.policy_loss!r}")
+        for name, value in option_values(config.loss).items()
+        if name != "allow_training_without_logprobs" and value != _RL_DEFAULTS[name]
+    ]
+
+
+def token_flow_conflicts(config: RLConfig) -> list[PreflightProblem]:
+    """Token-flow options the configured transform would ignore, and a SEPA that never pools."""
+    transform = config.advantages.transform
+    problems: list[PreflightProblem] = []
+    for name, readers in FLOW_READERS.items():
+        if transform not in readers and _changed(config, name):
+            wanted = " or ".join(repr(r) for r in sorted(readers))
+            problems.append(
+                PreflightProblem(
+                    name,
+                    f"only applies to token_transform={wanted}, not {transform!r}; drop it or "
+                    "choose a transform that reads it",
+                )
+            )
+    sepa = config.advantages.sepa
+    if transform == "gtpo_sepa" and sepa.sepa_schedule == "linear" and sepa.sepa_steps == 0:
+        problems.append(
+            PreflightProblem(
+                "sepa_steps",
+                "is 0 with sepa_schedule='linear', so lambda stays 0 and gtpo_sepa is plain "
+                "gtpo; set sepa_steps > 0, sepa_schedule='auto', or token_transform='gtpo'",
+            )
+        )
+    return problems
+
+
+def backends_with(flag: str) -> list[str]:
+    """The built-in backends whose capabilities set `flag` (for error messages)."""
+    from posttrain.backends import registry  # here: the registry imports the backends
+
+    names: list[str] = []
+    for name in registry.BUILTINS:
+        try:
+            info = registry.describe(name)
+        except Exception:  # an uninstalled extra: it cannot be offered anyway
+            continue
+        if getattr(info.capabilities, flag, False):
+            names.append(info.label)
+    return names
+
+
+def token_data_problem(
+    backend: str, capabilities: Capabilities, config: RLConfig
+) -> PreflightProblem | None:
+    """The configured uncertainty kind reads per-token data the backend does not provide."""
+    advantages = config.advantages
+    if advantages.transform == "none" or capabilities.provides_token_entropies:
+        return None
+    kind = advantages.tokens.uncertainty_kind
+    try:
+        needs = kind_needs_entropies(kind)
+    except ValueError as exc:  # a custom kind that does not import
+        return PreflightProblem("uncertainty_kind", str(exc))
+    if not needs:
+        return None
+    having = ", ".join(backends_with("provides_token_entropies")) or "none installed here"
+    return PreflightProblem(
+        "uncertainty_kind",
+        f"uncertainty_kind={kind!r} reads per-token entropies (the Shannon entropy of each "
+        f"sampled token's distribution), which {backend} does not provide "
+        f"(provides_token_entropies=false); use a backend that does ({having}), or "
+        "uncertainty_kind='surprisal' or 'predictive_variance', which read the sampled tokens' "
+        "logprobs every backend returns",
+    )
+
+
+def token_advantage_problem(
+    backend: str, config: RLConfig, *, preserves: bool = False
+) -> PreflightProblem | None:
+    """The probe failing on synthetic groups; else, for a backend that keeps one advantage per
+    sequence (`preserves` False), token-varying advantages: found from the options (static)
+    and by the probe, which also catches flows no static rule names."""
     static = [(name, why) for name, applies, why in TOKEN_VARYING_OPTIONS if applies(config)]
+    transform = config.advantages.transform
+    if transform != "none":
+        mode = config.advantages.algorithm_mode
+        name = "algorithm_mode" if mode is not None else "token_transform"
+        value = mode if mode is not None else transform
+        static.append((name, f"{name}={value!r} gives each token its own advantage"))
     try:
         finding = probe_advantage_flow(config)
     except ValueError as exc:
         return PreflightProblem(
             "advantages", f"the advantage-flow probe failed on synthetic groups: {exc}"
         )
-    if not static and finding is None:
+    if preserves or (not static and finding is None):
         return None
     reasons = [why for _, why in static] + ([str(finding)] if finding else [])
     return PreflightProblem(
@@ -155,7 +265,11 @@ def unsupported_options(
                         f"remove it or use a backend that has it ({backend} takes: {supported})",
                     )
                 )
-        elif declared[name].choices is not None and value not in declared[name].choices:  # type: ignore[operator]
+        elif (
+            declared[name].choices is not None
+            and value not in declared[name].choices  # type: ignore[operator]
+            and value != defaults[name]  # None for an optional Literal: not among its choices
+        ):
             problems.append(
                 PreflightProblem(
                     name,
@@ -213,8 +327,14 @@ def preflight_rl(
                 "set kl_penalty_coef=0 or use a backend with supports_kl_reference",
             )
         )
-    if not capabilities.preserves_token_advantages:
-        problem = token_advantage_problem(backend, config)
+    problem = token_data_problem(backend, capabilities, config)
+    if problem is not None:
+        problems.append(problem)
+    preserves = capabilities.preserves_token_advantages
+    # A preserving backend is probed too when advantages go per token: a custom uncertainty
+    # kind or a bad flow then fails here rather than in the middle of train().
+    if not preserves or uses_token_path(config.advantages):
+        problem = token_advantage_problem(backend, config, preserves=preserves)
         if problem is not None:
             problems.append(problem)
     problems += missing_logprobs(config, groups)

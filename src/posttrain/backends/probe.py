@@ -2,7 +2,11 @@
 of one sequence that end up with different advantages or loss weights.
 
 A backend with `preserves_token_advantages=false` carries one value per sequence, so such a
-flow would be silently averaged there; preflight refuses it when the probe finds one.
+flow would be silently averaged there; preflight refuses it when the probe finds one. The
+synthetic groups exercise every part of a token transform: their tokens decode to a strategic
+gram ("let me check": planning tokens), they carry sampler entropies, and the SEPA controller
+is given a state with its gate open and lambda halfway up its ramp. A custom uncertainty kind
+runs on them too, so one that returns the wrong number of values fails here, before any work.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import torch
 
 from posttrain.algo.loss_inputs import policy_tokens, shaped_advantages
 from posttrain.algo.losses import LossBatch
+from posttrain.algo.sepa import SEPAState
 from posttrain.engine.batching import pad_datums
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.rl import prepare_batch, weighted
+from posttrain.trainer.token_advantages import SEPA_STATE_KEY
 from posttrain.types import Datum, TokenSegment, Trajectory, TrajectoryGroup
 
 # The probe's stand-in learner logprobs are q_t + 0.01*t and its reference ones lp_t - 0.02*t
@@ -29,14 +35,46 @@ PROBE_REFERENCE_SHIFT = 0.02
 PROBE_TOLERANCE = 1e-6
 
 
+# What the probe's stand-in tokenizer decodes its sampled tokens 10, 11, ... to.
+PROBE_WORDS = (" let", " me", " check", " the", " sum", " again")
+
+
+class ProbeTokenizer:
+    """Decodes the synthetic tokens (`PROBE_WORDS`); the probe needs nothing else of it."""
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return []
+
+    def decode(self, token_ids: list[int], /, *, skip_special_tokens: bool = False) -> str:
+        return "".join(PROBE_WORDS[(t - 10) % len(PROBE_WORDS)] for t in token_ids)
+
+    def encode(self, text: str, /, *, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError("the probe only decodes")
+
+    def apply_chat_template(self, conversation: object, /, **kwargs: object) -> object:
+        raise NotImplementedError("the probe only decodes")
+
+
+def _sampled(n: int) -> TokenSegment:
+    logprobs = tuple(-0.1 * (i + 1) for i in range(n))
+    # Each sampling distribution's entropy as 0.8 x the sampled token's surprisal (retrain's).
+    entropies = tuple(-0.8 * lp for lp in logprobs)
+    return TokenSegment(tuple(range(10, 10 + n)), True, logprobs, entropies)
+
+
+def probe_run_state(config: RLConfig) -> dict[str, object]:
+    """A SEPA state with the gate open and lambda halfway up its linear ramp."""
+    sepa = config.advantages.sepa
+    steps = sepa.sepa_delay_steps + sepa.sepa_steps // 2
+    return {SEPA_STATE_KEY: SEPAState(steps=steps, gate_open=True).state_dict()}
+
+
 def synthetic_groups() -> list[TrajectoryGroup]:
     """Two small groups with distinct rewards, lengths and logprobs, to probe the flow."""
 
     def trajectory(n: int, reward: float) -> Trajectory:
-        sampled = TokenSegment(
-            tuple(range(10, 10 + n)), True, tuple(-0.1 * (i + 1) for i in range(n))
-        )
-        return Trajectory((TokenSegment((1, 2, 3)), sampled), reward)
+        return Trajectory((TokenSegment((1, 2, 3)), _sampled(n)), reward)
 
     return [
         TrajectoryGroup((trajectory(3, 1.0), trajectory(5, 0.0), trajectory(4, 0.5))),
@@ -73,11 +111,13 @@ def _stand_in_batch(datums: Sequence[Datum]) -> LossBatch:
 
 
 def probe_advantage_flow(config: RLConfig) -> ProbeFinding | None:
-    """Run the trainer's advantage flow on synthetic groups (group advantages, reduction
-    weights, then the loss's Kimi K2 tau correction and KL shaping, the same functions the
-    trainer and loss run) and return the first sequence whose per-token advantages or weights
-    are not all equal, or None."""
-    batch = prepare_batch(synthetic_groups(), config)
+    """Run the trainer's advantage flow on synthetic groups (group advantages, token transform,
+    reduction weights, then the loss's Kimi K2 tau correction and KL shaping, the same
+    functions the trainer and loss run) and return the first sequence whose per-token
+    advantages or weights are not all equal, or None."""
+    batch = prepare_batch(
+        synthetic_groups(), config, run_state=probe_run_state(config), tokenizer=ProbeTokenizer
+    )
     if not batch.datums:
         return None
     loss_batch = _stand_in_batch(weighted(batch.datums, batch.masks, config))

@@ -13,6 +13,7 @@ from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig, parse_tiny_spec, redact_secrets
 from posttrain.model import RunState
 from posttrain.trainer.config import option_values
+from posttrain.trainer.token_advantages import TRAINER_RUN_STATE_KEYS
 
 # Settings a resumed run may change: where the run is, how long it goes on, how it is evaluated.
 RESUMABLE_CHANGES = frozenset(
@@ -168,7 +169,8 @@ class JobState:
     """What the job keeps in `model.run_state`, saved with every checkpoint: its data cursor.
 
     The prompts and sampling seed of RL step k derive from (seed, k), so the number of RL
-    steps done is the whole cursor.
+    steps done is the whole cursor. The trainer keeps its own entries beside it (the SEPA
+    controller's state, `TRAINER_RUN_STATE_KEYS`).
     """
 
     sft_done: bool = False
@@ -179,13 +181,13 @@ class JobState:
     def load(cls, run_state: Mapping[str, object]) -> JobState:
         """From a checkpoint's run_state (empty for a fresh run)."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(run_state) - known)
+        unknown = sorted(set(run_state) - known - TRAINER_RUN_STATE_KEYS)
         if unknown:
             raise ValueError(
                 f"the checkpoint's run_state has keys this job does not know: {unknown}; it was "
                 "not written by `posttrain train`"
             )
-        return cls(**run_state)  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in run_state.items() if k in known})  # type: ignore[arg-type]
 
     def save(self, run_state: RunState) -> None:
         """Into `model.run_state`, to go with the next checkpoint."""

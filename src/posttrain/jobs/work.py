@@ -39,6 +39,7 @@ from posttrain.jobs.rollouts import (
 from posttrain.jobs.sft_data import conversation_to_trajectory
 from posttrain.rollout import TurnClosing, assistant_closing
 from posttrain.tasks import Problem, ResolvedTask, Task
+from posttrain.trainer.token_advantages import reads_entropies
 from posttrain.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:  # the optional `verifiers` extra
@@ -82,13 +83,15 @@ class JobWork(Protocol):
 
 
 def rl_params(config: JobConfig, k: int) -> SamplingParams:
-    """RL step k's sampling settings, seeded by ([run] seed, k)."""
+    """RL step k's sampling settings, seeded by ([run] seed, k); with each token's entropy
+    when the configured uncertainty kind reads them."""
     rl = config.rl
     return SamplingParams(
         max_tokens=rl.max_tokens,
         temperature=rl.temperature,
         top_p=rl.top_p,
         seed=derive_seed(config.run.seed, "sample", k),
+        entropies=reads_entropies(rl.trainer.advantages),
     )
 
 

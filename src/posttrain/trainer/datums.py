@@ -53,14 +53,29 @@ def trajectory_arrays(
 
 def rl_datum(
     trajectory: Trajectory,
-    advantage: float,
+    advantage: float | torch.Tensor,
     *,
     allow_missing_logprobs: bool = False,
 ) -> tuple[Datum, torch.Tensor]:
-    """One RL datum (advantages, behaviour logprobs, mask) and its trainable mask [T]."""
+    """One RL datum (advantages, behaviour logprobs, mask) and its trainable mask [T].
+
+    `advantage` is one value for every trainable target, or a 1-D tensor of one value per
+    trainable target, in order (a token transform's output).
+    """
     tokens, mask_T, logprobs_T = trajectory_arrays(
         trajectory, allow_missing_logprobs=allow_missing_logprobs
     )
+    if isinstance(advantage, torch.Tensor):
+        trainable = mask_T > 0
+        if advantage.shape != (int(trainable.sum()),):
+            raise ValueError(
+                f"per-token advantages of shape {tuple(advantage.shape)} for a trajectory with "
+                f"{int(trainable.sum())} trainable targets; give one value per trainable target"
+            )
+        adv_T = torch.zeros_like(mask_T)
+        adv_T[trainable] = advantage.to(adv_T.dtype)
+    else:
+        adv_T = mask_T * advantage
     # Untrainable positions carry logprob 0 rather than NaN: the loss never reads them, and
     # NaN would trip the missing-logprobs check meant for trainable tokens.
     logprobs_T = torch.where(mask_T > 0, logprobs_T, torch.zeros_like(logprobs_T))
@@ -69,7 +84,7 @@ def rl_datum(
         {
             "target_tokens": tokens[1:],
             "logprobs": logprobs_T,
-            "advantages": mask_T * advantage,
+            "advantages": adv_T,
             "mask": mask_T,
         },
     )

@@ -22,6 +22,7 @@ class StepMetrics:
     num_skipped_updates: int = 0
     num_tokens: int = 0
     nothing_to_train: bool = False
+    flow: dict[str, float] = field(default_factory=dict[str, float])  # the advantage flow's stats
     _sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict[str, float](float))
 
     @classmethod
@@ -87,6 +88,7 @@ class StepMetrics:
             "num_skipped_updates": float(self.num_skipped_updates),
             "num_trainable_tokens": float(self.num_tokens),
             "nothing_to_train": float(self.nothing_to_train),
+            **self.flow,
         }
         for key, total in self._sums.items():
             if not key.endswith(".weight"):

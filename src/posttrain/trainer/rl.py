@@ -5,25 +5,33 @@ The step talks to a TrainingClient only, so the local, Ray and remote backends s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from posttrain.algo.advantages import compute_group_advantages, reduction_weights
 from posttrain.algo.losses import LossConfig
-from posttrain.clients.protocol import ReferenceScorer, TrainingClient
+from posttrain.clients.custom_loss import custom_loss, is_custom_loss
+from posttrain.clients.futures import APIFuture
+from posttrain.clients.protocol import CustomLossClient, ReferenceScorer, TrainingClient
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
 from posttrain.trainer.tensor_plots import TensorRecorder
-from posttrain.types import Datum, TrajectoryGroup
+from posttrain.trainer.token_advantages import token_advantages, uses_token_path
+from posttrain.types import Datum, ForwardBackwardOutput, JSONScalar, TrajectoryGroup
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """Datums of one RL step with the per-trajectory advantages that produced them."""
+    """Datums of one RL step with the per-trajectory (episode) advantages that produced them,
+    the advantage flow's statistics, and the controller state to keep once the step's updates
+    are done: `run_state` entries for the model's run_state, saved with the step's checkpoint."""
 
     datums: list[Datum]
     masks: list[torch.Tensor]
@@ -32,23 +40,50 @@ class PreparedBatch:
     num_groups: int
     num_zero_variance_groups: int
     num_dropped_groups: int
+    metrics: dict[str, float] = field(default_factory=dict[str, float])
+    run_state: dict[str, dict[str, JSONScalar]] = field(
+        default_factory=dict[str, dict[str, JSONScalar]]
+    )
 
 
-def prepare_batch(groups: Sequence[TrajectoryGroup], config: RLConfig) -> PreparedBatch:
-    """Advantages per group, then one datum per trajectory of every kept group."""
+def prepare_batch(
+    groups: Sequence[TrajectoryGroup],
+    config: RLConfig,
+    *,
+    run_state: Mapping[str, object] | None = None,
+    tokenizer: Callable[[], object] | None = None,
+) -> PreparedBatch:
+    """Advantages per group (per token for a token transform or reinforce_pp), then one datum
+    per trajectory of every kept group.
+
+    `run_state` is the model's, read for the SEPA controller's state (never written here);
+    `tokenizer` returns the tokenizer that finds planning tokens, called only if needed.
+    """
     require_sequence(groups, "the trajectory groups")
     if not groups:
         raise ValueError("train() got an empty list of trajectory groups; pass at least one group")
     result = compute_group_advantages([g.rewards for g in groups], config.advantages)
+    per_token = (
+        token_advantages(
+            groups, result, config.advantages, run_state=run_state, tokenizer=tokenizer
+        )
+        if uses_token_path(config.advantages)
+        else None
+    )
     datums: list[Datum] = []
     masks: list[torch.Tensor] = []
     advantages: list[float] = []
-    for group, adv_G, kept in zip(groups, result.advantages, result.kept, strict=True):
+    for g, (group, adv_G, kept) in enumerate(
+        zip(groups, result.advantages, result.kept, strict=True)
+    ):
         if not kept:
             continue
-        for trajectory, adv in zip(group.trajectories, adv_G.tolist(), strict=True):
+        for t, (trajectory, adv) in enumerate(zip(group.trajectories, adv_G.tolist(), strict=True)):
+            tokens_adv = per_token.per_trajectory[g][t] if per_token is not None else None
             datum, mask = rl_datum(
-                trajectory, adv, allow_missing_logprobs=config.loss.allow_training_without_logprobs
+                trajectory,
+                adv if tokens_adv is None else tokens_adv,
+                allow_missing_logprobs=config.loss.allow_training_without_logprobs,
             )
             if mask.sum() == 0:
                 continue
@@ -63,6 +98,8 @@ def prepare_batch(groups: Sequence[TrajectoryGroup], config: RLConfig) -> Prepar
         num_groups=result.num_groups,
         num_zero_variance_groups=result.num_zero_variance_groups,
         num_dropped_groups=result.num_dropped_groups,
+        metrics=per_token.metrics if per_token is not None else {},
+        run_state=per_token.run_state if per_token is not None else {},
     )
 
 
@@ -139,6 +176,7 @@ async def train_rl_batch(
     metrics = StepMetrics.for_batch(
         batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups
     )
+    metrics.flow = dict(batch.metrics)
     if not batch.datums:
         return metrics.nothing_trainable()
     datums = await add_reference_inputs(client, batch.datums, config)
@@ -147,12 +185,37 @@ async def train_rl_batch(
     with Progress("train", len(parts), "update") as progress:
         for part in parts:
             mini = weighted([datums[i] for i in part], [batch.masks[i] for i in part], config)
-            out = await client.forward_backward(mini, config.policy_loss, config.loss)
+            out = await _forward_backward(client, mini, config)
             if recorder is not None:
                 recorder.record(mini, out)
             step = await client.optim_step(adam)
             tokens = sum(int(batch.masks[i].sum()) for i in part)
             metrics.add_update(out.metrics, step.metrics or {}, num_tokens=tokens)
+            if config.verbose:
+                _log_update(
+                    progress.done, len(parts), tokens, {**out.metrics, **(step.metrics or {})}
+                )
             progress.update()
     metrics.num_trajectories = len(datums)
     return metrics
+
+
+def _forward_backward(
+    client: TrainingClient, datums: list[Datum], config: RLConfig
+) -> APIFuture[ForwardBackwardOutput]:
+    """The configured loss on `datums`: a built-in by name, a registered one on the logprobs."""
+    name = config.policy_loss
+    if not is_custom_loss(name):
+        return client.forward_backward(datums, name, config.policy_loss_config)
+    if not isinstance(client, CustomLossClient):
+        raise TypeError(
+            f"loss={name!r} is a custom loss, which needs forward_backward_custom; "
+            f"{type(client).__name__} does not have it"
+        )
+    return client.forward_backward_custom(datums, custom_loss(name))
+
+
+def _log_update(index: int, count: int, tokens: int, values: Mapping[str, float]) -> None:
+    """The `verbose` option's line per update: which update, its tokens and its metrics."""
+    shown = " ".join(f"{key}={value:.6g}" for key, value in sorted(values.items()))
+    log.info("update %d/%d: %d tokens %s", index + 1, count, tokens, shown)
