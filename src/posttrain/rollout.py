@@ -124,7 +124,8 @@ class TrajectoryBuilder:
             self.segments.pop()
 
     def completion(self, sequence: SampledSequence, *, trainable: bool = True) -> str:
-        """Add a sampled assistant turn with its exact tokens and logprobs; returns its text."""
+        """Add a sampled assistant turn with its exact tokens, logprobs and entropies (if it was
+        sampled with them); returns its text."""
         if trainable and sequence.logprobs is None:
             raise ValueError(
                 "a trainable completion needs the sampler's logprobs; sample with logprobs or "
@@ -137,6 +138,7 @@ class TrajectoryBuilder:
                 tuple(sequence.tokens),
                 trainable=trainable,
                 logprobs=tuple(sequence.logprobs) if sequence.logprobs is not None else None,
+                entropies=tuple(sequence.entropies) if sequence.entropies is not None else None,
             )
         )
         text = str(self.tokenizer.decode(sequence.tokens, skip_special_tokens=True))

@@ -77,20 +77,27 @@ class _Field(Generic[OwnerT, GetT, SetT]):
 
 @dataclass(frozen=True)
 class TokenSegment:
-    """A run of tokens in a trajectory. Sampled runs are trainable and carry sampler logprobs."""
+    """A run of tokens in a trajectory. Sampled runs are trainable and carry sampler logprobs,
+    and, when sampled with entropies, each token's sampling-distribution entropy (nats; see
+    `SampledSequence.entropies`), which `uncertainty_kind='shannon_entropy'` reads."""
 
     tokens: tuple[int, ...]
     trainable: bool = False
     logprobs: tuple[float, ...] | None = None
+    entropies: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
-            if len(self.logprobs) != len(self.tokens):
+        for name, one in (("logprobs", "logprob"), ("entropies", "entropy")):
+            given: Sequence[float] | None = getattr(self, name)
+            if given is None:
+                continue
+            values = tuple(float(x) for x in given)
+            object.__setattr__(self, name, values)
+            if len(values) != len(self.tokens):
                 raise ValueError(
-                    f"TokenSegment.logprobs has {len(self.logprobs)} values for "
-                    f"{len(self.tokens)} tokens; give one logprob per token"
+                    f"TokenSegment.{name} has {len(values)} values for "
+                    f"{len(self.tokens)} tokens; give one {one} per token"
                 )
 
 

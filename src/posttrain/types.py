@@ -249,7 +249,12 @@ class Datum:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. `stop=None` stops at EOS; `stop=[]` never stops early."""
+    """How to sample. `stop=None` stops at EOS; `stop=[]` never stops early.
+
+    The fields mirror the tinker SDK's SamplingParams, plus `entropies` (posttrain's extension,
+    which the Tinker protocol cannot carry): return each sampled token's entropy
+    (`SampledSequence.entropies`); samplers that cannot compute it refuse the request.
+    """
 
     max_tokens: int | None = None
     seed: int | None = None
@@ -257,6 +262,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    entropies: bool = False
 
     def __post_init__(self) -> None:
         _check_integer("SamplingParams.max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
@@ -269,6 +275,10 @@ class SamplingParams:
             lambda v: 0.0 <= v < math.inf,
         )
         _check_range("SamplingParams.top_p", self.top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        if not isinstance(self.entropies, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(
+                f"SamplingParams.entropies must be true or false, got {self.entropies!r}"
+            )
         _check_integer(
             "SamplingParams.top_k", self.top_k, "-1 (off) or >= 1", lambda v: v == -1 or v >= 1
         )
@@ -328,11 +338,18 @@ StopReason: TypeAlias = Literal["stop", "length"]
 
 @dataclass(frozen=True)
 class SampledSequence:
-    """One completion: token ids, the sampling distribution's logprob of each, why it stopped."""
+    """One completion: token ids, the sampling distribution's logprob of each, why it stopped.
+
+    `entropies` (when sampled with `SamplingParams.entropies`): the Shannon entropy in nats of
+    the distribution each token was drawn from, under the logprobs' convention: softmax(logits /
+    temperature) over the full vocabulary, before top-k / top-p truncation (softmax(logits) for
+    greedy, temperature 0).
+    """
 
     stop_reason: StopReason
     tokens: list[int]
     logprobs: list[float] | None = None
+    entropies: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -368,10 +385,18 @@ class TrainResult:
     step: int
     metrics: Mapping[str, float]
     checkpoint_path: str | None = None
+    # The weights published for inference by the step (TinkerBackend's deploy_checkpoint):
+    # their name where the backend names them, else None; and whether the step published.
+    artifact_name: str | None = None
+    deployed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise ValueError(f"TrainResult.step must be an int >= 0, got {self.step!r}")
+        if not isinstance(self.deployed, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"TrainResult.deployed must be a bool, got {self.deployed!r}")
+        if self.artifact_name is not None and not self.artifact_name:
+            raise ValueError("TrainResult.artifact_name must be None or a non-empty name")
         if self.step < 0:
             raise ValueError(f"TrainResult.step must be an int >= 0, got {self.step}")
         metrics: dict[str, float] = {}

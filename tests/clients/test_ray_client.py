@@ -103,7 +103,7 @@ def test_replicas_start_equal_and_sample_like_one_process(fresh):
     before = remote.executor.served_counts()
     # Three prompts over two ranks: prompt i goes to rank floor((i + 0.5) * 2 / 3): 0, 1, 1.
     prompts = [ModelInput.from_ints(p) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
-    params = SamplingParams(max_tokens=5, seed=3, stop=[])
+    params = SamplingParams(max_tokens=5, seed=3, stop=[], entropies=True)
     expected = local.sample_many(prompts, 2, params).result()
     got = remote.sample_many(prompts, 2, params).result()
     assert len(got) == 3
@@ -111,6 +111,8 @@ def test_replicas_start_equal_and_sample_like_one_process(fresh):
         for sa, sb in zip(a.sequences, b.sequences, strict=True):
             assert sa.tokens == sb.tokens
             assert sa.logprobs == pytest.approx(sb.logprobs, rel=REL_TOL)
+            assert sa.entropies is not None and len(sa.entropies) == len(sa.tokens)
+            assert sa.entropies == pytest.approx(sb.entropies, rel=REL_TOL)
     after = remote.executor.served_counts()
     assert [after[r]["sample"] - before[r].get("sample", 0) for r in (0, 1)] == [1, 2]
 

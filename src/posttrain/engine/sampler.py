@@ -8,6 +8,11 @@ truncation, log_softmax(logits / temperature) over the full vocabulary (log_soft
 greedy, temperature 0). top-k / top-p truncation is not folded in, as in vLLM's default, so the
 values equal a teacher-forced forward pass at the same temperature.
 
+Entropies (`SamplingParams.entropies`). Each sampled token's Shannon entropy, in nats, of the
+same distribution as its logprob: softmax(logits / temperature) over the full vocabulary before
+truncation (softmax(logits) for greedy). Computed per decode step from that step's logits,
+a chunk of rows at a time (`engine.entropy`), so never a [tokens, vocab] tensor at once.
+
 Seeds. Sequence j of prompt i draws from its own generator seeded by (seed, i, j), one uniform per
 step (inverse-CDF sampling), so a seeded sequence depends neither on the other prompts in the
 batch (nor their lengths) nor on num_samples. `seed=None` draws a fresh seed.
@@ -32,6 +37,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
+from posttrain.engine.entropy import sampling_entropies
 from posttrain.engine.kv_cache import preallocated_cache
 from posttrain.engine.logprob_pass import target_logprobs
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
@@ -145,12 +151,14 @@ class Sampler:
         device = _device(self.model)
         stops = _Stops.build(params, self.eos_ids, device)
         batch, logits_AV, cache = self._prefill(rows, num_samples, limits, device)
-        out = _Outputs.empty(batch.rows_A.numel(), max(limits), device)
+        out = _Outputs.empty(batch.rows_A.numel(), max(limits), device, params.entropies)
         uniforms = _Uniforms(seeds, device) if params.temperature > 0 else None
         for step in range(max(limits)):
             u_A = uniforms.at(step, batch.rows_A) if uniforms is not None else None
-            tokens_A, logp_A = choose_tokens(logits_AV, params, u_A)
-            out.write(batch.rows_A, step, tokens_A, logp_A)
+            scaled_AV = scaled_logits(logits_AV, params, u_A)
+            tokens_A, logp_A = draw_tokens(scaled_AV, params, u_A)
+            h_A = sampling_entropies(scaled_AV) if params.entropies else None
+            out.write(batch.rows_A, step, tokens_A, logp_A, h_A)
             hit_A = stops.hit(tokens_A, out, batch.rows_A, step, self.tokenizer)
             done_A = hit_A | (step + 1 >= batch.limit_A)
             if bool(done_A.any()):
@@ -223,15 +231,31 @@ def choose_tokens(
 
     Draws by inverse CDF from `u_A` (uniforms in [0, 1)); greedy if temperature is 0 or u_A None.
     """
-    if params.temperature == 0 or u_A is None:
-        tokens_A = logits_AV.argmax(-1)
-        scaled_AV = logits_AV
+    return draw_tokens(scaled_logits(logits_AV, params, u_A), params, u_A)
+
+
+def scaled_logits(
+    logits_AV: torch.Tensor, params: SamplingParams, u_A: torch.Tensor | None
+) -> torch.Tensor:
+    """The logits of the distribution tokens are drawn from, before truncation: logits /
+    temperature (shifted by the row max), or the logits themselves for greedy."""
+    if u_A is None or params.temperature == 0:
+        return logits_AV
+    # Shifted by the row max, which log_softmax ignores, so that a temperature small enough
+    # for logits / temperature to overflow float32 still gives its limit: the max at 0 (0 / 0
+    # is set there), every other token at -inf.
+    shifted_AV = logits_AV - logits_AV.amax(-1, keepdim=True)
+    return torch.where(shifted_AV == 0, 0.0, shifted_AV / params.temperature)
+
+
+def draw_tokens(
+    scaled_AV: torch.Tensor, params: SamplingParams, u_A: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens drawn from `scaled_logits` (truncated by top-k / top-p), and their logprobs
+    under the untruncated distribution."""
+    if u_A is None or params.temperature == 0:
+        tokens_A = scaled_AV.argmax(-1)
     else:
-        # Shifted by the row max, which log_softmax ignores, so that a temperature small enough
-        # for logits / temperature to overflow float32 still gives its limit: the max at 0 (0 / 0
-        # is set there), every other token at -inf.
-        shifted_AV = logits_AV - logits_AV.amax(-1, keepdim=True)
-        scaled_AV = torch.where(shifted_AV == 0, 0.0, shifted_AV / params.temperature)
         tokens_A = _inverse_cdf(truncate_logits(scaled_AV, params.top_k, params.top_p), u_A)
     chosen_A = scaled_AV.gather(1, tokens_A[:, None]).squeeze(1)
     return tokens_A, chosen_A - scaled_AV.logsumexp(-1)
@@ -281,27 +305,37 @@ class _Batch:
 
 @dataclass(frozen=True)
 class _Outputs:
-    """Tokens and logprobs of every sequence (row), filled step by step; lengths when done."""
+    """Tokens, logprobs (and entropies, if asked) of every sequence (row), filled step by step;
+    lengths when done."""
 
     tokens_BT: torch.Tensor
     logp_BT: torch.Tensor
+    entropy_BT: torch.Tensor | None
     length_B: torch.Tensor
     stopped_B: torch.Tensor
 
     @classmethod
-    def empty(cls, rows: int, steps: int, device: torch.device) -> _Outputs:
+    def empty(cls, rows: int, steps: int, device: torch.device, entropies: bool) -> _Outputs:
         return cls(
             tokens_BT=torch.zeros(rows, steps, dtype=torch.long, device=device),
             logp_BT=torch.zeros(rows, steps, device=device),
+            entropy_BT=torch.zeros(rows, steps, device=device) if entropies else None,
             length_B=torch.zeros(rows, dtype=torch.long, device=device),
             stopped_B=torch.zeros(rows, dtype=torch.bool, device=device),
         )
 
     def write(
-        self, rows_A: torch.Tensor, step: int, tokens_A: torch.Tensor, logp_A: torch.Tensor
+        self,
+        rows_A: torch.Tensor,
+        step: int,
+        tokens_A: torch.Tensor,
+        logp_A: torch.Tensor,
+        entropy_A: torch.Tensor | None,
     ) -> None:
         self.tokens_BT[rows_A, step] = tokens_A
         self.logp_BT[rows_A, step] = logp_A
+        if self.entropy_BT is not None and entropy_A is not None:
+            self.entropy_BT[rows_A, step] = entropy_A
 
     def finish(self, rows_D: torch.Tensor, length: int, stopped_D: torch.Tensor) -> None:
         self.length_B[rows_D] = length
@@ -309,12 +343,14 @@ class _Outputs:
 
     def responses(self, num_prompts: int, num_samples: int) -> list[SampleResponse]:
         tokens, logps = self.tokens_BT.tolist(), self.logp_BT.tolist()
+        entropies = None if self.entropy_BT is None else self.entropy_BT.tolist()
         lengths, stopped = self.length_B.tolist(), self.stopped_B.tolist()
         sequences = [
             SampledSequence(
                 stop_reason="stop" if stopped[b] else "length",
                 tokens=tokens[b][: lengths[b]],
                 logprobs=logps[b][: lengths[b]],
+                entropies=None if entropies is None else entropies[b][: lengths[b]],
             )
             for b in range(num_prompts * num_samples)
         ]
