@@ -134,7 +134,8 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
 
 
 def test_ppo_switch_picks_the_loss_and_refuses_a_conflict():
-    assert RLConfig().policy_loss == "ppo"
+    # ART runs CISPO when a script sets neither ppo nor loss_fn.
+    assert RLConfig().policy_loss == "cispo"
     assert from_options(RLConfig, dict(ppo=True)).policy_loss == "ppo"
     # ART: ppo=False is its CISPO default.
     assert from_options(RLConfig, dict(ppo=False)).policy_loss == "cispo"

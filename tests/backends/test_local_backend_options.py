@@ -159,7 +159,7 @@ async def test_minibatches_equal_the_same_updates_made_by_hand(tiny_model_dir, t
     groups = varying(synthetic_groups(5, groups=8))[:4]
     assert len(groups) == 4  # every group trains, so the split is 2 groups per mini-batch
     backend, model = await registered(tiny_model_dir, tmp_path / "a")
-    result = await backend.train(model, groups, learning_rate=1e-2, num_minibatches=2)
+    result = await backend.train(model, groups, learning_rate=1e-2, num_minibatches=2, loss="ppo")
     assert result.metrics["num_updates"] == 2
     by_backend = weights_of(backend, model)
     await backend.close()

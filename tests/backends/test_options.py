@@ -29,7 +29,7 @@ from posttrain.backends.options import (
     option_names,
 )
 from posttrain.backends.ray import RayRLConfig, RayRLOptions
-from posttrain.backends.tinker import TinkerRLOptions
+from posttrain.backends.tinker import TinkerRLConfig, TinkerRLOptions
 from posttrain.model import TrainableModel
 from posttrain.trainer.config import from_options, option_fields, option_help
 
@@ -85,7 +85,7 @@ OPTION_SETS = [
     (WeightsInProcessFields, RLConfig),
     (LocalRLOptions, RLConfig),
     (RayRLOptions, RayRLConfig),
-    (TinkerRLOptions, RLConfig),
+    (TinkerRLOptions, TinkerRLConfig),
     (SFTOptions, SFTConfig),
 ]
 
@@ -178,8 +178,22 @@ BAD_RL_VALUES: dict[str, list[object]] = {
     "zero_variance_groups": ["skip", True],
     "loss_reduction": ["mean", None],
     "loss_reduction_constant": [0.0, -2.0, math.inf],
+    "algorithm_mode": ["maxrl", 1],
+    "token_transform": ["gtpo_sepaa", None],
+    "uncertainty_kind": ["entropy", None, 1],
+    "gtpo_beta": [-0.1, math.nan],
+    "hicra_alpha": [-1.0, math.inf],
+    "entropy_mask_rho": [0.0, 1.5],
+    "strategic_grams": [",,", "let me check,", 1],
+    "sepa_schedule": ["cosine", None],
+    "sepa_steps": [-1, 1.5],
+    "sepa_delay_steps": [-1, None],
+    "sepa_correct_rate_gate": [1.5, -0.1],
+    "sepa_warmup_steps": [0, 2.0],
+    "sepa_ema_decay": [1.0, -0.1, math.nan],
     "truncated_importance_sampling": [0.0, -1.0],
     "mask_prob_ratio": [0, "no"],
+    "max_negative_advantage_importance_sampling_weight": [0.0, -1.0, math.inf, "2"],
     "kimi_k2_tau": [-0.5, math.inf],
     "allow_training_without_logprobs": [1, None],
     "num_minibatches": [0, 1.5, True],
@@ -192,6 +206,8 @@ BAD_RL_VALUES: dict[str, list[object]] = {
     "precalculate_logprobs": [None, 0],
     "logprob_calculation_chunk_size": [0, 8.0],
     "plot_tensors": [1, None],
+    "verbose": [1, "yes"],
+    "scale_learning_rate_by_reward_std_dev": [True, 1],
 }
 BAD_SFT_VALUES: dict[str, list[object]] = {
     "learning_rate": [-1e-4, math.nan],

@@ -251,7 +251,7 @@ def test_sft_needs_support():
 
 def test_ppo_is_judged_as_the_loss_it_means():
     """LocalPlugin declares `loss` (ppo, cispo) but not `ppo`: ppo=False is loss "cispo", which
-    it takes, so nothing is refused; ppo=True is loss "ppo", the default."""
+    it takes, so nothing is refused; ppo=False is loss "cispo", the default (ART's)."""
     info = registry.describe("plugin_example:LocalPlugin")
     assert "ppo" not in {o.name for o in info.train_options}
     for ppo in (False, True):
@@ -261,13 +261,13 @@ def test_ppo_is_judged_as_the_loss_it_means():
             from_options(RLConfig, dict(ppo=ppo)),
             options=info.train_options,
         )
-    # A backend that declares neither refuses ppo=False under both names the user may look for.
+    # A backend that declares neither refuses ppo=True under both names the user may look for.
     hooked = registry.describe("plugin_example:HookedBackend")
     with pytest.raises(PreflightError) as raised:
         preflight_rl(
             "HookedBackend",
             hooked.capabilities,
-            from_options(RLConfig, dict(ppo=False)),
+            from_options(RLConfig, dict(ppo=True)),
             options=hooked.train_options,
         )
     assert [p.option for p in raised.value.problems] == ["loss", "ppo"]

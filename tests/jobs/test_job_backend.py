@@ -122,7 +122,7 @@ def test_call_options_are_the_declared_ones():
     declared = describe(PLUGIN).train_options
     assert call_options(from_options(RLConfig, dict(learning_rate=3e-4)), declared) == {
         "learning_rate": 3e-4,
-        "loss": "ppo",
+        "loss": "cispo",  # ART's default loss
         "kimi_k2_tau": None,
         "save_checkpoint": True,
     }

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
-from posttrain.algo.config_fields import NON_NEGATIVE, Check, ConfigValue, check_fields, option
+from posttrain.algo.config_fields import (
+    NON_NEGATIVE,
+    POSITIVE,
+    Check,
+    ConfigValue,
+    check_fields,
+    option,
+)
 from posttrain.algo.loss_checks import (
     DEFAULT_THRESHOLDS,
     RATIO_LOSSES,
@@ -45,6 +52,7 @@ from posttrain.algo.ratios import (
 )
 
 __all__ = [
+    "ART_CLIP_DEFAULTS",
     "DEFAULT_THRESHOLDS",
     "LOSSES",
     "RATIO_LOSSES",
@@ -66,6 +74,7 @@ __all__ = [
     "importance_sampling",
     "ppo",
     "resolved_thresholds",
+    "with_art_clip_defaults",
 ]
 
 KLMode = Literal["loss", "advantage"]
@@ -104,6 +113,13 @@ class LossConfig:
     )
     mask_prob_ratio: bool = option(
         False, "zero the loss of tokens whose ratio leaves the clip band", applies_to=RATIO_LOSSES
+    )
+    max_negative_advantage_importance_sampling_weight: float | None = option(
+        None,
+        "cap M on the ratio of tokens with a negative advantage, r <- min(r, M) where A < 0 "
+        "(as named; ART caps every token's ratio)",
+        Check("a finite cap > 0 (None: no cap)", POSITIVE.ok),
+        applies_to=RATIO_LOSSES,
     )
     kimi_k2_tau: float | None = option(
         None,
@@ -235,7 +251,8 @@ def _ratio_loss(
 
     ℓ_t = tis_t·keep_t·term_t + β_kl·k_t, where keep_t = 1[lo < r_t < hi] under mask_prob_ratio
     (ART zeroes r_t there; ℓ_t = 0 has the same gradient), tis_t the truncated IS weight, and the
-    KL term present in kl_mode "loss" (in "advantage" mode it shapes A instead).
+    KL term present in kl_mode "loss" (in "advantage" mode it shapes A instead). With
+    max_negative_advantage_importance_sampling_weight = M, r_t ← min(r_t, M) where A_t < 0 first.
     """
     check_config(name, config)
     check_inputs(name, batch.inputs.keys(), config)
@@ -243,6 +260,10 @@ def _ratio_loss(
     ratio_BT = importance_ratio(tokens.logp_BT, tokens.old_logp_BT, tokens.ratio_mask_BT, level)
     lo_BT, hi_BT = clip_bounds(batch, *resolved_thresholds(name, config), tokens.mask_BT)
     adv_BT, kl_BT = shaped_advantages(batch, config, tokens)
+    cap = config.max_negative_advantage_importance_sampling_weight
+    if cap is not None:
+        # Dual-clip's reason: with A < 0, PPO's min leaves r·A unbounded below as r grows.
+        ratio_BT = torch.where(adv_BT < 0, ratio_BT.clamp(max=cap), ratio_BT)
     loss_BT, clipped_BT = term(ratio_BT, adv_BT, tokens.logp_BT, lo_BT, hi_BT)
     if config.mask_prob_ratio:
         kept_BT = (ratio_BT.detach() > lo_BT) & (ratio_BT.detach() < hi_BT)
@@ -320,6 +341,25 @@ def dro(batch: LossBatch, config: LossConfig) -> LossOutput:
     loss_BT = -(tokens.logp_BT * tokens.adv_BT - penalty_BT)
     ratio_BT = log_ratio(tokens.logp_BT, tokens.old_logp_BT).exp().detach()
     return _output(batch, tokens.weight_BT, tokens.mask_BT, loss_BT, {"ratio": ratio_BT})
+
+
+# ART's clip range per loss as (epsilon, epsilon_high), epsilon_high None meaning epsilon: the
+# trainer's defaults, so an ART script ports unchanged. Tinker's protocol defaults (the losses'
+# own, `DEFAULT_THRESHOLDS`) differ for cispo: its high bound is 4.0 there, 1 + 4.0 here.
+ART_CLIP_DEFAULTS: dict[str, tuple[float, float | None]] = {"ppo": (0.2, None), "cispo": (1.0, 4.0)}
+
+
+def with_art_clip_defaults(name: str, config: LossConfig) -> LossConfig:
+    """`config` with ART's clip range for loss `name` wherever it leaves epsilon or
+    epsilon_high None (each defaults alone, as in ART); other losses keep `config`."""
+    if name not in ART_CLIP_DEFAULTS:
+        return config
+    default_eps, default_eps_high = ART_CLIP_DEFAULTS[name]
+    eps = default_eps if config.epsilon is None else config.epsilon
+    eps_high = config.epsilon_high
+    if eps_high is None:
+        eps_high = eps if default_eps_high is None else default_eps_high
+    return replace(config, epsilon=eps, epsilon_high=eps_high)
 
 
 LOSSES: dict[str, LossFn] = {

@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from posttrain.algo.loss_metrics import summarize_values
+from posttrain.algo.losses import LossConfig
+from posttrain.clients.custom_loss import (
+    CustomLossFn,
+    custom_gradients,
+    custom_output,
+    forward_data,
+)
 from posttrain.clients.futures import APIFuture, OrderedRunner
 from posttrain.clients.local_sampling import (
     LocalSamplingClient,
@@ -107,6 +114,22 @@ class LocalTrainingClient:
         return self._runner.submit(
             lambda: to_output(self.dispatch.forward_backward(data, loss_fn, config))
         )
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Tinker's custom loss (`clients.custom_loss`): forward, `loss_fn` on the logprobs,
+        backward through their gradient, as one call in order. A loss refused there leaves the
+        gradients as they were."""
+        data = list(data)
+
+        def run() -> ForwardBackwardOutput:
+            forward = self.dispatch.forward(forward_data(data), "cross_entropy", LossConfig())
+            custom = custom_gradients(data, loss_fn, forward.logprobs)
+            backward = self.dispatch.forward_backward(custom.data, "cross_entropy", LossConfig())
+            return custom_output(to_output(backward), custom)
+
+        return self._runner.submit(run)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self._runner.submit(lambda: OptimStepResponse(self.dispatch.optim_step(adam_params)))

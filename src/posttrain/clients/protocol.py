@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from posttrain.algo.losses import LossConfig
+from posttrain.clients.custom_loss import CustomLossFn
 from posttrain.clients.futures import APIFuture
 from posttrain.types import (
     AdamParams,
@@ -88,6 +89,15 @@ class TrainingClient(Protocol):
     def close(self) -> None:
         """Finish the calls already made, then let go of what the client holds."""
         ...
+
+
+@runtime_checkable
+class CustomLossClient(Protocol):
+    """A client that runs a loss on the logprobs (Tinker's `forward_backward_custom`)."""
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]: ...
 
 
 @runtime_checkable

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from posttrain.clients.custom_loss import CustomLossFn
 from posttrain.clients.futures import APIFuture
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.local_sampling import LocalSamplingClient
@@ -70,6 +71,11 @@ class RayTrainingClient:
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: LossFnConfig | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
         return self.core.forward_backward(data, loss_fn, loss_fn_config)
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.core.forward_backward_custom(data, loss_fn)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self.core.optim_step(adam_params)

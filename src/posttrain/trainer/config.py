@@ -10,8 +10,9 @@ trainer never imports a backend module.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from posttrain.algo.advantages import AdvantageConfig
 from posttrain.algo.config_fields import (
@@ -31,13 +32,15 @@ from posttrain.algo.config_fields import (
     option_values,
     with_options,
 )
-from posttrain.algo.losses import KLMode, LossConfig
+from posttrain.algo.losses import KLMode, LossConfig, with_art_clip_defaults
+from posttrain.clients.custom_loss import LossName, custom_loss_names, is_custom_loss
 from posttrain.types import AdamParams
 
 __all__ = [
     "AssistantTurns",
     "KLMode",
     "LRDecay",
+    "LossName",
     "OptimizerConfig",
     "PolicyLoss",
     "ProtocolPolicyLoss",
@@ -87,6 +90,24 @@ class OptimizerConfig:
         )
 
 
+def check_loss_name(name: str | None) -> None:
+    """A built-in policy loss or a registered custom one; else a ValueError naming the nearest."""
+    if name is None or name in get_args(PolicyLoss) or is_custom_loss(name):
+        return
+    names = [*get_args(PolicyLoss), *custom_loss_names()]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"option loss={name!r} is invalid: expected one of {', '.join(map(repr, names))}, or a "
+        f"custom loss registered with register_loss or the 'posttrain.losses' entry point "
+        f"group{hint}"
+    )
+
+
+def _false(value: float) -> bool:
+    return value is False
+
+
 def save_checkpoint_option() -> bool:
     """The `save_checkpoint` option of both calls."""
     return option(True, "checkpoint after the call (weights, optimizer, RNG, run_state)")
@@ -101,9 +122,12 @@ class RLConfig:
     """
 
     optimizer: OptimizerConfig = group(OptimizerConfig)
-    loss_fn: PolicyLoss | None = option(
+    loss_fn: PolicyLoss | LossName | None = option(
         None,
-        "policy loss from posttrain.algo.losses (default 'ppo', or 'cispo' when ppo=False)",
+        "policy loss from posttrain.algo.losses (default 'cispo' as in ART, 'ppo' when ppo=True), "
+        "or a registered custom loss's LossName; unset clip ranges take ART's: ppo epsilon 0.2, "
+        "cispo epsilon 1.0 and epsilon_high 4.0",
+        Check("a loss name (a string)", lambda v: isinstance(v, str)),
         key="loss",
     )
     ppo: bool | None = option(
@@ -124,16 +148,30 @@ class RLConfig:
     )
     save_checkpoint: bool = save_checkpoint_option()
     plot_tensors: bool = option(False, "save a PNG of the step's advantages, ratios and logprobs")
+    verbose: bool = option(False, "log each update's loss, tokens and metrics (step diagnostics)")
+    # ART 0.4's fit of the reward std dev over the run's history; ART 0.5 ignores the option.
+    # Refused rather than accepted and ignored: a script that relies on it must know.
+    scale_learning_rate_by_reward_std_dev: bool = option(
+        False,
+        "not supported (ART 0.5 ignores it too): True is an error; scale learning_rate yourself",
+        Check("False (posttrain does not scale the learning rate by the reward std dev)", _false),
+    )
 
     @property
-    def policy_loss(self) -> PolicyLoss:
-        """`loss` if given, else what `ppo` asks for; "ppo" when neither is set."""
+    def policy_loss(self) -> PolicyLoss | LossName:
+        """`loss` if given, else what `ppo` asks for; "cispo" (ART's default) when neither is."""
         if self.loss_fn is not None:
             return self.loss_fn
-        return "cispo" if self.ppo is False else "ppo"
+        return "ppo" if self.ppo else "cispo"
+
+    @property
+    def policy_loss_config(self) -> LossConfig:
+        """`loss` with ART's clip range where epsilon / epsilon_high are unset (the trainer's)."""
+        return with_art_clip_defaults(self.policy_loss, self.loss)
 
     def __post_init__(self) -> None:
         check_fields(self)
+        check_loss_name(self.loss_fn)
         if self.loss_fn is not None and self.ppo is not None:
             implied = "ppo" if self.ppo else "cispo"
             if self.loss_fn != implied:
