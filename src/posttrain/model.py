@@ -68,6 +68,10 @@ class TrainableModel:
     base_model: str
     lora_rank: int | None = 8
     lora_alpha: float | None = None
+    # Which layers LoRA adapts (Tinker's LoraConfig flags): attention, MLP, unembedding.
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
     run_state: RunState = field(default_factory=dict)
@@ -94,6 +98,7 @@ class TrainableModel:
                 f"lora_rank must be >= 1 for LoRA, or 0 / None for full fine-tuning, got "
                 f"{self.lora_rank}"
             )
+        self._check_lora_layers()
         if self.report_metrics is not None:
             if isinstance(self.report_metrics, str):
                 raise ValueError(
@@ -101,6 +106,23 @@ class TrainableModel:
                     f"[{self.report_metrics!r}], not a string"
                 )
             self.report_metrics = check_sinks(self.report_metrics, "TrainableModel.report_metrics")
+
+    def _check_lora_layers(self) -> None:
+        flags = {k: getattr(self, k) for k in ("train_attn", "train_mlp", "train_unembed")}
+        for key, value in flags.items():
+            if not isinstance(value, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+                raise ValueError(f"TrainableModel.{key} must be a bool, got {value!r}")
+        if self.lora_rank is None and not all(flags.values()):
+            raise ValueError(
+                f"TrainableModel: {[k for k, v in flags.items() if not v]} = False choose LoRA "
+                "layers, but lora_rank is None (full fine-tuning trains every weight); "
+                "give a lora_rank or leave them True"
+            )
+        if self.lora_rank is not None and not any(flags.values()):
+            raise ValueError(
+                "TrainableModel: LoRA needs at least one of train_attn, train_mlp, "
+                "train_unembed to be True"
+            )
 
     async def register(self, backend: TrainableBackend, *, resume_step: int | None = None) -> None:
         """Attach to `backend`: load the base model, or resume from the latest checkpoint.
@@ -227,7 +249,10 @@ class TrainableModel:
         self._step = step
 
     def config_dict(self) -> dict[str, object]:
-        keys = ("name", "project", "base_model", "lora_rank", "lora_alpha", "dtype", "seed")
+        keys = (
+            *("name", "project", "base_model", "lora_rank", "lora_alpha"),
+            *("train_attn", "train_mlp", "train_unembed", "dtype", "seed"),
+        )
         return {k: getattr(self, k) for k in keys}
 
     async def log(

@@ -72,6 +72,7 @@ RAY = Capabilities(
     supports_kl_reference=True,
     supports_sampling=True,
     device_kinds=("cpu", "cuda"),
+    provides_token_entropies=True,  # its actors run engine.sampler, as LocalBackend
 )
 
 
@@ -144,6 +145,9 @@ class RayBackend:
             model.base_model,
             lora_rank=model.lora_rank,
             lora_alpha=model.lora_alpha,
+            train_attn=model.train_attn,
+            train_mlp=model.train_mlp,
+            train_unembed=model.train_unembed,
             dtype=model.dtype,
             device=self.device,
             num_workers=self.num_workers,

@@ -17,24 +17,28 @@ import asyncio
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Unpack, get_args
 
+from posttrain.algo.config_fields import option
+from posttrain.algo.ratios import ImportanceSamplingLevel
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import ModelClients
 from posttrain.backends.options import (
-    RLOptions,
+    CoreRLFields,
     SFTOptions,
+    check_options,
     document,
-    resolve_rl,
     resolve_sft,
 )
 from posttrain.backends.preflight import preflight_register
 from posttrain.backends.sampling import SamplingClient
 from posttrain.backends.tinker_index import JsonlCheckpoints
+from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
 from posttrain.model import OpenAIEndpoint, TrainableModel
-from posttrain.trainer.config import ProtocolPolicyLoss, RLConfig
+from posttrain.trainer.config import LossName, ProtocolPolicyLoss, RLConfig, from_options
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 BACKEND = "TinkerBackend"
@@ -53,14 +57,35 @@ TINKER = Capabilities(
     supports_kl_reference=False,
     supports_sampling=True,
     device_kinds=("remote",),
+    provides_token_entropies=False,  # the Tinker protocol's sampled sequences carry none
 )
 
 
-class TinkerRLOptions(RLOptions, total=False, closed=True):
-    """TinkerBackend.train() options: exactly what the Tinker protocol carries."""
+class TinkerRLOptions(CoreRLFields, total=False, closed=True):
+    """TinkerBackend.train() options: what the Tinker protocol carries (`RLOptions`), and its
+    own."""
+
+    loss: ProtocolPolicyLoss | LossName
+    # Through forward_backward_custom: posttrain's loss on the logprobs the server returns.
+    importance_sampling_level: ImportanceSamplingLevel
+    mask_prob_ratio: bool
+    max_negative_advantage_importance_sampling_weight: float | None
+    kimi_k2_tau: float | None
+    deploy_checkpoint: bool
 
 
-document(TinkerRLOptions, RLConfig)
+@dataclass(frozen=True)
+class TinkerRLConfig(RLConfig):
+    """Resolved TinkerBackend.train() options: RLConfig's plus TinkerBackend's own."""
+
+    deploy_checkpoint: bool = option(
+        False,
+        "publish the step's weights for inference (a sampler checkpoint named step_<step>); "
+        "TrainResult.artifact_name is its tinker:// path",
+    )
+
+
+document(TinkerRLOptions, TinkerRLConfig)
 
 
 class TinkerBackend:
@@ -72,6 +97,7 @@ class TinkerBackend:
 
     capabilities: ClassVar[Capabilities] = TINKER
     rl_options: ClassVar[type] = TinkerRLOptions
+    rl_config: ClassVar[type] = TinkerRLConfig
     sft_options: ClassVar[type] = SFTOptions
 
     def __init__(
@@ -129,8 +155,14 @@ class TinkerBackend:
         **options: Unpack[TinkerRLOptions],
     ) -> TrainResult:
         """One RL step through the shared trainer on `trajectory_groups` (any iterable, read
-        once); the loss runs on the server."""
-        return await self._models.train(model, trajectory_groups, resolve_tinker_rl(options))
+        once); the loss runs on the server (a custom loss on the logprobs it returns)."""
+        config = resolve_tinker_rl(options)
+        result = await self._models.train(model, trajectory_groups, config)
+        if not config.deploy_checkpoint:
+            return result
+        # After the step counted: its weights are the model's whether or not publishing works.
+        saved = await self.client(model).save_weights_for_sampler(f"step_{result.step:05d}")
+        return replace(result, artifact_name=saved.path, deployed=True)
 
     async def train_sft(
         self,
@@ -226,7 +258,12 @@ class TinkerClients:
         tokenizer = await asyncio.to_thread(load_tokenizer, model.base_model)
         if checkpoint is None:
             training = await self.service().create_lora_training_client(
-                model.base_model, rank=model.lora_rank, seed=model.seed
+                model.base_model,
+                rank=model.lora_rank,
+                seed=model.seed,
+                train_mlp=model.train_mlp,
+                train_attn=model.train_attn,
+                train_unembed=model.train_unembed,
             )
         else:
             training = await self.service().create_training_client_from_state_with_optimizer(
@@ -260,12 +297,13 @@ class TinkerClients:
             await asyncio.to_thread(_close_service, service)
 
 
-def resolve_tinker_rl(options: Mapping[str, object]) -> RLConfig:
-    """RLConfig from TinkerBackend.train() options: unknown options are a TypeError, and a loss
-    posttrain does not send over the protocol a ValueError, both before any work."""
-    config = resolve_rl(options, TinkerRLOptions, BACKEND)
+def resolve_tinker_rl(options: Mapping[str, object]) -> TinkerRLConfig:
+    """TinkerRLConfig from TinkerBackend.train() options: unknown options are a TypeError, and
+    a loss posttrain does not send over the protocol a ValueError, both before any work."""
+    check_options(options, TinkerRLOptions, BACKEND)
+    config = from_options(TinkerRLConfig, options)
     losses = get_args(ProtocolPolicyLoss)
-    if config.policy_loss not in losses:
+    if config.policy_loss not in losses and not is_custom_loss(config.policy_loss):
         raise ValueError(
             f"{BACKEND}.train(): loss={config.policy_loss!r} is not carried by the Tinker protocol as "
             f"posttrain sends it; choose loss from {list(losses)}, or train with LocalBackend or "

@@ -9,6 +9,9 @@ them into what Tinker's wire protocol carries, and refuses what it cannot carry:
 - per-token loss-reduction `weights` of the RL losses are folded into `advantages` (exact for
   `importance_sampling`, `ppo` and `cispo`: each token's term is linear in its advantage and the
   weights are >= 0), and posttrain's bookkeeping input `mask` stays behind;
+- the loss options that need only logprobs (`ON_LOGPROBS`: a sequence-level
+  `importance_sampling_level`, ...) run posttrain's own loss on the returned logprobs
+  (`forward_backward_custom`);
 - options only posttrain's loss code knows (KL penalty, truncated IS, ...) are a ValueError
   when set away from their default. The typed TinkerBackend options keep them out before this
   point; the check here guards direct use of the client.
@@ -24,6 +27,13 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from posttrain.algo.loss_wire import to_loss_fn_config
+from posttrain.algo.losses import LossConfig
+from posttrain.clients.custom_loss import (
+    CustomLossFn,
+    builtin_as_custom,
+    custom_gradients,
+    forward_data,
+)
 from posttrain.clients.futures import APIFuture
 from posttrain.clients.protocol import (
     LoadWeightsResponse,
@@ -51,6 +61,19 @@ U = TypeVar("U")
 RL_LOSSES = ("importance_sampling", "ppo", "cispo")
 SUPPORTED_LOSSES = ("cross_entropy", *RL_LOSSES)
 BOOKKEEPING_INPUTS = ("mask",)
+# Loss options that need only the logprobs and the datums' inputs: Tinker's loss_fn_config does
+# not carry them, so posttrain's loss runs on the returned logprobs (forward_backward_custom).
+ON_LOGPROBS = (
+    "importance_sampling_level",
+    "mask_prob_ratio",
+    "max_negative_advantage_importance_sampling_weight",
+    "kimi_k2_tau",
+)
+
+
+def _sets_any(config: LossConfig, names: Sequence[str]) -> bool:
+    default = LossConfig()
+    return any(getattr(config, name) != getattr(default, name) for name in names)
 
 
 def import_tinker() -> Any:
@@ -116,6 +139,13 @@ def from_tinker_output(out: Any) -> ForwardBackwardOutput:
 
 
 def to_tinker_sampling_params(params: SamplingParams) -> Any:
+    if params.entropies:
+        raise ValueError(
+            "SamplingParams.entropies=True: the Tinker protocol returns no per-token entropies, "
+            "so a Tinker-protocol sampler cannot provide them; sample with entropies=False (and "
+            "an uncertainty kind that reads logprobs: 'surprisal' or 'predictive_variance'), or "
+            "sample on LocalBackend or RayBackend, whose samplers compute them"
+        )
     tinker = import_tinker()
     stop: Any = (
         params.stop if params.stop is None or isinstance(params.stop, str) else list(params.stop)
@@ -186,11 +216,44 @@ class TinkerTrainingClient:
         loss_fn: str,
         loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        config = protocol_loss_config(loss_fn, loss_fn_config)
+        """Tinker's loss on the server; a ratio loss with options the protocol does not carry
+        (`ON_LOGPROBS`) runs posttrain's loss here, on the logprobs the server returns, through
+        forward_backward_custom: the same loss as LocalBackend's."""
+        loss_config = as_loss_config(loss_fn, loss_fn_config)
+        if loss_fn in RL_LOSSES and _sets_any(loss_config, ON_LOGPROBS):
+            return self.forward_backward_custom(data, builtin_as_custom(loss_fn, loss_config))
+        config = protocol_loss_config(loss_fn, loss_config)
         batch = [to_tinker_datum(loss_fn, d) for d in data]
         self._sampler = None
         future = self._client.forward_backward(batch, cast(Any, loss_fn), config or None)
         return _mapped(future, from_tinker_output)
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """The SDK's forward_backward_custom, `loss_fn` seeing posttrain's datums.
+
+        `loss_fn` is checked as on the local clients (`clients.custom_loss`) before the SDK's
+        backward is sent, so a refused loss accumulates nothing; the SDK then refuses this
+        client's later training requests, as it does after any failed custom loss.
+        """
+        data = list(data)
+
+        def sdk_loss(
+            _sent: list[Any], logprobs: list[torch.Tensor]
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            custom = custom_gradients(data, loss_fn, logprobs)
+            grads = [-d.loss_fn_inputs["weights"] for d in custom.data]
+            # A surrogate with the checked gradient and the custom loss's value (the SDK
+            # reports the value it is given as loss:sum).
+            surrogate = sum(
+                ((g * lp).sum() for g, lp in zip(grads, logprobs, strict=True)), torch.tensor(0.0)
+            )
+            return surrogate - surrogate.detach() + custom.loss_sum, custom.metrics
+
+        batch = [to_tinker_datum("cross_entropy", d) for d in forward_data(data)]
+        self._sampler = None
+        return _mapped(self._client.forward_backward_custom(batch, sdk_loss), from_tinker_output)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         tinker = import_tinker()
@@ -217,6 +280,7 @@ class TinkerTrainingClient:
     def sample(
         self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams
     ) -> APIFuture[SampleResponse]:
+        to_tinker_sampling_params(sampling_params)  # refuses what the protocol cannot carry, now
         return _run(self._sample(prompt, num_samples, sampling_params))
 
     async def _sample(
@@ -235,6 +299,7 @@ class TinkerTrainingClient:
         self, prompts: Sequence[ModelInput], num_samples: int, sampling_params: SamplingParams
     ) -> list[SampleResponse]:
         """Every prompt in flight at once (the server batches what it can)."""
+        to_tinker_sampling_params(sampling_params)  # refused before any request is sent
         return list(
             await asyncio.gather(*(self._sample(p, num_samples, sampling_params) for p in prompts))
         )
