@@ -166,7 +166,10 @@ def main() -> None:
         lengths = mixed_lengths(rows, length)
         budget = args.micro_batch_tokens
         for name, groups in (
-            ("longest first", [m.rows for m in plan_micro_batches([[0] * n for n in lengths], budget, 0)]),
+            (
+                "longest first",
+                [m.rows for m in plan_micro_batches([[0] * n for n in lengths], budget, 0)],
+            ),
             ("call order", batching.split_by_token_budget(lengths, budget)),
         ):
             padded = batching.padded_tokens(lengths, groups)

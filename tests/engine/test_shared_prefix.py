@@ -62,7 +62,9 @@ def test_a_short_common_head_does_not_merge_groups_that_share_more():
     # A 4-token system prompt S, then two 12-token prompts, three completions each: merging all
     # six at 4 shared tokens would save 5 x 4 = 20; two groups at 16 save 2 x 2 x 16 = 64.
     system = [1, 2, 3, 4]
-    rows = [system + P + [50 + i] for i in range(3)] + [system + Q + P[:3] + [60 + i] for i in range(3)]
+    rows = [system + P + [50 + i] for i in range(3)] + [
+        system + Q + P[:3] + [60 + i] for i in range(3)
+    ]
     assert find_prefix_groups(rows, min_length=4) == [
         PrefixGroup((0, 1, 2), 16),
         PrefixGroup((3, 4, 5), 16),
@@ -86,9 +88,7 @@ def test_below_min_length_or_off_nothing_is_shared():
         find_prefix_groups(rows, min_length=-1)
 
 
-token_rows = st.lists(
-    st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=14
-)
+token_rows = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=14)
 
 
 @given(token_rows, st.integers(0, 4))

@@ -84,7 +84,10 @@ def test_unknown_keys_name_the_table_the_key_and_the_nearest(data, message):
         ({"rl": {"temperature": 0.0}}, r"\[rl\] temperature must be > 0"),
         ({"rl": {"steps": "10"}}, r"\[rl\] option steps='10' is invalid: expected int"),
         ({"rl": {"loss": "ppo2"}}, r"\[rl\] option loss='ppo2' is invalid: expected one of 'ppo'"),
-        ({"rl": {"num_minibatches": 0}}, r"\[rl\] option num_minibatches=0 is invalid: expected >= 1"),
+        (
+            {"rl": {"num_minibatches": 0}},
+            r"\[rl\] option num_minibatches=0 is invalid: expected >= 1",
+        ),
         ({"rl": {"save_checkpoint": False}}, r"\[rl\] save_checkpoint must be true"),
         ({"sft": {"batch_size": 0}}, r"\[sft\] option batch_size=0 is invalid: expected >= 1"),
         ({"sft": {"examples": -3}}, r"\[sft\] examples must be >= 0"),

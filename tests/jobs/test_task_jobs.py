@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
+from kill_resume import kill_and_resume
 from safetensors.torch import load_file
 
 from posttrain.cli.main import main
@@ -110,30 +106,7 @@ def test_a_dotted_path_task_is_killed_and_resumes_with_resume_alone(tmp_path, mo
         _toml({**tables, "run": {**tables["run"], "output_dir": str(tmp_path / "b")}})
     )
     run_dir = tmp_path / "b" / "t" / "models" / "job"
-    # Same threads as this process, so CPU kernels sum in the same order in all three runs.
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(torch.get_num_threads()),
-        "PYTHONPATH": str(packages),
-    }
-    command = [sys.executable, "-m", "posttrain.cli.main", "train", str(config)]
-    proc = subprocess.Popen(
-        command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    checkpoint = run_dir / "checkpoints" / "3"  # SFT is model step 1, RL step 2 is step 3
-    deadline = time.monotonic() + 120
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
-    steps_on_disk = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
-    assert 3 <= max(steps_on_disk) < 6  # killed mid-run, after RL step 2's checkpoint
-    resumed = subprocess.run(
-        [*command, "--resume", str(run_dir)], env=env, cwd=tmp_path, capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming after RL step {max(steps_on_disk) - 1}/5" in resumed.stdout
+    kill_and_resume(config, run_dir, cwd=tmp_path, extra_env={"PYTHONPATH": str(packages)})
 
     recorded = json.loads((run_dir / "job.json").read_text())
     assert recorded["resolved_task"] == {

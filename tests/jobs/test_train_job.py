@@ -6,14 +6,10 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
+from kill_resume import kill_and_resume
 from safetensors.torch import load_file
 
 from posttrain.cli.main import main
@@ -238,25 +234,7 @@ def test_a_sigkilled_train_process_resumes_bit_for_bit(tmp_path):
     config = tmp_path / "job.toml"
     config.write_text(_toml({**data, "run": {**data["run"], "output_dir": str(tmp_path / "b")}}))
     run_dir = tmp_path / "b" / "t" / "models" / "job"
-    # Same threads as this process: CPU kernels then sum in the same order in all three runs.
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    command = [sys.executable, "-m", "posttrain.cli.main", "train", str(config)]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    checkpoint = run_dir / "checkpoints" / "3"  # SFT is model step 1, RL step 2 is step 3
-    deadline = time.monotonic() + 120
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
-    steps_on_disk = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
-    assert 3 <= max(steps_on_disk) < 6  # killed mid-run, after RL step 2's checkpoint
-    resumed = subprocess.run(
-        [*command, "--resume", str(run_dir)], env=env, capture_output=True, text=True, check=False
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    done = max(steps_on_disk) - 1
-    assert f"resuming after RL step {done}/5" in resumed.stdout
+    kill_and_resume(config, run_dir)
     # A kill mid-save leaves a hidden .N.tmp-* directory; the resumed run's pruning removes it.
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert leftovers == [], leftovers
