@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.backends.local import LocalBackend
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.model import TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
@@ -95,7 +95,7 @@ class LocalPlugin:
         self.calls.append(f"train_sft {sorted(options)}")
         return await self.inner.train_sft(model, trajectories, **options)
 
-    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+    def sampling_client(self, model: TrainableModel) -> ModelSampler:
         return self.inner.sampling_client(model)
 
     async def close(self) -> None:

@@ -350,17 +350,17 @@ async def test_concurrent_requests_are_sampled_in_few_batched_calls(
     )
     await model.register(backend)
     calls: list[int] = []
-    original = openai_batching.SamplingClient.sample_many
+    original = openai_batching.ModelSampler.sample_many
 
     async def counted(self, prompts, num_samples, params):  # type: ignore[no-untyped-def]
         calls.append(len(prompts))
         return await original(self, prompts, num_samples, params)
 
-    openai_batching.SamplingClient.sample_many = counted  # type: ignore[method-assign]
+    openai_batching.ModelSampler.sample_many = counted  # type: ignore[method-assign]
     try:
         trajectories = await asyncio.gather(*(rollout(model, w) for w in WORDS for _ in range(16)))
     finally:
-        openai_batching.SamplingClient.sample_many = original  # type: ignore[method-assign]
+        openai_batching.ModelSampler.sample_many = original  # type: ignore[method-assign]
     assert sum(calls) == 64 and len(calls) <= 8, calls
     for trajectory in trajectories[:4]:
         await assert_exact(backend, model, trajectory)

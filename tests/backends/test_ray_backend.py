@@ -114,7 +114,7 @@ async def test_train_checkpoint_resume_matches_local(tiny_model_dir, tmp_path, s
         assert state["step"] == 3
         assert rel_error(local_weights(local, expected), ray_weights(second, model)) < REL_TOL
         await second.check_weights_in_sync(model)
-        # Rollout code samples from the workers through the same SamplingClient.
+        # Rollout code samples from the workers through the same ModelSampler.
         sampler = second.sampling_client(model)
         responses = await sampler.sample_many(
             [[5, 6, 7], [8, 9]], 2, SamplingParams(max_tokens=3, seed=0)

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from openai.types.chat import ChatCompletionMessageParam
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.server.local_openai import LoopbackServer
@@ -33,12 +33,12 @@ class OwnedSource:
     """A SamplerSource: each name belongs to one owner; others see it as absent."""
 
     def __init__(self, client: LocalTrainingClient) -> None:
-        self.sampling = SamplingClient(client, client.get_tokenizer())
+        self.sampling = ModelSampler(client, client.get_tokenizer())
 
     def model_names(self, owner: str | None) -> list[str]:
         return [name for name, who in OWNERS.items() if who == owner]
 
-    def sampler(self, name: str, owner: str | None) -> SamplingClient:
+    def sampler(self, name: str, owner: str | None) -> ModelSampler:
         if OWNERS.get(name) != owner:
             raise UnknownModelError(name)
         return self.sampling
@@ -76,8 +76,8 @@ def oai(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="alice", max_retries=0)
 
 
-def in_process(client: LocalTrainingClient) -> SamplingClient:
-    return SamplingClient(client, client.get_tokenizer())
+def in_process(client: LocalTrainingClient) -> ModelSampler:
+    return ModelSampler(client, client.get_tokenizer())
 
 
 def tokenizer_of(client: LocalTrainingClient) -> PreTrainedTokenizerBase:

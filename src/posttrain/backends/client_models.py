@@ -25,7 +25,7 @@ from posttrain.backends.inputs import group_list, trajectory_list
 from posttrain.backends.model_json import check_model_json, write_model_json
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import LogprobChunking, TrainingClient
 from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, SFTConfig
@@ -112,9 +112,9 @@ class ModelClients(Generic[ClientT]):
                 "call `await model.register(backend)` first"
             ) from None
 
-    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+    def sampling_client(self, model: TrainableModel) -> ModelSampler:
         client = self.client(model)
-        return SamplingClient(client, client.get_tokenizer())
+        return ModelSampler(client, client.get_tokenizer())
 
     async def train(
         self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], config: RLConfig

@@ -13,7 +13,7 @@ from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, resolve_sft
 from posttrain.backends.preflight import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.devices import AUTO, resolve_device
@@ -119,7 +119,7 @@ class LocalBackend:
         """
         return await self._models.checkpoint(model)
 
-    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+    def sampling_client(self, model: TrainableModel) -> ModelSampler:
         return self._models.sampling_client(model)
 
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:

@@ -9,7 +9,7 @@ from posttrain.backends.options import RLOptions, SFTOptions
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from posttrain.backends.sampling import SamplingClient
+    from posttrain.backends.sampling import ModelSampler
     from posttrain.model import TrainableModel
 
 
@@ -35,7 +35,7 @@ class TrainableBackend(Protocol):
         **options: Unpack[SFTOptions],
     ) -> TrainResult: ...
 
-    def sampling_client(self, model: TrainableModel) -> SamplingClient: ...
+    def sampling_client(self, model: TrainableModel) -> ModelSampler: ...
 
     async def close(self) -> None: ...
 

@@ -30,7 +30,7 @@ from posttrain.backends.options import (
 )
 from posttrain.backends.preflight import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.devices import AUTO, resolve_worker_device
@@ -207,7 +207,7 @@ class RayBackend:
                 f"(digests {[d[:12] for d in digests]}); resume from the last checkpoint"
             )
 
-    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+    def sampling_client(self, model: TrainableModel) -> ModelSampler:
         return self._models.sampling_client(model)
 
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:

@@ -1,4 +1,8 @@
-"""A sampling client for a registered model's latest weights, used by rollout code."""
+"""`ModelSampler`: what `backend.sampling_client(model)` returns, used by rollout code.
+
+It samples a registered model's latest weights through the model's TrainingClient. Named apart
+from Tinker's `SamplingClient` (a client on fixed saved weights, `LocalSamplingClient` here).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from posttrain.clients.protocol import BatchSampler, TrainingClient
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 
 
-class SamplingClient:
+class ModelSampler:
     """Samples from the weights the model has now (after the latest `train` call)."""
 
     def __init__(self, client: TrainingClient, tokenizer: object) -> None:

@@ -33,7 +33,7 @@ from posttrain.backends.options import (
     resolve_sft,
 )
 from posttrain.backends.preflight import preflight_register
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.backends.tinker_index import JsonlCheckpoints
 from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
@@ -177,7 +177,7 @@ class TinkerBackend:
         """Save the model's current weights and optimizer on the service, and index them."""
         return await self._models.checkpoint(model)
 
-    def sampling_client(self, model: TrainableModel) -> SamplingClient:
+    def sampling_client(self, model: TrainableModel) -> ModelSampler:
         return self._models.sampling_client(model)
 
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:

@@ -28,7 +28,7 @@ from typing import cast
 from posttrain.backends.options import RLOptions, SFTOptions
 from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
 from posttrain.backends.registry import BackendInfo
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.backend import (
     JobPreflightError,
@@ -67,7 +67,7 @@ class _Run:
     model: TrainableModel
     backend: TrainableBackend
     info: BackendInfo  # the backend's capabilities and the options it declares
-    sampler: SamplingClient
+    sampler: ModelSampler
     metrics: MetricsLog
     echo: Callable[[str], None]
     start: float

@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.server.sources import UnknownModelError
 
@@ -78,12 +78,12 @@ class LocalModelSource:
     def model_names(self, owner: str | None) -> list[str]:
         return sorted(name for name, models in self.models_by_name().items() if len(models) == 1)
 
-    def sampler(self, name: str, owner: str | None) -> SamplingClient:
+    def sampler(self, name: str, owner: str | None) -> ModelSampler:
         models = self.models_by_name().get(name, [])
         if len(models) != 1:
             raise UnknownModelError(name)
         client = self.backend.client(models[0])
-        return SamplingClient(client, self._tokenizer_copy(client))
+        return ModelSampler(client, self._tokenizer_copy(client))
 
     def _tokenizer_copy(self, client: LocalTrainingClient) -> object:
         with self._lock:

@@ -14,7 +14,7 @@ cut from `text` / `message.content`, never from `token_ids`.
 Concurrent requests for a model are sampled together in batched calls
 (`posttrain.server.openai_batching`). With `tools`, Hermes-style tool calls in the text become
 the message's `tool_calls` (`posttrain.server.tool_calls`). Nothing blocks the event loop: `SamplerSource.sampler` may load a checkpoint, so it runs in a
-worker thread (sources are thread-safe), and `SamplingClient` calls return futures completed by
+worker thread (sources are thread-safe), and `ModelSampler` calls return futures completed by
 the training client's own worker thread, which the handlers await.
 """
 
@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.server.openai_batching import Batchers
 from posttrain.server.openai_schema import (
     ChatRequest,
@@ -148,7 +148,7 @@ async def _body(request: Request) -> object:
         ) from None
 
 
-async def _sampler(source: SamplerSource, name: str, owner: str | None) -> SamplingClient:
+async def _sampler(source: SamplerSource, name: str, owner: str | None) -> ModelSampler:
     try:
         # A source that never blocks (LocalModelSource: its models are loaded) is asked on
         # the event loop; one that may load a checkpoint, from a worker thread.
@@ -167,7 +167,7 @@ async def _sampler(source: SamplerSource, name: str, owner: str | None) -> Sampl
 
 async def _sample(
     batchers: Batchers,
-    sampler: SamplingClient,
+    sampler: ModelSampler,
     prompt: list[int],
     n: int,
     params: SamplingParams,

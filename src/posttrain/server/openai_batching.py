@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.types import SampleResponse, SamplingParams
 
 # See SampleBatcher._let_arrivals_join: a lone request waits ARRIVAL_GAP_S more, a burst of
@@ -36,7 +36,7 @@ ARRIVAL_WAIT_S = 0.02
 
 @dataclass
 class _Request:
-    sampler: SamplingClient
+    sampler: ModelSampler
     prompt: list[int]
     n: int
     params: SamplingParams
@@ -51,7 +51,7 @@ class SampleBatcher:
         self._draining = False
 
     async def sample(
-        self, sampler: SamplingClient, prompt: list[int], n: int, params: SamplingParams
+        self, sampler: ModelSampler, prompt: list[int], n: int, params: SamplingParams
     ) -> SampleResponse:
         if params.seed is not None:
             return await sampler.sample(prompt, n, params)
@@ -119,7 +119,7 @@ class Batchers:
             weakref.WeakKeyDictionary()
         )
 
-    def of(self, sampler: SamplingClient) -> SampleBatcher:
+    def of(self, sampler: ModelSampler) -> SampleBatcher:
         batcher = self._by_client.get(sampler.client)
         if batcher is None:
             batcher = self._by_client[sampler.client] = SampleBatcher()

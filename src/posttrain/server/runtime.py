@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint
@@ -339,12 +339,12 @@ class Runtime:
             names += [c.tinker_path for c in self.store.checkpoints(owner) if c.kind == "sampler"]
         return names
 
-    def sampler(self, name: str, owner: str | None) -> SamplingClient:
+    def sampler(self, name: str, owner: str | None) -> ModelSampler:
         """Called from a worker thread; the sampler loads on the compute thread, where the
         sampler cache lives (its lock is never held by a thread waiting for compute)."""
         if self.config.serves(name):
             client = self.compute.call(self.sampler_client, None, None)
-            return SamplingClient(client, client.get_tokenizer())
+            return ModelSampler(client, client.get_tokenizer())
         row = self.store.checkpoint(name, owner) if owner is not None else None
         if row is None or row.kind != "sampler":
             raise UnknownModelError(f"model {name!r} is not served")
@@ -352,7 +352,7 @@ class Runtime:
         if model is None:
             raise UnknownModelError(f"model {name!r} is not served")
         client = self.compute.call(self.sampler_client, row.dir, model.lora)
-        return SamplingClient(client, client.get_tokenizer())
+        return ModelSampler(client, client.get_tokenizer())
 
 
 def not_loaded(model_id: str) -> str:

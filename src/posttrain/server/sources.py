@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from posttrain.backends.sampling import SamplingClient
+from posttrain.backends.sampling import ModelSampler
 
 
 class UnknownModelError(LookupError):
@@ -21,7 +21,7 @@ class SamplerSource(Protocol):
         """Names the caller may sample from: the base model first, then checkpoints."""
         ...
 
-    def sampler(self, name: str, owner: str | None) -> SamplingClient:
+    def sampler(self, name: str, owner: str | None) -> ModelSampler:
         """A sampling client (with `.tokenizer`) for `name`; UnknownModelError if not served.
 
         `owner` is the caller's API key identity (None when the server runs without keys);
