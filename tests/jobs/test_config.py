@@ -20,6 +20,8 @@ from posttrain.trainer.config import RLConfig, SFTConfig, from_options
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
 
+LORA_LAYERS = ("train_attn", "train_mlp", "train_unembed")
+
 
 def test_empty_config_is_all_defaults():
     config = parse_config({})
@@ -103,11 +105,26 @@ def test_unknown_keys_name_the_table_the_key_and_the_nearest(data, message):
         ({"eval": {"held_out": 0}}, r"\[eval\] held_out must be >= 1"),
         ({"rl": 3}, r"\[rl\] must be a table"),
         ({"rl": {"steps": {"a": 1}}}, r"\[rl\] steps must be a value, got a table"),
+        ({"model": {"train_mlp": False}}, r"\[model\] train_mlp = false choose LoRA layers"),
+        (
+            {"model": {"lora_rank": 4, **dict.fromkeys(LORA_LAYERS, False)}},
+            r"\[model\] LoRA needs one of train_attn",
+        ),
+        ({"model": {"train_attn": "no"}}, r"train_attn='no' is invalid: expected bool"),
     ],
 )
 def test_bad_values_name_the_table_and_the_key(data, message):
     with pytest.raises(ValueError, match=message):
         parse_config(data)
+
+
+def test_model_table_chooses_lora_layers():
+    config = parse_config({"model": {"lora_rank": 4, "train_unembed": False}})
+    assert (config.model.train_attn, config.model.train_mlp, config.model.train_unembed) == (
+        True,
+        True,
+        False,
+    )
 
 
 def test_tiny_spec():

@@ -134,6 +134,9 @@ async def run_job(
         lora_rank=config.model.lora_rank,  # 0: full fine-tuning, as TrainableModel takes it
         lora_alpha=config.model.lora_alpha,
         dtype=config.model.dtype,
+        train_attn=config.model.train_attn,
+        train_mlp=config.model.train_mlp,
+        train_unembed=config.model.train_unembed,
         seed=config.run.seed,
     )
     backend = create_backend(found)
