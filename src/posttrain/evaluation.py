@@ -30,10 +30,8 @@ from posttrain.types import ModelInput, SampledSequence, SampleResponse, Samplin
 class Sampler(Protocol):
     """What `evaluate` samples with: `backend.sampling_client(model)` is one."""
 
-    # `object` while sampling clients hold an untyped tokenizer: readers check it with
-    # `as_tokenizer`.
     @property
-    def tokenizer(self) -> object: ...
+    def tokenizer(self) -> Tokenizer: ...
 
     async def sample_many(
         self,

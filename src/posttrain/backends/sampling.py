@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from posttrain.clients.protocol import BatchSampler, TrainingClient
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 
 
 class ModelSampler:
     """Samples from the weights the model has now (after the latest `train` call)."""
 
-    def __init__(self, client: TrainingClient, tokenizer: object) -> None:
+    def __init__(self, client: TrainingClient, tokenizer: Tokenizer) -> None:
         self._client = client
         self.tokenizer = tokenizer
 

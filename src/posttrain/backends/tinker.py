@@ -38,6 +38,7 @@ from posttrain.backends.tinker_index import JsonlCheckpoints
 from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
 from posttrain.model import OpenAIEndpoint, TrainableModel
+from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.config import LossName, ProtocolPolicyLoss, RLConfig, from_options
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
@@ -318,7 +319,7 @@ def _close_service(service: Any) -> None:
         close("success").result()
 
 
-def load_tokenizer(base_model: str) -> object:
+def load_tokenizer(base_model: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(base_model)

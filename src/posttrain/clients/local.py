@@ -39,6 +39,7 @@ from posttrain.engine.executor import InProcessExecutor
 from posttrain.engine.sampler import Sampler
 from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import PassResult, Worker
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -253,8 +254,11 @@ class LocalTrainingClient:
             raise ValueError(f"logprob chunk size must be >= 1, got {chunk_size}")
         self._runner.submit(lambda: self.dispatch.set_logprob_chunk_size(chunk_size)).result()
 
-    def get_tokenizer(self) -> object:
-        return self.dispatch.tokenizer
+    def get_tokenizer(self) -> Tokenizer:
+        tokenizer = self.dispatch.tokenizer
+        if tokenizer is None:  # only a checkpoint-only replica is built without one
+            raise RuntimeError("this client's workers were built without a tokenizer")
+        return tokenizer
 
     def submit(self, fn: Callable[[], T]) -> APIFuture[T]:
         """Run `fn` in call order with this client's calls (for a client that wraps this one)."""

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.custom_loss import CustomLossFn
 from posttrain.clients.futures import APIFuture
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -84,7 +85,7 @@ class TrainingClient(Protocol):
 
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]: ...
 
-    def get_tokenizer(self) -> object: ...
+    def get_tokenizer(self) -> Tokenizer: ...
 
     def close(self) -> None:
         """Finish the calls already made, then let go of what the client holds."""

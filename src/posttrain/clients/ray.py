@@ -13,6 +13,7 @@ from posttrain.clients.protocol import LoadWeightsResponse, LossFnConfig, SaveWe
 from posttrain.engine.dispatch import Dispatch
 from posttrain.engine.ray_executor import RayExecutor
 from posttrain.engine.worker import Worker
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -135,7 +136,7 @@ class RayTrainingClient:
     def set_logprob_chunk_size(self, chunk_size: int) -> None:
         self.core.set_logprob_chunk_size(chunk_size)
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer:
         return self.core.get_tokenizer()
 
     def weight_digests(self) -> APIFuture[list[str]]:

@@ -14,6 +14,7 @@ from posttrain.clients.protocol import (
     SaveWeightsResponse,
     TrainingClient,
 )
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -81,7 +82,7 @@ class ScheduledTrainingClient:
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
         return self.client.save_weights_for_sampler(name)
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer:
         return self.client.get_tokenizer()
 
     def close(self) -> None:

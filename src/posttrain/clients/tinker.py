@@ -41,6 +41,7 @@ from posttrain.clients.protocol import (
     SaveWeightsResponse,
     as_loss_config,
 )
+from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,
     Datum,
@@ -185,7 +186,7 @@ def _mapped(future: Any, fn: Callable[[Any], U]) -> APIFuture[U]:
 class TinkerTrainingClient:
     """Tinker's primitives through the SDK; calls keep submission order on the server."""
 
-    def __init__(self, training_client: tinker.TrainingClient, tokenizer: object) -> None:
+    def __init__(self, training_client: tinker.TrainingClient, tokenizer: Tokenizer) -> None:
         self._client = training_client
         self._tokenizer = tokenizer
         self._sampler: Any = None
@@ -195,7 +196,7 @@ class TinkerTrainingClient:
     def sdk_client(self) -> tinker.TrainingClient:
         return self._client
 
-    def get_tokenizer(self) -> object:
+    def get_tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
     def forward(

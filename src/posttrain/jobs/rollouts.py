@@ -14,15 +14,13 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
-
 from posttrain.environments.runner import EpisodeError
 from posttrain.evaluation import Sampler, completion_text, prompt_builders
 from posttrain.jobs.sft_data import conversation_to_trajectory
 from posttrain.rollout import assistant_closing
 from posttrain.tasks import Problem, Task
 from posttrain.tasks.rewards import RewardError, score
-from posttrain.tokenizer import as_tokenizer
+from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import SamplingParams, Trajectory, TrajectoryGroup
 
 __all__ = ["SampledStep", "completion_text", "derive_seed", "sample_groups", "sft_examples"]
@@ -34,9 +32,7 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def sft_examples(
-    task: Task, problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase
-) -> list[Trajectory]:
+def sft_examples(task: Task, problems: Sequence[Problem], tokenizer: Tokenizer) -> list[Trajectory]:
     """Warm-up conversations: each problem's chat answered by the task's reference solution."""
     closing = assistant_closing(tokenizer)
     return [

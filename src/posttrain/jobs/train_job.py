@@ -208,10 +208,10 @@ async def _warm_up(run: _Run, state: JobState) -> None:
     config, tokenizer = run.config, run.sampler.tokenizer
     examples: list[Trajectory] = []
     if config.sft.examples:
-        examples += await run.work.sft_examples(tokenizer)  # type: ignore[arg-type]
+        examples += await run.work.sft_examples(tokenizer)
     dataset = config.dataset_path()
     if dataset is not None:
-        examples += load_sft_dataset(dataset, tokenizer, fields=sft_fields(config.data))  # type: ignore[arg-type]
+        examples += load_sft_dataset(dataset, tokenizer, fields=sft_fields(config.data))
     run.echo(f"sft warm-up: {len(examples)} examples, {config.sft.trainer.epochs} epochs")
     began = time.perf_counter()
     options = cast(SFTOptions, call_options(config.sft.trainer, run.info.train_sft_options))

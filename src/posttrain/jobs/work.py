@@ -15,8 +15,6 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from transformers import PreTrainedTokenizerBase
-
 from posttrain.environments.protocol import Reset
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.environments.runner import EpisodeLimits, evaluate_environment, run_episodes
@@ -39,6 +37,7 @@ from posttrain.jobs.rollouts import (
 from posttrain.jobs.sft_data import conversation_to_trajectory
 from posttrain.rollout import TurnClosing, assistant_closing
 from posttrain.tasks import Problem, ResolvedTask, Task
+from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.token_advantages import reads_entropies
 from posttrain.types import SamplingParams, Trajectory
 
@@ -71,7 +70,7 @@ class JobWork(Protocol):
         """What is evaluated, for messages: "problems" or "episodes"."""
         ...
 
-    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]: ...
+    async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]: ...
 
     async def sample(self, sampler: Sampler, k: int) -> SampledStep:
         """RL step k's rewarded groups."""
@@ -119,7 +118,7 @@ class TaskWork:
     def unit(self) -> str:
         return "problems"
 
-    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
+    async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]:
         rng = random.Random(derive_seed(self.config.run.seed, "sft"))
         problems = self.task.make_prompts(rng, self.config.sft.examples)
         return sft_examples(self.task, problems, tokenizer)
@@ -166,7 +165,7 @@ class EnvironmentWork:
     def limits(self) -> EpisodeLimits:
         return EpisodeLimits(self.config.rl.max_turns, self.config.rl.max_context)
 
-    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
+    async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]:
         """Demonstrations of `[sft] examples` training seeds, rendered as episodes are."""
         seed, n = self.config.run.seed, self.config.sft.examples
         closing = assistant_closing(tokenizer)
@@ -176,7 +175,7 @@ class EnvironmentWork:
         ]
 
     async def _demonstration(
-        self, seed: int, tokenizer: PreTrainedTokenizerBase, closing: TurnClosing
+        self, seed: int, tokenizer: Tokenizer, closing: TurnClosing
     ) -> Trajectory:
         env = self.environment.make()
         try:
@@ -279,7 +278,7 @@ class VerifiersWork:
     def unit(self) -> str:
         return "episodes"
 
-    async def sft_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
+    async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]:
         return []  # never asked: a verifiers environment has no demonstration() (job_task)
 
     async def sample(self, sampler: Sampler, k: int) -> SampledStep:

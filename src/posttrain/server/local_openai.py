@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 from posttrain.backends.sampling import ModelSampler
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.server.sources import UnknownModelError
+from posttrain.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -64,7 +65,7 @@ class LocalModelSource:
 
     def __init__(self, backend: ServingBackend) -> None:
         self.backend = backend
-        self._tokenizers: weakref.WeakKeyDictionary[LocalTrainingClient, object] = (
+        self._tokenizers: weakref.WeakKeyDictionary[LocalTrainingClient, Tokenizer] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
@@ -85,7 +86,7 @@ class LocalModelSource:
         client = self.backend.client(models[0])
         return ModelSampler(client, self._tokenizer_copy(client))
 
-    def _tokenizer_copy(self, client: LocalTrainingClient) -> object:
+    def _tokenizer_copy(self, client: LocalTrainingClient) -> Tokenizer:
         with self._lock:
             if client not in self._tokenizers:
                 self._tokenizers[client] = copy.deepcopy(client.get_tokenizer())
