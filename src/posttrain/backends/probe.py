@@ -40,20 +40,10 @@ PROBE_WORDS = (" let", " me", " check", " the", " sum", " again")
 
 
 class ProbeTokenizer:
-    """Decodes the synthetic tokens (`PROBE_WORDS`); the probe needs nothing else of it."""
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        return []
+    """Decodes the synthetic tokens (`PROBE_WORDS`): the token transforms only decode."""
 
     def decode(self, token_ids: list[int], /, *, skip_special_tokens: bool = False) -> str:
         return "".join(PROBE_WORDS[(t - 10) % len(PROBE_WORDS)] for t in token_ids)
-
-    def encode(self, text: str, /, *, add_special_tokens: bool = True) -> list[int]:
-        raise NotImplementedError("the probe only decodes")
-
-    def apply_chat_template(self, conversation: object, /, **kwargs: object) -> object:
-        raise NotImplementedError("the probe only decodes")
 
 
 def _sampled(n: int) -> TokenSegment:

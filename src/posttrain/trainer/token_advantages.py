@@ -32,7 +32,6 @@ from posttrain.algo.uncertainty import (
     token_uncertainty,
 )
 from posttrain.tasks.imports import import_object
-from posttrain.tokenizer import as_tokenizer
 from posttrain.types import JSONScalar, Trajectory, TrajectoryGroup
 
 # The run_state key of the SEPA controller's state (keys the trainer owns in run_state).
@@ -116,12 +115,16 @@ def _decoder(tokenizer: Callable[[], object] | None) -> Callable[[int], str]:
             "the token transform finds planning tokens in the decoded text, and this step "
             "was given no tokenizer"
         )
-    loaded = as_tokenizer(tokenizer())
+    loaded = tokenizer()
+    # Only `decode` is read here: a decode-only tokenizer (the preflight probe's) is enough.
+    if not callable(getattr(loaded, "decode", None)):
+        raise TypeError(f"the tokenizer for planning tokens has no decode(): {loaded!r}")
+    decode_ids: Callable[[list[int]], str | list[str]] = loaded.decode  # pyright: ignore[reportAttributeAccessIssue]
     cache: dict[int, str] = {}
 
     def decode(token: int) -> str:
         if token not in cache:
-            text = loaded.decode([token])
+            text = decode_ids([token])
             cache[token] = text if isinstance(text, str) else "".join(text)
         return cache[token]
 
