@@ -52,7 +52,7 @@ LAYERS: list[set[str]] = [
     {"algo"},
     {"engine"},
     {"clients"},
-    {"trainer", "rollout", "gather", "tasks", "evaluation", "environments", "blocks"},
+    {"engines", "trainer", "rollout", "gather", "tasks", "evaluation", "environments", "blocks"},
     {"backends", "model"},
     {"server"},
     {"jobs"},

@@ -354,8 +354,12 @@ class SampledSequence:
 
 @dataclass(frozen=True)
 class SampleResponse:
+    """A prompt's completions; `policy_version` is the model step whose weights sampled them
+    (set by posttrain's sampling engines; None where unknown)."""
+
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)

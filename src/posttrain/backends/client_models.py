@@ -27,6 +27,8 @@ from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import LogprobChunking, TrainingClient
+from posttrain.engines.config import InferenceConfig
+from posttrain.engines.session import EngineSession
 from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.trainer.metrics import StepMetrics
@@ -54,6 +56,7 @@ class ModelClients(Generic[ClientT]):
         index: CheckpointIndex[ClientT],
         after_update: WeightsHook | None = None,
         after_reload: WeightsHook | None = None,
+        inference: InferenceConfig | None = None,
     ) -> None:
         self.path = Path(path)
         self.backend = backend
@@ -62,7 +65,9 @@ class ModelClients(Generic[ClientT]):
         self.index = index
         self.after_update = after_update
         self.after_reload = after_reload
+        self.inference = inference or InferenceConfig()
         self._clients: dict[int, ClientT] = {}
+        self._engines: dict[int, EngineSession] = {}
         self._registered: dict[tuple[str, str], TrainableModel] = {}
 
     def model_dir(self, model: TrainableModel) -> Path:
@@ -85,20 +90,44 @@ class ModelClients(Generic[ClientT]):
         path = checkpoint.path if checkpoint is not None else None
         client = await self.clients.open(model, directory, path)
         attached = False
+        session: EngineSession | None = None
+        step = checkpoint.step if checkpoint else 0
         try:
-            model.attach(backend, directory, checkpoint.step if checkpoint else 0)
+            session = await self._open_engine(model, client, directory, step)
+            model.attach(backend, directory, step)
             attached = True  # the metric sinks opened (they may refuse)
             write_model_json(directory, model)
             resume.set_aside()
         except BaseException:
             if attached:
                 model.detach()
+            if session is not None:
+                await session.close()
             await self.clients.release(client)
             raise
         if checkpoint is not None:  # last: a failed registration leaves the model as it was
             model.run_state = dict(checkpoint.run_state)
         self._clients[id(model)] = client
+        self._engines[id(model)] = session
         self._registered[(model.project, model.name)] = model
+
+    async def _open_engine(
+        self, model: TrainableModel, client: ClientT, directory: Path, version: int
+    ) -> EngineSession:
+        return await EngineSession.open(
+            self.inference,
+            client,
+            base_model=model.base_model,
+            lora_rank=model.lora_rank,
+            lora_alpha=model.lora_alpha,
+            version=version,
+            log_dir=directory / "logs",
+        )
+
+    def engine(self, model: TrainableModel) -> EngineSession:
+        """The engine session the model samples with."""
+        self.client(model)  # the clear "not registered" error
+        return self._engines[id(model)]
 
     def registered_models(self) -> list[TrainableModel]:
         return list(self._registered.values())
@@ -114,7 +143,7 @@ class ModelClients(Generic[ClientT]):
 
     def sampling_client(self, model: TrainableModel) -> ModelSampler:
         client = self.client(model)
-        return ModelSampler(client, client.get_tokenizer())
+        return ModelSampler(client, client.get_tokenizer(), engine=self._engines[id(model)].engine)
 
     async def train(
         self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], config: RLConfig
@@ -176,6 +205,7 @@ class ModelClients(Generic[ClientT]):
             metrics = await run()
             if self.after_update is not None:
                 await self.after_update(model, step)
+            await self._engines[id(model)].sync(step)
             if save:
                 path = await self.index.save(self.client(model), model, step)
         except Exception as exc:
@@ -205,6 +235,9 @@ class ModelClients(Generic[ClientT]):
         if client is not old:
             self._clients[id(model)] = client
             await self.clients.release(old)  # the failed step's
+            await self._reopen_engine(model, client)
+        else:
+            await self._sync_after_reload(model, error)
         if self.after_reload is not None:
             try:
                 await self.after_reload(model, model.step)
@@ -215,11 +248,30 @@ class ModelClients(Generic[ClientT]):
         """Save the model's current state as the checkpoint of its step."""
         return await self.index.save(self.client(model), model, model.step)
 
-    def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-        self._registered.clear()
+    async def _reopen_engine(self, model: TrainableModel, client: ClientT) -> None:
+        """A new client after a failed step: a new engine on it (the old one sampled the old
+        client)."""
+        await self._engines.pop(id(model)).close()
+        self._engines[id(model)] = await self._open_engine(
+            model, client, model.directory, model.step
+        )  # a failure here fails the step's recovery: the model cannot sample
+
+    async def _sync_after_reload(self, model: TrainableModel, error: Exception) -> None:
+        try:
+            await self._engines[id(model)].sync(model.step)
+        except Exception as sync_error:
+            error.add_note(f"syncing the engine to the reloaded weights failed: {sync_error!r}")
+
+    async def close(self) -> None:
+        try:
+            for session in self._engines.values():
+                await session.close()
+        finally:
+            self._engines.clear()
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+            self._registered.clear()
 
 
 class InProcessClients(Generic[ClientT]):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import ClassVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
+from posttrain.backends.engine_options import engine_config, trainer_device
 from posttrain.backends.client_models import InProcessClients, ModelClients
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, resolve_sft
@@ -17,6 +18,7 @@ from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.devices import AUTO, resolve_device
+from posttrain.engines.config import InferenceConfig
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
@@ -25,6 +27,10 @@ BACKEND = "LocalBackend"
 
 class LocalBackend:
     """Models live under `path/<project>/models/<name>/`; checkpoints every step by default.
+
+    `inference` chooses the sampling engine (`posttrain.engines.InferenceConfig`, or its
+    fields as a dict): posttrain's sampler on the training weights by default, vLLM, or an
+    OpenAI-compatible server; `devices` there splits sampling from training.
 
     `device="auto"` trains on CUDA where this machine has it, else on the CPU; an explicit
     "cuda" on a machine without CUDA is an error here, at construction.
@@ -42,14 +48,19 @@ class LocalBackend:
         num_workers: int = 1,
         micro_batch_tokens: int = 8192,
         keep_checkpoints: int = 3,
+        inference: InferenceConfig | Mapping[str, object] | None = None,
     ) -> None:
-        self.device = resolve_device(device, option=f"{BACKEND} device")
+        self.inference = engine_config(inference, BACKEND)
+        self.device = resolve_device(
+            trainer_device(device, self.inference, BACKEND), option=f"{BACKEND} device"
+        )
         self._models: ModelClients[LocalTrainingClient] = ModelClients(
             path,
             backend=BACKEND,
             capabilities=self.capabilities,
             clients=InProcessClients(self._make_client),
             index=DirectoryCheckpoints(keep_checkpoints),
+            inference=self.inference,
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -137,4 +148,4 @@ class LocalBackend:
         if self._openai is not None:
             await asyncio.to_thread(self._openai.stop)
             self._openai = None
-        self._models.close()
+        await self._models.close()

@@ -18,6 +18,7 @@ from typing_extensions import TypedDict
 from posttrain.algo.config_fields import from_options, option
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import InProcessClients, ModelClients
+from posttrain.backends.engine_options import engine_config
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     RLConfig,
@@ -36,6 +37,7 @@ from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.devices import AUTO, resolve_worker_device
 from posttrain.engine.ray_actor import Sharding
 from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
+from posttrain.engines.config import InferenceConfig
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
@@ -106,15 +108,24 @@ class RayBackend:
         keep_checkpoints: int = 3,
         ray_config: RayConfig | None = None,
         sharding: Sharding | None = None,
+        inference: InferenceConfig | Mapping[str, object] | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.inference = engine_config(inference, BACKEND)
+        if self.inference.devices is not None:
+            raise ValueError(
+                f"{BACKEND} places its workers with resources_per_worker; [inference] devices "
+                "is for LocalBackend. Give the engine its own resources instead (engine = "
+                "'vllm' or 'openai')"
+            )
         self._models: ModelClients[RayTrainingClient] = ModelClients(
             path,
             backend=BACKEND,
             capabilities=self.capabilities,
             clients=InProcessClients(self._make_client),
             index=DirectoryCheckpoints(keep_checkpoints),
+            inference=self.inference,
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -225,4 +236,4 @@ class RayBackend:
         if self._openai is not None:
             await asyncio.to_thread(self._openai.stop)
             self._openai = None
-        self._models.close()
+        await self._models.close()

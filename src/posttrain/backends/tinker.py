@@ -225,7 +225,7 @@ class TinkerBackend:
             raise RuntimeError(f"publishing the restored weights failed: {exc!r}") from exc
 
     async def close(self) -> None:
-        self._models.close()
+        await self._models.close()
         self._published.clear()
         await self._tinker.close()
 

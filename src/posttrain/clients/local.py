@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from posttrain.algo.loss_metrics import summarize_values
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.custom_loss import (
@@ -247,6 +249,15 @@ class LocalTrainingClient:
         """Park weights, gradients and optimizer state on the CPU (in call order); the next
         call that needs them brings them back. Frees the device for another engine."""
         return self._runner.submit(self.dispatch.offload)
+
+    def trainable_weights(self) -> APIFuture[dict[str, torch.Tensor]]:
+        """Rank 0's trainable tensors by name, whole (gathered when sharded), on the CPU."""
+
+        def gather() -> dict[str, torch.Tensor]:
+            tensors = self.dispatch.executor.full_tensors("weights")[0]
+            return {name: t for name, t in tensors.items() if t is not None}
+
+        return self._runner.submit(gather)
 
     def set_logprob_chunk_size(self, chunk_size: int) -> None:
         """Tokens per chunk of the logprob computation on every worker (from the next call)."""

@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.custom_loss import CustomLossFn
 from posttrain.clients.futures import APIFuture
@@ -115,6 +117,15 @@ class BatchSampler(Protocol):
     def sample_many(
         self, prompts: Sequence[ModelInput], num_samples: int, sampling_params: SamplingParams
     ) -> Awaitable[list[SampleResponse]]: ...
+
+
+@runtime_checkable
+class ExportsWeights(Protocol):
+    """A client that hands over its trainable weights, whole, for an engine to load."""
+
+    def trainable_weights(self) -> APIFuture[dict[str, torch.Tensor]]:
+        """Rank 0's trainable tensors by name, on the CPU, after the calls made before."""
+        ...
 
 
 @runtime_checkable

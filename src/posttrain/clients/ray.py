@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from posttrain.clients.custom_loss import CustomLossFn
 from posttrain.clients.futures import APIFuture
 from posttrain.clients.local import LocalTrainingClient
@@ -138,6 +140,10 @@ class RayTrainingClient:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.core.get_tokenizer()
+
+    def trainable_weights(self) -> APIFuture[dict[str, torch.Tensor]]:
+        """Rank 0's trainable tensors by name, whole, on this process's CPU."""
+        return self.core.trainable_weights()
 
     def weight_digests(self) -> APIFuture[list[str]]:
         """A digest of each rank's trainable weights (all equal while replicas are in sync)."""

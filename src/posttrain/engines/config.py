@@ -1,0 +1,95 @@
+"""`InferenceConfig`: which engine samples, and how it runs (TOML `[inference]`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal, cast
+
+from posttrain.algo.config_fields import reject_unknown_keys
+
+EngineName = Literal["pytorch", "vllm", "openai"]
+ENGINE_NAMES: tuple[EngineName, ...] = ("pytorch", "vllm", "openai")
+# Engines the seeds name that posttrain does not ship: refused with the way to reach them.
+_NOT_SHIPPED = {
+    "sglang": "serve the model with SGLang and use engine = 'openai' with its url",
+    "max": "serve the model with MAX and use engine = 'openai' with its url",
+    "mlx": "serve the model with mlx_lm.server and use engine = 'openai' with its url",
+}
+SyncMode = Literal["auto", "none", "reload", "lora"]
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    """How rollouts are sampled. The defaults sample with posttrain's own sampler on the
+    training weights, in this process, exactly as before engines existed.
+
+    `devices` splits sampling from training: "cuda:0,cuda:1" samples on the first device and
+    trains on the last; "cpu,cpu" samples in a process of its own (`threads` torch threads)
+    while training keeps this process's threads. vLLM always runs in a process of its own.
+    """
+
+    engine: EngineName = "pytorch"
+    devices: str | None = None  # "SAMPLER,TRAINER": split mode
+    threads: int | None = None  # the engine process's torch/OpenMP threads (None: 1 when split on CPU)
+    python: str | None = None  # vllm: an interpreter with vLLM installed (None: $POSTTRAIN_VLLM_PYTHON, else this one)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # vllm: fp32 matches training to ~2e-6
+    kv_cache_mb: int = 512  # vllm: KV cache size; vLLM's own default takes 92% of RAM
+    max_model_len: int | None = None  # vllm: None: the model's max positions
+    url: str | None = None  # openai: the server's base URL, e.g. http://127.0.0.1:8000/v1
+    model: str | None = None  # openai: the served model name (None: the first of /v1/models)
+    api_key: str | None = None  # openai
+    sync: SyncMode = "auto"  # openai: how weights reach the server (auto: none)
+    allow_training_without_logprobs: bool = False  # openai: accept a server without logprobs
+    start_timeout_s: float = 600.0  # a worker process must be ready within this
+
+    def __post_init__(self) -> None:
+        engine = cast(str, self.engine)
+        if engine in _NOT_SHIPPED:
+            raise ValueError(f"[inference] engine = {engine!r} is not built in: {_NOT_SHIPPED[engine]}")
+        if engine not in ENGINE_NAMES:
+            raise ValueError(f"[inference] engine must be one of {list(ENGINE_NAMES)}, got {engine!r}")
+        if self.engine == "openai" and not self.url:
+            raise ValueError("[inference] engine = 'openai' needs url = 'http://HOST:PORT/v1'")
+        if self.engine != "openai":
+            for name in ("url", "model", "api_key"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"[inference] {name} is for engine = 'openai', not {engine!r}")
+            if self.sync != "auto":
+                raise ValueError(f"[inference] sync is for engine = 'openai', not {engine!r}")
+        if self.engine != "vllm" and self.python is not None:
+            raise ValueError(f"[inference] python is for engine = 'vllm', not {engine!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"[inference] threads must be >= 1, got {self.threads}")
+        if self.kv_cache_mb < 16:
+            raise ValueError(f"[inference] kv_cache_mb must be >= 16, got {self.kv_cache_mb}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"[inference] max_model_len must be >= 2, got {self.max_model_len}")
+        if not (0 < self.start_timeout_s < math.inf):
+            raise ValueError(f"[inference] start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if self.devices is not None:
+            self.split_devices()  # checks the form
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object], source: str = "[inference]") -> InferenceConfig:
+        """From a TOML table or keyword dict; an unknown key names the nearest valid one."""
+        reject_unknown_keys(values, [f.name for f in fields(cls)], source)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def split(self) -> bool:
+        """Whether sampling runs apart from training (another process or device)."""
+        return self.devices is not None or self.engine == "vllm"
+
+    def split_devices(self) -> tuple[str, str] | None:
+        """(sampler device, trainer device) from `devices`, or None when not split."""
+        if self.devices is None:
+            return None
+        parts = [p.strip() for p in self.devices.split(",")]
+        if len(parts) != 2 or not all(p.split(":")[0] in ("cpu", "cuda") for p in parts):
+            raise ValueError(
+                f"[inference] devices must be 'SAMPLER,TRAINER', e.g. 'cuda:0,cuda:1' or "
+                f"'cpu,cpu', got {self.devices!r}"
+            )
+        return parts[0], parts[1]

@@ -1,0 +1,63 @@
+"""The interface every sampling engine implements, and what each can do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+from posttrain.types import SampleResponse, SamplingParams
+
+WeightSync = Literal["live", "full", "none"]
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine does; `posttrain backends` and `doctor` print it, preflight reads it.
+
+    `weight_sync`: "live" samples the training weights themselves (nothing to sync), "full"
+    takes whole (LoRA-merged) weights after every optimizer step, "none" cannot be updated, so
+    it samples a fixed policy and training on its samples goes off-policy.
+    """
+
+    returns_token_ids: bool
+    returns_logprobs: bool
+    weight_sync: WeightSync
+    own_process: bool  # samples apart from training, so rollouts can overlap a training step
+    provides_token_entropies: bool
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    """A model's whole weights after an update, as `model.safetensors` (Hugging Face names,
+    LoRA merged into the base weights) in `path`, made for model step `version`."""
+
+    path: Path
+    version: int
+
+
+@runtime_checkable
+class SamplingEngine(Protocol):
+    """Samples token ids with their logprobs from the weights of policy `version`."""
+
+    name: str
+    capabilities: EngineCapabilities
+
+    @property
+    def version(self) -> int:
+        """The model step whose weights the next sample uses."""
+        ...
+
+    async def sample_many(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
+    ) -> list[SampleResponse]:
+        """`num_samples` completions of each prompt; seeded per (seed, prompt index, sample)."""
+        ...
+
+    async def update_weights(self, snapshot: WeightSnapshot | None, version: int) -> None:
+        """Sample from now on with the weights of model step `version` (`snapshot`: their
+        files; None for a live engine, which samples the training weights already)."""
+        ...
+
+    async def close(self) -> None: ...

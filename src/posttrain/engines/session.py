@@ -1,0 +1,137 @@
+"""`EngineSession`: one model's sampling engine, made from an `InferenceConfig`, and the weight
+sync that follows each optimizer step."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain.clients.protocol import ExportsWeights, TrainingClient
+from posttrain.engines.config import InferenceConfig
+from posttrain.engines.live import LiveEngine
+from posttrain.engines.process import ProcessEngine
+from posttrain.engines.protocol import EngineCapabilities, SamplingEngine
+from posttrain.engines.weights import WeightExporter
+
+VLLM = EngineCapabilities(
+    returns_token_ids=True,
+    returns_logprobs=True,
+    weight_sync="full",
+    own_process=True,
+    provides_token_entropies=False,
+)
+SPLIT_PYTORCH = EngineCapabilities(
+    returns_token_ids=True,
+    returns_logprobs=True,
+    weight_sync="full",
+    own_process=True,
+    provides_token_entropies=True,
+)
+VLLM_PYTHON_ENV = "POSTTRAIN_VLLM_PYTHON"
+
+
+class EngineSession:
+    """The engine a model samples with; `sync(version)` after each update of its weights."""
+
+    def __init__(
+        self,
+        engine: SamplingEngine,
+        exporter: WeightExporter | None = None,
+        source: ExportsWeights | None = None,
+    ) -> None:
+        self.engine = engine
+        self.exporter = exporter
+        self.source = source  # where the exporter's weights come from
+        self.last_sync_s = 0.0
+
+    @classmethod
+    async def open(
+        cls,
+        config: InferenceConfig,
+        client: TrainingClient,
+        *,
+        base_model: str,
+        lora_rank: int | None,
+        lora_alpha: float | None,
+        version: int,
+        log_dir: Path,
+    ) -> EngineSession:
+        if config.engine == "pytorch" and config.devices is None:
+            return cls(LiveEngine(client, version=version))
+        if config.engine == "openai":
+            from posttrain.engines.openai_engine import OpenAIEngine
+
+            engine = OpenAIEngine(config, version=version)
+            await engine.start()
+            return cls(engine)
+        if not isinstance(client, ExportsWeights):
+            raise TypeError(
+                f"[inference] engine = {config.engine!r} needs the training client's weights, "
+                f"which {type(client).__name__} cannot hand over; use engine = 'pytorch'"
+            )
+        exporter = WeightExporter(
+            base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha
+        )
+        snapshot = exporter.export(await client.trainable_weights(), version)
+        devices = config.split_devices()
+        options = {
+            "model_dir": str(snapshot.path),
+            "dtype": config.dtype,
+            "kv_cache_mb": config.kv_cache_mb,
+            "max_model_len": config.max_model_len or _max_positions(snapshot.path),
+            "threads": config.threads or torch.get_num_threads(),
+            "device": devices[0] if devices else "cpu",
+        }
+        kind = "vllm" if config.engine == "vllm" else "pytorch"
+        python = sys.executable
+        if kind == "vllm":
+            python = config.python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+        try:
+            engine = ProcessEngine(
+                kind,
+                python=python,
+                options=options,
+                capabilities=VLLM if kind == "vllm" else SPLIT_PYTORCH,
+                version=version,
+                start_timeout_s=config.start_timeout_s,
+                log_path=log_dir / f"{kind}-engine.log",
+            )
+        except BaseException:
+            exporter.close()
+            raise
+        return cls(engine, exporter, client)
+
+    async def sync(self, version: int) -> None:
+        """Give the engine the weights of model step `version` (the client's current ones)."""
+        began = time.perf_counter()
+        if self.exporter is None or self.source is None:
+            await self.engine.update_weights(None, version)
+        else:
+            weights = await self.source.trainable_weights()
+            await self.engine.update_weights(self.exporter.export(weights, version), version)
+        self.last_sync_s = time.perf_counter() - began
+
+    async def close(self) -> None:
+        try:
+            await self.engine.close()
+        finally:
+            if self.exporter is not None:
+                self.exporter.close()
+
+
+def _weights_dir() -> Path:
+    """A fresh directory for weight snapshots: in memory (/dev/shm) where there is one."""
+    shm = Path("/dev/shm")
+    root = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=root))
+
+
+def _max_positions(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
