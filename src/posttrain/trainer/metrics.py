@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from posttrain.algo.agreement import AgreementSums, agreement_metrics
+
 
 @dataclass
 class StepMetrics:
@@ -23,6 +25,8 @@ class StepMetrics:
     num_tokens: int = 0
     nothing_to_train: bool = False
     flow: dict[str, float] = field(default_factory=dict[str, float])  # the advantage flow's stats
+    # Sampler vs trainer logprobs over the step's trainable tokens (`algo.agreement`).
+    sample_train: AgreementSums = field(default_factory=AgreementSums)
     _sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict[str, float](float))
 
     @classmethod
@@ -89,6 +93,7 @@ class StepMetrics:
             "num_trainable_tokens": float(self.num_tokens),
             "nothing_to_train": float(self.nothing_to_train),
             **self.flow,
+            **agreement_metrics(self.sample_train),
         }
         for key, total in self._sums.items():
             if not key.endswith(".weight"):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.algo.advantages import compute_group_advantages, reduction_weights
+from posttrain.algo.agreement import AgreementSums, sample_train_agreement
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.custom_loss import custom_loss, is_custom_loss
 from posttrain.clients.futures import APIFuture
@@ -125,7 +126,11 @@ def weighted(datums: list[Datum], masks: list[torch.Tensor], config: RLConfig) -
 async def add_reference_inputs(
     client: TrainingClient, datums: list[Datum], config: RLConfig
 ) -> list[Datum]:
-    """Trainer logprobs as the ratio's reference (precalculate_logprobs) and KL reference."""
+    """Trainer logprobs as the ratio's reference (precalculate_logprobs) and KL reference.
+
+    With precalculate_logprobs the datums come back with `logprobs` the trainer's and
+    `sampler_logprobs` the sampler's, which `train_rl_batch` also compares (`algo.agreement`).
+    """
     if config.precalculate_logprobs:
         allow = config.loss.allow_training_without_logprobs
         scored = await client.forward(
@@ -172,7 +177,14 @@ async def train_rl_batch(
     *,
     recorder: TensorRecorder | None = None,
 ) -> StepMetrics:
-    """The updates of one step on an already prepared (and so already validated) batch."""
+    """The updates of one step on an already prepared (and so already validated) batch.
+
+    The metrics compare sampler and trainer logprobs on the trainable tokens (`algo.agreement`)
+    over the whole step. The trainer's are those of precalculate_logprobs' forward pass, before
+    any update; without it, each mini-batch's forward_backward logprobs, so from the second
+    mini-batch on the difference also holds the policy's own updates (as tinker-cookbook
+    measures it).
+    """
     metrics = StepMetrics.for_batch(
         batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups
     )
@@ -180,16 +192,21 @@ async def train_rl_batch(
     if not batch.datums:
         return metrics.nothing_trainable()
     datums = await add_reference_inputs(client, batch.datums, config)
+    if config.precalculate_logprobs:
+        metrics.sample_train = _precalculated_agreement(datums, batch.masks)
     adam = config.optimizer.adam_params()
     parts = split_minibatches(len(datums), config.num_minibatches)
     with Progress("train", len(parts), "update") as progress:
         for part in parts:
-            mini = weighted([datums[i] for i in part], [batch.masks[i] for i in part], config)
+            masks = [batch.masks[i] for i in part]
+            mini = weighted([datums[i] for i in part], masks, config)
             out = await _forward_backward(client, mini, config)
+            if not config.precalculate_logprobs:
+                metrics.sample_train += _update_agreement(mini, masks, out)
             if recorder is not None:
                 recorder.record(mini, out)
             step = await client.optim_step(adam)
-            tokens = sum(int(batch.masks[i].sum()) for i in part)
+            tokens = sum(int(m.sum()) for m in masks)
             metrics.add_update(out.metrics, step.metrics or {}, num_tokens=tokens)
             if config.verbose:
                 _log_update(
@@ -198,6 +215,35 @@ async def train_rl_batch(
             progress.update()
     metrics.num_trajectories = len(datums)
     return metrics
+
+
+def _precalculated_agreement(datums: list[Datum], masks: list[torch.Tensor]) -> AgreementSums:
+    """Sampler vs trainer logprobs as `add_reference_inputs` left them in each datum."""
+    total = AgreementSums()
+    for datum, mask_T in zip(datums, masks, strict=True):
+        inputs = datum.loss_fn_inputs
+        total += sample_train_agreement(inputs["sampler_logprobs"], inputs["logprobs"], mask_T)
+    return total
+
+
+def _update_agreement(
+    datums: list[Datum], masks: list[torch.Tensor], out: ForwardBackwardOutput
+) -> AgreementSums:
+    """Sampler logprobs vs the mini-batch's forward_backward logprobs (one per target token).
+
+    A datum whose output has no `logprobs` of its targets' length (a client that does not
+    return them) is left out rather than failing the step.
+    """
+    total = AgreementSums()
+    if len(out.loss_fn_outputs) != len(datums):
+        return total
+    for datum, mask_T, output in zip(datums, masks, out.loss_fn_outputs, strict=True):
+        trainer_logp = output.get("logprobs")
+        if trainer_logp is None or trainer_logp.numel() != mask_T.numel():
+            continue
+        sampler_logp_T = datum.loss_fn_inputs["logprobs"].reshape(-1)
+        total += sample_train_agreement(sampler_logp_T, trainer_logp.reshape(-1).cpu(), mask_T)
+    return total
 
 
 def _forward_backward(
