@@ -69,7 +69,13 @@ class EngineSession:
 
             engine = OpenAIEngine(config, version=version)
             await engine.start()
-            return cls(engine)
+            if engine.capabilities.weight_sync != "full" or not isinstance(client, ExportsWeights):
+                return cls(engine)
+            # The server reads the weights from this machine's files, so it must run here.
+            exporter = WeightExporter(
+                base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha
+            )
+            return cls(engine, exporter, client)
         if not isinstance(client, ExportsWeights):
             raise TypeError(
                 f"[inference] engine = {config.engine!r} needs the training client's weights, "
