@@ -1,0 +1,81 @@
+"""LoRA merging for engines with their own weights: hand values, a naive reference, PEFT."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
+from posttrain.engines.weights import WeightExporter, merge_trainable
+
+
+def test_merge_by_hand():
+    # W0 = [[1, 0], [0, 1]], B = [[1], [2]], A = [[3, 4]], scale 0.5:
+    # B @ A = [[3, 4], [6, 8]], so W = W0 + 0.5 * B @ A = [[2.5, 2], [3, 5]].
+    base = {"model.q.weight": torch.eye(2), "model.k.weight": torch.ones(2, 2)}
+    trainable = {
+        "base_model.model.model.q.lora_A.default.weight": torch.tensor([[3.0, 4.0]]),
+        "base_model.model.model.q.lora_B.default.weight": torch.tensor([[1.0], [2.0]]),
+    }
+    merged = merge_trainable(base, trainable, lora_scale=0.5)
+    assert torch.equal(merged["model.q.weight"], torch.tensor([[2.5, 2.0], [3.0, 5.0]]))
+    assert torch.equal(merged["model.k.weight"], torch.ones(2, 2))  # untouched
+    assert "base_model.model.model.q.lora_A.default.weight" not in merged
+
+
+def test_full_fine_tuning_replaces_and_unties():
+    base = {"model.embed_tokens.weight": torch.zeros(3, 2), "model.norm.weight": torch.ones(2)}
+    trained = {"model.embed_tokens.weight": torch.full((3, 2), 7.0)}
+    merged = merge_trainable(base, trained, lora_scale=None)
+    assert torch.equal(merged["model.embed_tokens.weight"], torch.full((3, 2), 7.0))
+    # A tied base model has no lm_head.weight: it is written untied, equal to the embedding.
+    assert torch.equal(merged["lm_head.weight"], merged["model.embed_tokens.weight"])
+
+
+def test_lora_without_scale_is_an_error():
+    trainable = {"base_model.model.x.lora_A.default.weight": torch.ones(1, 2)}
+    with pytest.raises(ValueError, match="lora_scale"):
+        merge_trainable({"x.weight": torch.ones(2, 2)}, trainable, lora_scale=None)
+
+
+def test_merged_model_computes_what_peft_does(tiny_model_dir: Path, tmp_path: Path):
+    """The exported weights in a plain model give PEFT's logits (every default LoRA layer,
+    lm_head included, with B made non-zero)."""
+    settings = LoraSettings(rank=4, alpha=8.0)
+    peft_model = apply_lora(load_hf_model(tiny_model_dir), settings, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    trainable = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    exporter = WeightExporter(tiny_model_dir, tmp_path / "w", lora_rank=4, lora_alpha=8.0)
+    snapshot = exporter.export(trainable, version=3)
+    assert snapshot.path.name == "v3"
+    plain = load_hf_model(snapshot.path)
+    tokens = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    with torch.no_grad():
+        want = peft_model(tokens).logits
+        got = plain(tokens).logits
+    # fp32, the same products summed in another order: a few ulps of logits around 1.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(got, load_hf_model(tiny_model_dir)(tokens).logits, atol=1e-3)
+
+
+def test_exporter_keeps_the_newest_versions(tiny_model_dir: Path, tmp_path: Path):
+    exporter = WeightExporter(tiny_model_dir, tmp_path / "w", lora_rank=None, lora_alpha=None)
+    weights = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    for version in range(4):
+        exporter.export(copy.copy(weights), version)
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v2", "v3"]
+    exporter.close()
+    assert not (tmp_path / "w").exists()
+
+
+def test_exporter_needs_a_model_directory(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="not a model directory"):
+        WeightExporter(tmp_path / "nothing", tmp_path / "w", lora_rank=None, lora_alpha=None)
