@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import ClassVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
-from posttrain.backends.engine_options import engine_config, trainer_device
 from posttrain.backends.client_models import InProcessClients, ModelClients
+from posttrain.backends.engine_options import engine_config, trainer_device
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, resolve_sft
 from posttrain.backends.preflight import preflight_register
