@@ -1,15 +1,22 @@
-"""`posttrain doctor` on this machine, on a storage path it cannot write, and against a real
-loopback HTTP server that accepts one key and answers 401 otherwise."""
+"""`posttrain doctor` on this machine, on a storage path it cannot write, against a real
+loopback HTTP server that accepts one key and answers 401 otherwise, and with interpreters
+that have vLLM (a stand-in package, so no test waits for the real import), or lack it."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from posttrain.cli.doctor_cmd import VLLM_HINT, check_engines
 from posttrain.cli.main import main
+from posttrain.engines import InferenceConfig
+from posttrain.jobs.config import JobConfig
 
 GOOD_KEY = "tml-good"
 
@@ -41,6 +48,17 @@ def server() -> Iterator[str]:
 def no_server_env(monkeypatch):
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
+
+
+def _python_with_vllm(where: Path, version: str = "9.9.9") -> Path:
+    """An "interpreter": this one, with a stand-in `vllm` package on its path."""
+    (where / "site" / "vllm").mkdir(parents=True)
+    (where / "site" / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    python = where / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={where / "site"} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return python
 
 
 def _doctor(capsys, *args: str) -> tuple[int, str]:
@@ -150,3 +168,52 @@ def test_a_bad_thread_count_fails_naming_the_variable(tmp_path, capsys, monkeypa
     code, out = _doctor(capsys, "--storage", str(tmp_path))
     assert code == 1
     assert "FAIL  threads" in out and "POSTTRAIN_NUM_THREADS='two' is not a whole number" in out
+
+
+def test_a_missing_vllm_interpreter_warns_with_the_install_hint(tmp_path, capsys):
+    # conftest.py points $POSTTRAIN_VLLM_PYTHON at tmp_path / "missing" / "python".
+    code, out = _doctor(capsys, "--storage", str(tmp_path))
+    assert code == 0  # vLLM is optional
+    assert "PASS  sampling engine: pytorch" in out and "PASS  sampling engine: openai" in out
+    (line,) = [line for line in out.splitlines() if "sampling engine: vllm" in line]
+    assert line.startswith("WARN")
+    missing = tmp_path / "missing" / "python"
+    assert f"{missing} ($POSTTRAIN_VLLM_PYTHON): No such file or directory; {VLLM_HINT}" in line
+    assert (
+        "bash scripts/setup-vllm.sh, then set POSTTRAIN_VLLM_PYTHON=.venv-vllm/bin/python" in line
+    )
+
+
+def test_vllm_in_the_configured_interpreter_passes_with_its_version(tmp_path, capsys, monkeypatch):
+    python = _python_with_vllm(tmp_path)
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(python))
+    code, out = _doctor(capsys, "--storage", str(tmp_path))
+    assert code == 0
+    assert f"PASS  sampling engine: vllm     vllm 9.9.9 in {python} ($POSTTRAIN_VLLM_PYTHON)" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm in this venv")
+def test_a_venv_vllm_found_but_not_configured_says_how_to_use_it(tmp_path, capsys, monkeypatch):
+    _python_with_vllm(tmp_path / ".venv-vllm")
+    monkeypatch.delenv("POSTTRAIN_VLLM_PYTHON")
+    monkeypatch.chdir(tmp_path)
+    code, out = _doctor(capsys, "--storage", str(tmp_path))
+    assert code == 0
+    assert (
+        "WARN  sampling engine: vllm     vllm 9.9.9 in .venv-vllm/bin/python (./.venv-vllm); set "
+        "POSTTRAIN_VLLM_PYTHON=.venv-vllm/bin/python (or [inference] python) for engine = 'vllm'"
+    ) in out
+
+
+def test_a_config_sampling_with_vllm_fails_without_it(tmp_path, monkeypatch):
+    vllm_job = JobConfig(inference=InferenceConfig(engine="vllm"))
+    (row,) = [c for c in check_engines(vllm_job) if c.name == "sampling engine: vllm"]
+    assert row.status == "fail" and VLLM_HINT in row.detail
+    # [inference] python wins over $POSTTRAIN_VLLM_PYTHON, as in the engine.
+    python = _python_with_vllm(tmp_path)
+    vllm_job = JobConfig(inference=InferenceConfig(engine="vllm", python=str(python)))
+    (row,) = [c for c in check_engines(vllm_job) if c.name == "sampling engine: vllm"]
+    assert (row.status, row.detail) == ("pass", f"vllm 9.9.9 in {python} ([inference] python)")
+    # A job on another engine only warns.
+    (row,) = [c for c in check_engines(JobConfig()) if c.name == "sampling engine: vllm"]
+    assert row.status == "warn"

@@ -3,17 +3,20 @@ preflight refuses, and configs that cannot be read (a message, never a traceback
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from posttrain.cli.explain_cmd import PLAN_NOTES
+from posttrain.cli.explain_cmd import PLAN_NOTES, explain
 from posttrain.cli.main import main
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.jobs.config import load_config
+from posttrain.engines import InferenceConfig
+from posttrain.jobs.config import JobConfig, RunConfig, load_config
 from posttrain.jobs.rollouts import derive_seed
 from posttrain.tasks import get_task
 
@@ -31,6 +34,11 @@ def plugin_on_path(monkeypatch):
 def _explain(capsys, path: Path, code: int = 0) -> dict:
     assert main(["explain", str(path), "--json"]) == code
     return json.loads(capsys.readouterr().out)
+
+
+def _report(config: JobConfig) -> dict[str, Any]:
+    """`explain(config)` as `--json` prints it."""
+    return json.loads(json.dumps(explain(config)))
 
 
 def _prompt_tokens(path: Path) -> int:
@@ -208,3 +216,60 @@ def test_train_runs_preflight_before_any_work(tmp_path, capsys):
     assert main(["train", str(config)]) == 2
     assert "train() kl_estimator: has no effect with kl_penalty_coef=0" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_explain_shows_the_default_engine(capsys):
+    config = EXAMPLES[0]
+    engine = _explain(capsys, config)["engine"]
+    assert (engine["engine"], engine["runs"]) == ("pytorch", "in-process")
+    assert engine["where"] == "in this process, on the training weights"
+    assert engine["capabilities"]["weight_sync"] == "live"
+    assert engine["weight_sync_per_step"].startswith("none needed")
+    assert engine["backend_accepts_inference"] is True
+    assert main(["explain", str(config)]) == 0
+    out = capsys.readouterr().out
+    shown = out.split("sampling engine:\n")[1].split("preflight:")[0]
+    assert "  engine = 'pytorch'\n" in shown and "    provides_token_entropies = True\n" in shown
+
+
+def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", "/opt/vllm/bin/python")
+    vllm = _report(JobConfig(inference=InferenceConfig(engine="vllm")))["engine"]
+    assert vllm["where"].startswith(
+        "a worker process running /opt/vllm/bin/python ($POSTTRAIN_VLLM_PYTHON)"
+    )
+    assert vllm["capabilities"]["provides_token_entropies"] is False
+    assert (
+        vllm["weight_sync_per_step"] == "the whole (LoRA-merged) weights after every optimizer step"
+    )
+    split = InferenceConfig(devices="cpu,cpu", threads=2)
+    engine = _report(JobConfig(inference=split))["engine"]
+    assert engine["where"] == "a worker process on cpu (training on cpu), 2 thread(s)"
+    fixed = InferenceConfig(engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET")
+    report = _report(JobConfig(inference=fixed))
+    engine = report["engine"]
+    assert (
+        engine["where"]
+        == "the server at http://127.0.0.1:8000/v1 (model: the first model it lists)"
+    )
+    assert engine["capabilities_source"] == "probed"
+    assert "probed from the server at start" in engine["capabilities_note"]
+    assert engine["weight_sync_per_step"].startswith("none: it samples a fixed policy")
+    assert "SECRET" not in json.dumps(report)
+    assert report["config"]["inference"]["api_key"] == "***"
+    reload = dataclasses.replace(fixed, sync="reload")
+    engine = _report(JobConfig(inference=reload))["engine"]
+    assert engine["capabilities"]["weight_sync"] == "full"
+
+
+def test_explain_says_when_the_backend_cannot_take_an_engine():
+    job = JobConfig(run=RunConfig(backend="tinker"), inference=InferenceConfig(engine="vllm"))
+    assert _report(job)["engine"]["backend_accepts_inference"] is False
+
+
+def test_explain_reads_the_inference_table(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text('[inference]\nengine = "vllm"\npython = "/opt/vllm/bin/python"\n')
+    engine = _explain(capsys, config)["engine"]
+    assert engine["engine"] == "vllm"
+    assert "/opt/vllm/bin/python ([inference] python)" in engine["where"]

@@ -1,5 +1,6 @@
 """`posttrain backends [--json] [--plugin PKG.MODULE:FACTORY ...]`: every backend, its
-dependencies, capabilities, option schemas and constructor arguments.
+dependencies, capabilities, option schemas and constructor arguments; the sampling engines
+with their capabilities, and which backends take `inference=` to choose one.
 
 Exit status: 0, or 1 when a backend asked for with `--plugin` cannot be resolved, imported or
 described (each such backend is reported, never a traceback).
@@ -19,11 +20,18 @@ from posttrain.backends.registry import (
     resolve,
 )
 from posttrain.backends.schema import ParameterSchema
+from posttrain.cli.engine_table import (
+    ENGINE_MODES,
+    OPENAI_PROBED,
+    accepts_inference,
+    capability_flags,
+)
 
 # 2: adds "error" and "constructor" to each backend and the top-level "plugins" contract.
 # 3: adds "hooks" to each backend, "choices" and "has_validator" to each constructor argument,
 #    and retrain's hook names and the precedence to "plugins".
-SCHEMA_VERSION = 3
+# 4: adds "accepts_inference" to each backend and the top-level "engines".
+SCHEMA_VERSION = 4
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -61,9 +69,24 @@ def _describe_plugins(specs: list[str]) -> tuple[list[BackendInfo], list[str]]:
 def report(infos: list[BackendInfo]) -> dict[str, object]:
     return {
         "schema_version": SCHEMA_VERSION,
-        "backends": [i.as_dict() for i in infos],
+        "backends": [{**i.as_dict(), "accepts_inference": accepts_inference(i)} for i in infos],
+        "engines": [m.as_dict() for m in ENGINE_MODES],
         "plugins": plugin_contract(),
     }
+
+
+def _engines_text(infos: list[BackendInfo]) -> str:
+    taking = [i.name for i in infos if accepts_inference(i)]
+    lines = [
+        "sampling engines ([inference] table; a backend takes it as inference=: "
+        f"{', '.join(taking) or 'none listed'}):"
+    ]
+    width = max(len(m.selected_by) for m in ENGINE_MODES)
+    for m in ENGINE_MODES:
+        lines.append(f"  {m.engine:8s} {m.selected_by:{width}s}  {m.runs}")
+        lines.append(f"    {capability_flags(m.capabilities)}")
+    lines.append(f"  openai: capabilities {OPENAI_PROBED}")
+    return "\n".join(lines)
 
 
 def _text(info: BackendInfo) -> str:
@@ -80,6 +103,10 @@ def _text(info: BackendInfo) -> str:
     flags = [k for k, v in caps.items() if v is True]
     lines.append(f"  capabilities ({info.capabilities_source}): {', '.join(flags) or 'none'}")
     lines.append(f"  devices: {', '.join(info.capabilities.device_kinds) or '-'}")
+    takes = accepts_inference(info)
+    if takes is not None:
+        engines = "any ([inference] -> inference=)" if takes else "its own (no inference= argument)"
+        lines.append(f"  sampling engines: {engines}")
     used = [f"{hook} ({part})" for part, hook in info.hooks.items() if hook]
     if used:
         lines.append(f"  hooks: {', '.join(used)}")
@@ -112,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report(infos), indent=2))
     else:
         print("\n\n".join(_text(i) for i in infos))
+        print(f"\n{_engines_text(infos)}")
         contract = plugin_contract()
         print(
             f"\nplugins: name one by dotted path ({contract['dotted_path']}) or install it under "

@@ -1,7 +1,8 @@
 """`posttrain doctor [--config JOB.toml]`: is this machine ready? A pass / warn / fail table.
 
 Checks Python, torch, the optional dependencies (which extra installs each), write access and
-free disk at the storage path, the configured task, backend and base model, and the configured
+free disk at the storage path, the configured task, backend and base model, the sampling
+engines (vLLM imported by the interpreter the `vllm` engine would run), and the configured
 server: `--server`, else the config's `[backend] base_url`, else `$TINKER_BASE_URL`, asked with
 the configured API key (`[backend] api_key`, else `$TINKER_API_KEY`). Exit status 1 on any fail.
 """
@@ -14,6 +15,7 @@ import importlib.util
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -23,12 +25,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from posttrain.engines import InferenceConfig
     from posttrain.jobs.backend import JobBackend
     from posttrain.jobs.config import JobConfig
 
 Status = Literal["pass", "warn", "fail"]
 MIN_FREE_GB = 5.0
 DEFAULT_STORAGE = ".posttrain"
+VLLM_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"  # what scripts/setup-vllm.sh makes
+VLLM_IMPORT_TIMEOUT_S = 60.0  # importing vLLM takes ~5-10 s
+VLLM_HINT = (
+    "bash scripts/setup-vllm.sh, then set POSTTRAIN_VLLM_PYTHON=.venv-vllm/bin/python "
+    "(or [inference] python)"
+)
 
 
 @dataclass(frozen=True)
@@ -225,15 +234,15 @@ def check_base_model(spec: str) -> Check:
     return Check("base model", "pass", f"{spec} ({where})")
 
 
-def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | None]:
-    """The config's backend, its `[backend]` table and output_dir; an unreadable config fails."""
+def check_job_config(path: Path) -> tuple[list[Check], JobConfig | None]:
+    """The config's task, backend and base model; an unreadable config fails (and is None)."""
     from posttrain.jobs.backend import job_problems
     from posttrain.jobs.config import load_config
 
     try:
         config = load_config(path)
     except (ValueError, FileNotFoundError) as exc:
-        return [Check("config", "fail", str(exc))], {}, None
+        return [Check("config", "fail", str(exc))], None
     found, problems = job_problems(config, base_model=False)  # checked on its own row below
     backend_problems = [p for p in problems if p.call == "backend"]
     if backend_problems:
@@ -242,7 +251,7 @@ def check_job_config(path: Path) -> tuple[list[Check], dict[str, object], str | 
         check = Check("backend", "pass", f"{config.run.backend} ({_capabilities_note(found)})")
     checks = [Check("config", "pass", str(path)), check_task(config), check]
     checks.append(check_base_model(config.model.base_model))
-    return checks, dict(config.backend), config.run.output_dir
+    return checks, config
 
 
 def _capabilities_note(found: JobBackend | None) -> str:
@@ -276,13 +285,89 @@ def check_task(config: JobConfig) -> Check:
     return Check("task", "pass", f"{resolved.spec} ({resolved.kind}: {resolved.target}{counts})")
 
 
+def vllm_interpreter(inference: InferenceConfig) -> tuple[str, str, bool]:
+    """The interpreter to look for vLLM in, where it came from, and whether the `vllm` engine
+    runs it as configured: [inference] python, else $POSTTRAIN_VLLM_PYTHON, else this
+    interpreter when it has vLLM, else ./.venv-vllm (found, but used only once named)."""
+    from posttrain.engines.session import VLLM_PYTHON_ENV
+
+    if inference.python:
+        return inference.python, "[inference] python", True
+    if os.environ.get(VLLM_PYTHON_ENV):
+        return os.environ[VLLM_PYTHON_ENV], f"${VLLM_PYTHON_ENV}", True
+    if importlib.util.find_spec("vllm") is None and VLLM_VENV_PYTHON.exists():
+        return str(VLLM_VENV_PYTHON), "./.venv-vllm", False
+    return sys.executable, "this interpreter", True
+
+
+def check_vllm(inference: InferenceConfig, required: bool) -> Check:
+    """`import vllm` in a subprocess of the interpreter the engine would run; a problem fails
+    when the config samples with vLLM (`required`), else warns."""
+    python, source, used = vllm_interpreter(inference)
+    name, problem = "sampling engine: vllm", "fail" if required else "warn"
+    code = "import vllm; print('\\nPOSTTRAIN_VLLM_VERSION=' + vllm.__version__)"
+    try:
+        done = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=VLLM_IMPORT_TIMEOUT_S
+        )
+    except OSError as exc:
+        return Check(name, problem, f"{python} ({source}): {exc.strerror or exc}; {VLLM_HINT}")
+    except subprocess.TimeoutExpired:
+        return Check(
+            name, problem, f"import vllm took over {VLLM_IMPORT_TIMEOUT_S:.0f} s in {python}"
+        )
+    versions = [
+        line.partition("=")[2]
+        for line in done.stdout.splitlines()
+        if line.startswith("POSTTRAIN_VLLM_VERSION=")
+    ]
+    if done.returncode != 0 or not versions:
+        error = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Check(name, problem, f"not importable in {python} ({source}): {error}; {VLLM_HINT}")
+    found = f"vllm {versions[-1]} in {python} ({source})"
+    if used:
+        return Check(name, "pass", found)
+    use = (
+        f"set POSTTRAIN_VLLM_PYTHON={python} (or [inference] python) for engine = 'vllm' to use it"
+    )
+    return Check(name, problem, f"{found}; {use}")
+
+
+def check_engines(config: JobConfig | None) -> list[Check]:
+    """The sampling engines: pytorch is always there, vllm needs an interpreter with vLLM, the
+    openai engine needs httpx (and a server, probed when a job starts)."""
+    from posttrain.engines import InferenceConfig
+
+    inference: InferenceConfig = getattr(config, "inference", None) or InferenceConfig()
+    engine = inference.engine if config is not None else None
+    openai = Check(
+        "sampling engine: openai",
+        "pass",
+        "any OpenAI-compatible server by [inference] url (capabilities probed at start)",
+    )
+    if importlib.util.find_spec("httpx") is None:
+        missing = "needs httpx: pip install 'posttrain[openai-engine]'"
+        openai = Check(openai.name, "fail" if engine == "openai" else "warn", missing)
+    return [
+        Check(
+            "sampling engine: pytorch",
+            "pass",
+            "in-process on the training weights (the default); split with [inference] devices",
+        ),
+        check_vllm(inference, required=engine == "vllm"),
+        openai,
+    ]
+
+
 def run_checks(args: argparse.Namespace) -> list[Check]:
     checks = [check_python(), check_torch(), check_threads(), *check_optional()]
-    backend: dict[str, object] = {}
-    output_dir = None
+    config: JobConfig | None = None
     if args.config is not None:
-        config_checks, backend, output_dir = check_job_config(args.config)
+        config_checks, config = check_job_config(args.config)
         checks += config_checks
+    backend = dict(config.backend) if config is not None else {}
+    output_dir = config.run.output_dir if config is not None else None
+    checks += check_engines(config)
     checks += check_storage(Path(args.storage or output_dir or DEFAULT_STORAGE))
     server = configured_server(args.server, backend, args.config)
     if server is not None:

@@ -1,5 +1,5 @@
 """`posttrain explain CONFIG [--json]`: the resolved job, its task (or environment), backend,
-preflight and plan.
+sampling engine, preflight and plan.
 
 Nothing is built or trained. Exit status: 0 when the job can run, 1 when preflight refuses
 it, 2 when the config itself cannot be read.
@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from posttrain.backends.registry import BackendInfo
+from posttrain.cli.engine_table import OPENAI_PROBED, accepts_inference, mode_of, where
+from posttrain.engines import InferenceConfig
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
 from posttrain.jobs.config import JobConfig, load_config, redact_secrets
@@ -179,6 +181,28 @@ def _backend(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
     }
 
 
+def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
+    """Which engine samples, where, what it can do and what each step syncs to it."""
+    # getattr: a JobConfig from before the [inference] table samples with the default engine.
+    inference: InferenceConfig = getattr(config, "inference", None) or InferenceConfig()
+    mode = mode_of(inference)
+    described = mode.as_dict()
+    record = {"engine": described.pop("engine"), "where": where(inference), **described}
+    if mode.probed:
+        record["capabilities_note"] = OPENAI_PROBED
+    # False: the backend cannot take inference= and samples its own way (null: not imported).
+    record["backend_accepts_inference"] = accepts_inference(info) if info is not None else None
+    return record
+
+
+def _config(config: JobConfig) -> object:
+    """The resolved config as it may be shown: secrets (in [backend], [inference]) redacted."""
+    shown = _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend)))
+    if isinstance(shown, dict) and isinstance(shown.get("inference"), dict):
+        shown["inference"] = redact_secrets(shown["inference"])
+    return shown
+
+
 def _work(config: JobConfig, work: ResolvedTask | ResolvedEnvironment | None) -> dict[str, object]:
     """The `task` (or `environment`) entry: what the job trains on, resolved or not."""
     if config.run.environment is not None:
@@ -198,9 +222,10 @@ def explain(config: JobConfig) -> dict[str, object]:
     problems += plan_problems
     notes = PLAN_NOTES if config.run.environment is None else ENVIRONMENT_PLAN_NOTES
     return {
-        "config": _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend))),
+        "config": _config(config),
         **_work(config, work),
         "backend": _backend(config, info),
+        "engine": _engine(config, info),
         "preflight": {
             "ok": not problems,
             "problems": [
@@ -227,6 +252,7 @@ def _print(path: Path, report: dict[str, object]) -> None:
         if what in report:
             _print_table(f"{what}:", report[what])  # type: ignore[arg-type]
     _print_table("backend:", report["backend"])  # type: ignore[arg-type]
+    _print_table("sampling engine:", report["engine"])  # type: ignore[arg-type]
     preflight = report["preflight"]
     assert isinstance(preflight, dict)
     print("preflight: ok" if preflight["ok"] else "preflight: problems")

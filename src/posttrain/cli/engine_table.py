@@ -1,0 +1,124 @@
+"""The sampling engines as the CLI shows them: each way `[inference]` selects one, where it runs
+and what it can do (`posttrain backends`, `explain`), and which backends take `inference=`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
+
+from posttrain.backends.registry import BackendInfo, import_target
+from posttrain.backends.schema import constructor_parameters
+from posttrain.engines import EngineCapabilities, InferenceConfig
+from posttrain.engines.config import EngineName
+from posttrain.engines.live import LIVE
+from posttrain.engines.session import SPLIT_PYTORCH, VLLM, VLLM_PYTHON_ENV
+
+Runs = Literal["in-process", "worker process", "server"]
+
+# What an OpenAI-compatible server must return: its probe at start refuses a server without
+# token ids, and one without logprobs unless allow_training_without_logprobs. Its weights
+# follow training only with sync = 'reload' (whole weights after each step).
+OPENAI_RELOAD = EngineCapabilities(
+    returns_token_ids=True,
+    returns_logprobs=True,
+    weight_sync="full",
+    own_process=True,
+    provides_token_entropies=False,
+)
+OPENAI_FIXED = replace(OPENAI_RELOAD, weight_sync="none")
+
+WEIGHT_SYNC = {
+    "live": "none needed: it samples the training weights themselves",
+    "full": "the whole (LoRA-merged) weights after every optimizer step",
+    "none": "none: it samples a fixed policy, so training on its samples goes off-policy",
+}
+OPENAI_PROBED = (
+    "probed from the server at start; shown are those it must have (token ids, and logprobs "
+    "unless allow_training_without_logprobs)"
+)
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """One way `[inference]` selects an engine, and what that engine then does."""
+
+    engine: EngineName
+    selected_by: str  # the [inference] keys that choose it
+    runs: Runs
+    capabilities: EngineCapabilities
+    probed: bool = False  # declared here; the server's answer to a probe decides at start
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "engine": self.engine,
+            "selected_by": self.selected_by,
+            "runs": self.runs,
+            "capabilities": asdict(self.capabilities),
+            "capabilities_source": "probed" if self.probed else "declared",
+            "weight_sync_per_step": WEIGHT_SYNC[self.capabilities.weight_sync],
+        }
+
+
+ENGINE_MODES: tuple[EngineMode, ...] = (
+    EngineMode("pytorch", "engine = 'pytorch' (the default)", "in-process", LIVE),
+    EngineMode(
+        "pytorch",
+        "engine = 'pytorch', devices = 'SAMPLER,TRAINER'",
+        "worker process",
+        SPLIT_PYTORCH,
+    ),
+    EngineMode("vllm", "engine = 'vllm'", "worker process", VLLM),
+    EngineMode("openai", "engine = 'openai', sync = 'reload'", "server", OPENAI_RELOAD, True),
+    EngineMode("openai", "engine = 'openai' (sync 'auto'/'none')", "server", OPENAI_FIXED, True),
+)
+
+
+def mode_of(config: InferenceConfig) -> EngineMode:
+    """The row of ENGINE_MODES that `config` selects."""
+    if config.engine == "pytorch":
+        return ENGINE_MODES[0 if config.devices is None else 1]
+    if config.engine == "vllm":
+        return ENGINE_MODES[2]
+    return ENGINE_MODES[3 if config.sync == "reload" else 4]
+
+
+def vllm_python(config: InferenceConfig) -> tuple[str, str]:
+    """The interpreter the vllm engine's worker runs, and where it came from (as the engine
+    session chooses it)."""
+    if config.python:
+        return config.python, "[inference] python"
+    if os.environ.get(VLLM_PYTHON_ENV):
+        return os.environ[VLLM_PYTHON_ENV], f"${VLLM_PYTHON_ENV}"
+    return sys.executable, "this interpreter"
+
+
+def where(config: InferenceConfig) -> str:
+    """Where `config`'s engine samples."""
+    if config.engine == "openai":
+        model = config.model or "the first model it lists"
+        return f"the server at {config.url} (model: {model})"
+    threads = f", {config.threads} thread(s)" if config.threads else ""
+    if config.engine == "vllm":
+        python, source = vllm_python(config)
+        return f"a worker process running {python} ({source}), dtype {config.dtype}{threads}"
+    devices = config.split_devices()
+    if devices is None:
+        return "in this process, on the training weights"
+    return f"a worker process on {devices[0]} (training on {devices[1]}){threads}"
+
+
+def accepts_inference(info: BackendInfo) -> bool | None:
+    """Whether the backend's constructor takes `inference=` (None: it cannot be imported).
+    Read from the signature, so a plugin with an `inference` parameter counts too."""
+    if not info.importable and info.source != "builtin":  # a built-in lacks only its extra
+        return None
+    try:
+        return "inference" in constructor_parameters(import_target(info.target))
+    except (ImportError, ValueError):
+        return None
+
+
+def capability_flags(capabilities: EngineCapabilities) -> str:
+    return ", ".join(f"{key}={value}" for key, value in asdict(capabilities).items())
