@@ -42,7 +42,13 @@ async def lora_run(
     model = posttrain.TrainableModel(
         name="m", project="p", base_model=str(mini_model), lora_rank=8, seed=0
     )
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
     await model.register(backend)
+    # vLLM reseeds the RNG, pins threads and starts torch.distributed where it is built: none
+    # of that may reach the trainer's process.
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not torch.distributed.is_initialized()
     yield backend, model
     await backend.close()
 
@@ -176,3 +182,49 @@ async def test_rl_learns_through_the_vllm_engine(
     finally:
         await backend.close()
     assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards
+
+
+async def test_ray_fsdp_backend_syncs_gathered_weights_to_vllm(
+    mini_model: Path, tmp_path_factory: pytest.TempPathFactory
+):
+    """RayBackend with FSDP2 shards hands vLLM whole (gathered) weights after a step: vLLM's
+    logprobs then equal the sharded trainer's within 1e-5."""
+    from posttrain.backends.ray import RayBackend
+    from posttrain.engine.ray_executor import RayConfig
+
+    backend = RayBackend(
+        tmp_path_factory.mktemp("ray"),
+        num_workers=2,
+        sharding="fsdp2",
+        ray_config=RayConfig(collective_timeout_s=60.0, startup_timeout_s=180.0),
+        inference=_inference(require_vllm()),
+    )
+    model = posttrain.TrainableModel(
+        name="ray", project="p", base_model=str(mini_model), lora_rank=None, seed=0
+    )
+    await model.register(backend)
+    try:
+        sampler = backend.sampling_client(model)
+        builder = posttrain.TrajectoryBuilder(sampler.tokenizer)
+        prompt = builder.prompt({"role": "user", "content": "abc"})
+        response = await sampler.sample(prompt, 4, SamplingParams(max_tokens=8, seed=6))
+        group = []
+        for i, sequence in enumerate(response.sequences):
+            turn = builder.fork()
+            turn.completion(sequence)
+            group.append(turn.build(reward=float(i)))
+        await backend.train(
+            model, [TrajectoryGroup(tuple(group))], learning_rate=1e-2, save_checkpoint=False
+        )
+        fresh = await sampler.sample_many(PROMPTS, 2, SamplingParams(max_tokens=12, seed=7, stop=[]))
+        assert all(r.policy_version == 1 for r in fresh)
+        client = backend.client(model)
+        worst = 0.0
+        for prompt_tokens, got in zip(PROMPTS, fresh, strict=True):
+            for sequence in got.sequences:
+                want = await _trainer_logprobs(client, prompt_tokens, sequence.tokens)
+                diff = (torch.tensor(sequence.logprobs) - torch.tensor(want)).abs().max().item()
+                worst = max(worst, diff)
+        assert worst <= 1e-5, worst
+    finally:
+        await backend.close()
