@@ -3,7 +3,8 @@ as its constructor's keyword arguments, checked before any work, and given only 
 it declares.
 
 The job calls `Factory(path=<[run] output_dir>, keep_checkpoints=<[run] keep_checkpoints>,
-**[backend])`, passing `path` and `keep_checkpoints` only to a constructor that has them.
+**[backend])`, passing `path` and `keep_checkpoints` only to a constructor that has them, and
+`inference=<[inference]>` when the config sets one (a constructor without it is a problem).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from posttrain.backends.engine_options import trainer_device
 from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
@@ -24,8 +26,9 @@ from posttrain.backends.schema import (
     constructor_hints,
     constructor_parameters,
 )
-from posttrain.engine.devices import resolve_device, resolve_worker_device
+from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, check_base_model
+from posttrain.engines.config import InferenceConfig
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.config import REDACTED, JobConfig, is_secret
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
@@ -33,7 +36,11 @@ from posttrain.tasks.resolve import ResolvedTask
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values
 
 # Constructor arguments the job fills in itself, and where their value comes from.
-JOB_SUPPLIED = {"path": "[run] output_dir", "keep_checkpoints": "[run] keep_checkpoints"}
+JOB_SUPPLIED = {
+    "path": "[run] output_dir",
+    "keep_checkpoints": "[run] keep_checkpoints",
+    "inference": "the [inference] table",
+}
 PLAIN_CALLS = ("model", "task", "backend")  # problems named by their option alone
 Call = Literal["model", "task", "backend", "train", "train_sft"]
 
@@ -105,6 +112,8 @@ def constructor_kwargs(
         if row.option is not None and not row.required and not own_default:
             kwargs[row.name] = row.default  # declared, but the constructor has no default
     kwargs.update(config.backend)
+    if config.inference != InferenceConfig() and "inference" in named:  # else `_inference_problems`
+        kwargs["inference"] = config.inference
     missing = [
         n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs
     ]
@@ -178,6 +187,7 @@ def job_problems(
         kwargs = None
         problems.append(JobProblem("backend", "[backend]", str(exc)))
     problems += _device_problems(info, kwargs or {})
+    problems += _inference_problems(info, config, factory, kwargs or {})
     problems += _needs(info, config, resume)
     problems += _preflight(
         "train",
@@ -255,6 +265,60 @@ def _device_problems(info: BackendInfo, kwargs: dict[str, object]) -> list[JobPr
             resolve_device(device, option=option)
     except ValueError as exc:
         return [JobProblem("backend", option, str(exc))]
+    return []
+
+
+def _inference_problems(
+    info: BackendInfo, config: JobConfig, factory: Factory, kwargs: dict[str, object]
+) -> list[JobProblem]:
+    """`[inference]` goes to a backend that takes `inference=` (and, for a built-in one, fits
+    its devices), and, for RL, to an engine that takes each step's new weights."""
+    inference = config.inference
+    problems: list[JobProblem] = []
+    params = constructor_parameters(factory)
+    if inference != InferenceConfig() and "inference" not in params:
+        problems.append(
+            JobProblem(
+                "backend",
+                "[inference]",
+                f"backend {config.run.backend!r} ({info.label}) chooses its own sampling: its "
+                "constructor takes no inference=, so [inference] would be ignored; remove "
+                "[inference], or use backend 'local' or 'ray'",
+            )
+        )
+    if info.source == "builtin" and inference.devices is not None:
+        problems += _split_device_problems(info, inference, kwargs.get("device", AUTO))
+    if inference.engine == "openai" and inference.sync in ("auto", "none") and config.rl.steps:
+        problems.append(
+            JobProblem(
+                "backend",
+                "[inference] sync",
+                f"engine = 'openai' with sync = {inference.sync!r} keeps sampling the weights "
+                "the server started with, never the trained ones, so RL would go further "
+                'off-policy every step; set [inference] sync = "reload" (a vLLM server '
+                "started with VLLM_SERVER_DEV_MODE=1), or use engine = 'pytorch' or 'vllm'",
+            )
+        )
+    return problems
+
+
+def _split_device_problems(
+    info: BackendInfo, inference: InferenceConfig, device: object
+) -> list[JobProblem]:
+    """`[inference] devices` against the built-in backend, as its constructor will check it."""
+    option = "[inference] devices"
+    if info.name == "ray":
+        message = (
+            "RayBackend places its workers with [backend] resources_per_worker; devices is "
+            "for backend 'local' (give a Ray job's engine its own resources with engine = "
+            "'vllm' or 'openai')"
+        )
+        return [JobProblem("backend", option, message)]
+    if info.name == "local" and isinstance(device, str):
+        try:
+            trainer_device(device, inference, info.label)
+        except ValueError as exc:
+            return [JobProblem("backend", option, str(exc))]
     return []
 
 

@@ -1,7 +1,7 @@
 """The `posttrain train` job's TOML configuration, as frozen dataclasses, one per table.
 
-Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`, `[task]`, `[data]`,
-`[environment]`.
+Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`, `[inference]`, `[task]`,
+`[data]`, `[environment]`.
 `[run] task` names the task: a built-in ("reverse"), a dotted path ("mypkg.tasks:make_task"),
 an entry point of the `posttrain.tasks` group, or "data" for the dataset task that `[data]`
 describes (the default when there is a `[data]` table). `[task]` holds a task factory's
@@ -13,9 +13,11 @@ the job passes each backend the options it declares, and preflight refuses the o
 `[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
 name, or a dotted path "package.module:Factory". `[backend]` holds its constructor's keyword
 arguments, checked against the constructor by `jobs.backend` (the job itself supplies `path`
-from `[run] output_dir` and `keep_checkpoints` from `[run]`); a value whose key names a secret
-(api_key, hf_token, ...) is never written or shown (`redact_secrets`). An unknown table or key
-is an error naming the table, the key and the nearest valid key.
+from `[run] output_dir` and `keep_checkpoints` from `[run]`). `[inference]` is the sampling
+engine (`posttrain.engines.InferenceConfig`), passed as the backend's `inference=`. A value
+whose key names a secret (api_key, hf_token, ...) is never written or shown
+(`redact_secrets`). An unknown table or key is an error naming the table, the key and the
+nearest valid key.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, get_args, get_type_hints
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.tiny import Arch, Size
+from posttrain.engines.config import InferenceConfig
 from posttrain.environments.resolve import (
     VERIFIERS_PREFIX,
     EnvironmentSpecError,
@@ -41,6 +44,7 @@ from posttrain.trainer.config import (
     RLConfig,
     SFTConfig,
     check_field_types,
+    check_value,
     from_options,
     option_fields,
 )
@@ -164,11 +168,15 @@ class RLJobConfig:
     # limit). `max_tokens` is then per turn.
     max_turns: int = 8
     max_context: int | None = None
+    # Asynchronous RL: the rollouts of the next N steps are sampled while a step trains, and a
+    # trajectory sampled more than N model steps before it is trained is dropped and counted
+    # (`stale_trajectories`). 0: each step samples, then trains (resume is exact).
+    max_off_policy_steps: int = 0
     trainer: RLConfig = field(default_factory=RLConfig)  # the rest of [rl]: train options
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for key in ("steps", "lr_warmup_steps"):
+        for key in ("steps", "lr_warmup_steps", "max_off_policy_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"[rl] {key} must be >= 0, got {getattr(self, key)}")
         for key in ("prompts_per_step", "max_tokens", "max_turns"):
@@ -256,6 +264,7 @@ class JobConfig:
     task: Mapping[str, object] = field(default_factory=dict[str, object])  # [task] kwargs
     data: DataConfig | None = None  # [data]: the dataset task
     environment: Mapping[str, object] = field(default_factory=dict[str, object])  # its kwargs
+    inference: InferenceConfig = field(default_factory=InferenceConfig)  # [inference]
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -278,8 +287,11 @@ def is_secret(key: str) -> bool:
 
 def redact_secrets(table: Mapping[str, object]) -> dict[str, object]:
     """`table` as it may be written or shown: each secret's value is REDACTED, its key kept so
-    one can see it was set."""
-    return {key: REDACTED if is_secret(key) else value for key, value in table.items()}
+    one can see it was set (None, not set, stays None)."""
+    return {
+        key: REDACTED if is_secret(key) and value is not None else value
+        for key, value in table.items()
+    }
 
 
 def parse_tiny_spec(spec: str) -> tuple[str, str, int | None]:
@@ -317,7 +329,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         "rl": RLJobConfig,
         "eval": EvalConfig,
     }
-    names = [*tables, "backend", "task", "data", "environment"]
+    names = [*tables, "backend", "inference", "task", "data", "environment"]
     for name, value in data.items():
         if name not in names:
             raise ValueError(
@@ -343,7 +355,22 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
             if isinstance(value, dict) and not (nested and name == "environment"):
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
     dataset = _build(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
-    return JobConfig(**built, **free, data=dataset, source=source)  # type: ignore[arg-type]
+    inference = _inference(dict(data.get("inference") or {}))  # type: ignore[call-overload]
+    return JobConfig(**built, **free, data=dataset, inference=inference, source=source)  # type: ignore[arg-type]
+
+
+def _inference(table: dict[str, object]) -> InferenceConfig:
+    """`[inference]`: types checked first, so a wrong one is named rather than failing a check."""
+    hints = get_type_hints(InferenceConfig)
+    for key, value in table.items():
+        if isinstance(value, dict):
+            raise ValueError(f"[inference] {key} must be a value, got a table")
+        if key in hints:  # an unknown key is `from_mapping`'s error, with the nearest valid one
+            try:
+                check_value(key, hints[key], value)
+            except ValueError as exc:
+                raise ValueError(f"[inference] {exc}") from None
+    return InferenceConfig.from_mapping(table, "[inference]")
 
 
 def _check_task_tables(task: object, data: Mapping[str, object]) -> None:

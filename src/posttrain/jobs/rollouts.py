@@ -5,6 +5,9 @@ A rollout whose reward raises or is not a finite number is bad. Up to `max_bad_r
 fraction of the step's rollouts) are counted and dropped whole: no trajectory is built for
 them, and a group left empty is dropped too. More than that fails the step with the first
 (in prompt order) bad rollout's error, before anything is trained.
+
+Each trajectory's metadata names the policy version (model step) whose weights sampled it,
+`"policy_version"`, where the engine reports one: asynchronous RL (`jobs.pipeline`) reads it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ from posttrain.rollout import assistant_closing
 from posttrain.tasks import Problem, Task
 from posttrain.tasks.rewards import RewardError, score
 from posttrain.tokenizer import Tokenizer, as_tokenizer
-from posttrain.types import SamplingParams, Trajectory, TrajectoryGroup
+from posttrain.types import JSONScalar, SamplingParams, Trajectory, TrajectoryGroup
 
-__all__ = ["SampledStep", "completion_text", "derive_seed", "sample_groups", "sft_examples"]
+__all__ = [
+    "POLICY_VERSION",
+    "SampledStep",
+    "completion_text",
+    "derive_seed",
+    "sample_groups",
+    "sft_examples",
+]
+# The trajectory metadata key of the model step whose weights sampled it.
+POLICY_VERSION = "policy_version"
 
 
 def derive_seed(*parts: object) -> int:
@@ -90,6 +102,13 @@ async def sample_groups(
                 continue  # dropped whole: never a trajectory without its reward
             builder = base.fork()
             builder.completion(sequence)
+            metadata: dict[str, JSONScalar] = {
+                "prompt": problem.prompt,
+                "answer": problem.answer,
+                "completion": text,
+            }
+            if response.policy_version is not None:
+                metadata[POLICY_VERSION] = response.policy_version
             trajectories.append(
                 builder.build(
                     reward,
@@ -97,11 +116,7 @@ async def sample_groups(
                         "accuracy": float(reward >= 1.0),
                         "completion_tokens": float(len(sequence.tokens)),
                     },
-                    metadata={
-                        "prompt": problem.prompt,
-                        "answer": problem.answer,
-                        "completion": text,
-                    },
+                    metadata=metadata,
                 )
             )
         if trajectories:

@@ -15,12 +15,17 @@ from posttrain.model import RunState
 from posttrain.trainer.config import option_values
 from posttrain.trainer.token_advantages import TRAINER_RUN_STATE_KEYS
 
-# Settings a resumed run may change: where the run is, how long it goes on, how it is evaluated.
+# Settings a resumed run may change: where the run is, how long it goes on, how it is evaluated,
+# and where and how its engine runs (not which engine, nor its precision).
 RESUMABLE_CHANGES = frozenset(
     {"run.output_dir", "run.name", "run.project", "run.keep_checkpoints", "rl.steps"}
+    | {f"inference.{key}" for key in ("devices", "threads", "python", "kv_cache_mb")}
+    | {f"inference.{key}" for key in ("url", "api_key", "start_timeout_s")}
 )
 JOB_FILE = "job.json"
 OPTIONAL_TABLES = ("task", "data", "environment")  # in job.json only when the config has them
+# Tables posttrain added after runs began: a run's job.json without one ran at its defaults.
+LATER_TABLES = ("inference",)
 # job.json's record of the resolved task (`ResolvedTask.record()`): spec, kind, target, ...
 RESOLVED_KEY = "resolved_task"
 # ... or of the resolved environment (`ResolvedEnvironment.record()`): spec, kind, target.
@@ -51,6 +56,7 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         record[table] = values
     # For the record (a resume may run elsewhere), without the secrets it may hold.
     record["backend"] = redact_secrets(config.backend)
+    record["inference"] = redact_secrets(asdict(config.inference))
     # Only when set, so the job.json of a run from before these tables still compares equal.
     if config.task:
         record["task"] = dict(config.task)
@@ -73,10 +79,10 @@ def config_changes(saved: Mapping[str, object], record: dict[str, dict[str, obje
     for table, values in record.items():
         if table in ("eval", "backend"):  # where and how a run is evaluated may change
             continue
-        if table not in saved:
+        if table not in saved and table not in LATER_TABLES:
             changed.append(f"[{table}]: not in the run's {JOB_FILE}")
             continue
-        saved_table = saved[table]
+        saved_table = saved.get(table, {})
         assert isinstance(saved_table, dict)
         for key, value in values.items():
             if f"{table}.{key}" in RESUMABLE_CHANGES:

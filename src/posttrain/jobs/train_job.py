@@ -13,6 +13,13 @@ from (seed, k) alone, so the only data cursor is the number of steps done (`JobS
 `model.run_state`), saved with every checkpoint together with weights, optimizer and RNG. Each
 step is trained, logged, then checkpointed; resuming drops the log rows of steps after the
 checkpoint and redoes them.
+
+With `[rl] max_off_policy_steps = N > 0` the rollouts of the next N steps are sampled while a
+step trains (`jobs.pipeline`), and each RL row also has `stale_trajectories`, `max_staleness`
+and the engine's `policy_version` after the step. Resume then restores the weights, optimizer,
+RNG, step counter and data cursor exactly, but not the rollouts in flight at the kill: they are
+sampled again from the restored weights, so the continuation is not bit-identical to an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -38,10 +46,12 @@ from posttrain.jobs.backend import (
     work_problems,
 )
 from posttrain.jobs.config import JobConfig, load_config
+from posttrain.jobs.pipeline import Prefetch, drop_stale
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
+from posttrain.jobs.rollouts import SampledStep
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
-from posttrain.jobs.work import JobWork, job_work
+from posttrain.jobs.work import JobWork, job_work, policy_version
 from posttrain.model import TrainableModel
 from posttrain.trainer.config import with_options
 from posttrain.trainer.progress import INTERVAL_S, duration, report_progress
@@ -177,12 +187,7 @@ async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobRe
         await _evaluate(run, done, f"after step {done}")
     before = state.accuracy_before
     run.rl_began = (time.perf_counter(), done)
-    for k in range(done, config.rl.steps):
-        await _rl_step(run, state, k)
-        if on_step is not None:
-            on_step(k + 1)
-        if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
-            await _evaluate(run, k + 1, f"after step {k + 1}")
+    await _rl_phase(run, state, done, on_step)
     after = await _evaluate(run, config.rl.steps, "after RL")
     title = f"{run.work.name}: {config.run.project}/{config.run.name}"
     plot = plot_curves(run.metrics.rows(), run.model.directory / "curve.png", title)
@@ -247,14 +252,73 @@ async def _checkpoint(run: _Run) -> None:
         await run.backend.checkpoint(run.model)
 
 
+async def _rl_phase(
+    run: _Run, state: JobState, done: int, on_step: Callable[[int], None] | None
+) -> None:
+    """RL steps `done..steps-1`, each sampling then training, or, with `[rl]
+    max_off_policy_steps` N > 0, training while the next N steps' rollouts are sampled."""
+    config = run.config
+    ahead = config.rl.max_off_policy_steps
+    prefetch = None
+    if ahead:
+        prefetch = Prefetch(partial(_timed_sample, run), ahead=ahead, stop=config.rl.steps)
+    try:
+        for k in range(done, config.rl.steps):
+            if prefetch is None:
+                await _rl_step(run, state, k)
+            else:
+                await _async_rl_step(run, state, k, prefetch)
+            if on_step is not None:
+                on_step(k + 1)
+            if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
+                await _evaluate(run, k + 1, f"after step {k + 1}")
+    finally:
+        if prefetch is not None:
+            await prefetch.aclose()  # rollouts in flight are not saved: a resume resamples them
+
+
 async def _rl_step(run: _Run, state: JobState, k: int) -> None:
     """RL step k (0-based): sample, reward, train, log, checkpoint."""
-    config = run.config.rl
     began = time.perf_counter()
     step = await run.work.sample(run.sampler, k)
+    await _train_step(run, state, k, step, began, sample_s=time.perf_counter() - began)
+
+
+async def _timed_sample(run: _Run, k: int) -> tuple[SampledStep, float]:
+    """RL step k's rewarded groups, and the seconds they took."""
+    began = time.perf_counter()
+    step = await run.work.sample(run.sampler, k)
+    return step, time.perf_counter() - began
+
+
+async def _async_rl_step(
+    run: _Run, state: JobState, k: int, prefetch: Prefetch[tuple[SampledStep, float]]
+) -> None:
+    """RL step k on rollouts sampled while earlier steps trained; the stale ones dropped."""
+    began = time.perf_counter()
+    step, sample_s = await prefetch.take(k)
+    fresh = drop_stale(step.groups, run.model.step, run.config.rl.max_off_policy_steps)
+    staleness = {
+        "stale_trajectories": float(fresh.stale_trajectories),
+        "max_staleness": float(fresh.max_staleness),
+    }
+    await _train_step(run, state, k, replace(step, groups=fresh.groups), began, sample_s, staleness)
+
+
+async def _train_step(
+    run: _Run,
+    state: JobState,
+    k: int,
+    step: SampledStep,
+    began: float,
+    sample_s: float,
+    staleness: dict[str, float] | None = None,
+) -> None:
+    """Train RL step k on its rollouts, log, checkpoint; `staleness` (asynchronous RL only)
+    goes in its metrics row, with the engine's policy version after the step."""
+    config = run.config.rl
     groups = step.groups
     sampled = sum(t.num_trainable_tokens for g in groups for t in g.trajectories)
-    sample_s = time.perf_counter() - began
     warmup = min(1.0, (k + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
     learning_rate = config.trainer.optimizer.learning_rate * warmup
     trainer = with_options(config.trainer, learning_rate=learning_rate)
@@ -277,6 +341,11 @@ async def _rl_step(run: _Run, state: JobState, k: int) -> None:
         "sampled_tokens": float(sampled),
         "sample_tokens_per_s": sampled / sample_s if sample_s > 0 else 0.0,
     }
+    if staleness is not None:
+        row.update(staleness)
+        version = policy_version(run.sampler)
+        if version is not None:
+            row["policy_version"] = float(version)
     step_s = time.perf_counter() - began  # sampling, training and logging; not the checkpoint
     row.update(tokens_per_s=sampled / step_s, step_s=step_s, elapsed_s=run.elapsed())
     run.metrics.write("rl", k + 1, row)

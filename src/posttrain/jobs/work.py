@@ -6,14 +6,19 @@ evaluations of `train_job` call these.
 Everything derives from seeds, so a resumed step replays exactly: RL step k's prompts or
 environment seeds (or verifiers tasks) from ([run] seed, k), its sampling seed likewise; the
 warm-up's from ([run] seed, "sft"); the held-out problems, seeds or tasks from [eval] seed alone.
+
+Every trajectory's metadata names the policy version that sampled it (`POLICY_VERSION`); an
+episode's is the sampler's version when the step's episodes began, a lower bound, since a later
+turn may sample newer weights.
 """
 
 from __future__ import annotations
 
 import inspect
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from posttrain.environments.protocol import Reset
 from posttrain.environments.resolve import ResolvedEnvironment
@@ -28,6 +33,7 @@ from posttrain.environments.verifiers_adapter import (
 from posttrain.evaluation import Sampler, evaluate
 from posttrain.jobs.config import JobConfig
 from posttrain.jobs.rollouts import (
+    POLICY_VERSION,
     SampledStep,
     check_bad_rollouts,
     derive_seed,
@@ -39,7 +45,7 @@ from posttrain.rollout import TurnClosing, assistant_closing
 from posttrain.tasks import Problem, ResolvedTask, Task
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.token_advantages import reads_entropies
-from posttrain.types import SamplingParams, Trajectory
+from posttrain.types import SamplingParams, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:  # the optional `verifiers` extra
     from verifiers.v1 import Env
@@ -79,6 +85,28 @@ class JobWork(Protocol):
     async def evaluate(self, sampler: Sampler) -> Evaluated:
         """Greedy accuracy on the held-out problems (or seeds)."""
         ...
+
+
+@runtime_checkable
+class Versioned(Protocol):
+    """A sampler that knows the policy version it samples (`ModelSampler`)."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+
+def policy_version(sampler: Sampler) -> int | None:
+    """The model step whose weights `sampler` samples next, where it says."""
+    return sampler.policy_version if isinstance(sampler, Versioned) else None
+
+
+def stamp_policy_version(groups: Sequence[TrajectoryGroup], version: int | None) -> None:
+    """Record `version` in the metadata of each trajectory that names none."""
+    if version is None:
+        return
+    for group in groups:
+        for trajectory in group.trajectories:
+            trajectory.metadata.setdefault(POLICY_VERSION, version)
 
 
 def rl_params(config: JobConfig, k: int) -> SamplingParams:
@@ -200,6 +228,7 @@ class EnvironmentWork:
     async def sample(self, sampler: Sampler, k: int) -> SampledStep:
         rl = self.config.rl
         seeds = [derive_seed(self.config.run.seed, "env", k, i) for i in range(rl.prompts_per_step)]
+        version = policy_version(sampler)  # before the first turn: a lower bound
         played = await run_episodes(
             sampler,
             self.environment.make,
@@ -211,6 +240,7 @@ class EnvironmentWork:
             name=self.name,
         )
         check_bad_rollouts(played.errors, played.episodes, rl.max_bad_rollouts)
+        stamp_policy_version(played.groups, version)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
     async def evaluate(self, sampler: Sampler) -> Evaluated:
@@ -287,6 +317,7 @@ class VerifiersWork:
         pool, n = self.train_tasks, rl.prompts_per_step
         tasks = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
         params = rl_params(self.config, k)
+        version = policy_version(sampler)  # the endpoint serves the same weights: a lower bound
         played = await run_verifiers_episodes(
             self.model,
             self.env,
@@ -301,6 +332,7 @@ class VerifiersWork:
             max_exceptions=None,  # the job's bound, below, says how many may fail
         )
         check_bad_rollouts(played.errors, played.episodes, rl.max_bad_rollouts)
+        stamp_policy_version(played.groups, version)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
     async def evaluate(self, sampler: Sampler) -> Evaluated:
