@@ -48,7 +48,9 @@ class EngineSession:
         self.engine = engine
         self.exporter = exporter
         self.source = source  # where the exporter's weights come from
-        self.last_sync_s = 0.0
+        # The last sync's seconds: gathering the trainable weights, writing the whole
+        # weights, and the engine loading them.
+        self.last_sync: dict[str, float] = {}
 
     @classmethod
     async def open(
@@ -118,10 +120,20 @@ class EngineSession:
         began = time.perf_counter()
         if self.exporter is None or self.source is None:
             await self.engine.update_weights(None, version)
-        else:
-            weights = await self.source.trainable_weights()
-            await self.engine.update_weights(self.exporter.export(weights, version), version)
-        self.last_sync_s = time.perf_counter() - began
+            self.last_sync = {"sync_s": time.perf_counter() - began}
+            return
+        weights = await self.source.trainable_weights()
+        gathered = time.perf_counter()
+        snapshot = self.exporter.export(weights, version)
+        exported = time.perf_counter()
+        await self.engine.update_weights(snapshot, version)
+        done = time.perf_counter()
+        self.last_sync = {
+            "sync_s": done - began,
+            "sync_gather_s": gathered - began,
+            "sync_write_s": exported - gathered,
+            "sync_load_s": done - exported,
+        }
 
     async def close(self) -> None:
         try:
