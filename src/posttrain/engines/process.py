@@ -44,6 +44,7 @@ class ProcessEngine:
         version: int,
         start_timeout_s: float,
         log_path: Path,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = kind
         self.kind = kind
@@ -55,7 +56,7 @@ class ProcessEngine:
         address = os.path.join(self._socket_dir, "socket")
         key = secrets.token_bytes(32)
         self._listener = Listener(address, family="AF_UNIX", authkey=key)
-        env = dict(os.environ, POSTTRAIN_ENGINE_KEY=key.hex(), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), POSTTRAIN_ENGINE_KEY=key.hex(), PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_source_root(), env.get("PYTHONPATH")]))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - open while the process runs

@@ -88,13 +88,14 @@ class EngineSession:
         )
         snapshot = exporter.export(await client.trainable_weights(), version)
         devices = config.split_devices()
+        device = devices[0] if devices else "cpu"
         options = {
             "model_dir": str(snapshot.path),
             "dtype": config.dtype,
             "kv_cache_mb": config.kv_cache_mb,
             "max_model_len": config.max_model_len or _max_positions(snapshot.path),
             "threads": config.threads or torch.get_num_threads(),
-            "device": devices[0] if devices else "cpu",
+            "device": device,
         }
         kind = "vllm" if config.engine == "vllm" else "pytorch"
         python = sys.executable
@@ -109,6 +110,7 @@ class EngineSession:
                 version=version,
                 start_timeout_s=config.start_timeout_s,
                 log_path=log_dir / f"{kind}-engine.log",
+                env=_visible_gpu(device) if kind == "vllm" else None,
             )
         except BaseException:
             exporter.close()
@@ -148,6 +150,12 @@ def _weights_dir() -> Path:
     shm = Path("/dev/shm")
     root = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
     return Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=root))
+
+
+def _visible_gpu(device: str) -> dict[str, str] | None:
+    """vLLM takes its GPU from CUDA_VISIBLE_DEVICES: "cuda:1" makes GPU 1 its only one."""
+    kind, _, index = device.partition(":")
+    return {"CUDA_VISIBLE_DEVICES": index or "0"} if kind == "cuda" else None
 
 
 def _max_positions(model_dir: Path) -> int:
