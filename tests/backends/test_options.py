@@ -19,8 +19,11 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.options import (
     HELP,
     CoreRLFields,
+    DPOConfig,
+    DPOOptions,
     LocalRLOptions,
     PosttrainLossFields,
+    RemoteDPOOptions,
     RLConfig,
     RLOptions,
     SFTConfig,
@@ -34,7 +37,7 @@ from posttrain.model import TrainableModel
 from posttrain.trainer.config import from_options, option_fields, option_help
 
 CASES = Path(__file__).parents[1] / "pyright_cases" / "wrong_options.py"
-CONFIGS = (RLConfig, RayRLConfig, SFTConfig)
+CONFIGS = (RLConfig, RayRLConfig, SFTConfig, DPOConfig)
 
 
 def leaf_fields(config_type: type) -> Iterator[tuple[str, Field[Any]]]:
@@ -56,7 +59,7 @@ def test_flat_keys_and_nested_fields_correspond_one_to_one(config: type):
     assert keys == list(option_fields(config))
     # A key is its field's name, but for the loss's name: `loss` is the LossConfig group.
     renamed = {key: f.name for key, f in leaves if key != f.name}
-    assert renamed == ({} if config is SFTConfig else {"loss": "loss_fn"})
+    assert renamed == ({} if config in (SFTConfig, DPOConfig) else {"loss": "loss_fn"})
     assert all(f.metadata.get("help") for _, f in leaves)  # each option documents itself
 
 
@@ -64,6 +67,8 @@ def test_the_full_option_sets_list_exactly_the_configs_keys():
     assert option_names(LocalRLOptions) == set(option_fields(RLConfig))
     assert option_names(RayRLOptions) == set(option_fields(RayRLConfig))
     assert option_names(SFTOptions) == set(option_fields(SFTConfig))
+    assert option_names(DPOOptions) == set(option_fields(DPOConfig))
+    assert option_names(RemoteDPOOptions) == set(option_fields(DPOConfig)) - {"reference"}
 
 
 def atoms(annotation: object) -> set[object]:
@@ -87,6 +92,8 @@ OPTION_SETS = [
     (RayRLOptions, RayRLConfig),
     (TinkerRLOptions, TinkerRLConfig),
     (SFTOptions, SFTConfig),
+    (DPOOptions, DPOConfig),
+    (RemoteDPOOptions, DPOConfig),
 ]
 
 
@@ -224,15 +231,31 @@ BAD_SFT_VALUES: dict[str, list[object]] = {
 }
 
 
+BAD_DPO_VALUES: dict[str, list[object]] = {
+    "learning_rate": [-1e-4, math.nan],
+    "beta": [0.0, -0.1, math.inf, "0.1"],
+    "loss": ["hinge", None],
+    "reference": ["sft", None],
+    "batch_size": [0, 2.0],
+    "epochs": [0, None],
+    "grad_clip": [-1.0, math.nan],
+    "weight_decay": [-1.0, math.inf],
+    "shuffle_seed": ["0", 1.5],
+    "save_checkpoint": [1, None],
+}
+
+
 def test_every_option_has_wrong_values_in_the_table():
     assert set(BAD_RL_VALUES) == option_names(LocalRLOptions)
     assert set(BAD_SFT_VALUES) == option_names(SFTOptions)
+    assert set(BAD_DPO_VALUES) == option_names(DPOOptions)
 
 
 @pytest.mark.parametrize(
     ("call", "name", "value"),
     [("train", n, v) for n, values in BAD_RL_VALUES.items() for v in values]
-    + [("train_sft", n, v) for n, values in BAD_SFT_VALUES.items() for v in values],
+    + [("train_sft", n, v) for n, values in BAD_SFT_VALUES.items() for v in values]
+    + [("train_dpo", n, v) for n, values in BAD_DPO_VALUES.items() for v in values],
 )
 async def test_each_wrong_value_is_a_value_error_naming_the_option(tmp_path, call, name, value):
     # The model is never registered and its base model does not exist: the option is checked

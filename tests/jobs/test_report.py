@@ -65,7 +65,12 @@ def test_job_state_round_trips_and_refuses_unknown_keys():
     state.rl_steps_done, state.accuracy_before = 3, 0.5
     run_state = {}
     state.save(run_state)
-    assert run_state == {"sft_done": False, "accuracy_before": 0.5, "rl_steps_done": 3}
+    assert run_state == {
+        "sft_done": False,
+        "dpo_done": False,
+        "accuracy_before": 0.5,
+        "rl_steps_done": 3,
+    }
     assert JobState.load(run_state) == state
     with pytest.raises(ValueError, match=r"keys this job does not know: \['cursor'\]"):
         JobState.load({"cursor": 1})

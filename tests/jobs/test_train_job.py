@@ -85,6 +85,7 @@ async def test_job_runs_and_a_killed_run_resumes_exactly(tmp_path):
         "run_state"
     ] == {
         "sft_done": True,
+        "dpo_done": False,
         "accuracy_before": whole.accuracy_before,
         "rl_steps_done": 2,
     }

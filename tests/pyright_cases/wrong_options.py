@@ -13,6 +13,8 @@ async def wrong_calls(backend: LocalBackend, generic: TrainableBackend, model: T
     await backend.train(model, [], num_minibatches="2")  # expect: num_minibatches
     await backend.train_sft(model, [], kl_penalty_coef=0.1)  # expect: kl_penalty_coef
     await backend.train_sft(model, [], assistant_turns="first")  # expect: assistant_turns
+    await backend.train_dpo(model, [], bta=0.1)  # expect: bta
+    await backend.train_dpo(model, [], loss="hinge")  # expect: loss
     await generic.train(model, [], kl_penalty_coef=0.1)  # expect: kl_penalty_coef
     await generic.train(model, [], plot_tensors=True)  # expect: plot_tensors
     await generic.train(model, [], mask_prob_ratio=True)  # expect: mask_prob_ratio
@@ -27,6 +29,7 @@ async def wrong_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
 async def right_calls(backend: LocalBackend, generic: TrainableBackend, model: TrainableModel) -> None:
     await backend.train(model, [], learning_rate=1e-5, loss="cispo", kl_penalty_coef=0.1)
     await backend.train_sft(model, [], batch_size=4, assistant_turns="last")
+    await backend.train_dpo(model, [], beta=0.1, loss="ipo", reference="initial")
     await generic.train(model, [], learning_rate=1e-5, epsilon=0.2)
 
 
@@ -34,6 +37,7 @@ async def right_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
     generic: TrainableBackend = backend
     await backend.train(model, [], kl_penalty_coef=0.1, check_weights_in_sync=True)
     await backend.train_sft(model, [], batch_size=4)
+    await backend.train_dpo(model, [], reference="base", batch_size=4)
     await generic.train(model, [], learning_rate=1e-5)
 
 
@@ -43,12 +47,14 @@ async def wrong_tinker_calls(backend: TinkerBackend, model: TrainableModel) -> N
     await backend.train(model, [], truncated_importance_sampling=2.0)  # expect: truncated_importance_sampling
     await backend.train(model, [], precalculate_logprobs=True)  # expect: precalculate_logprobs
     await backend.train_sft(model, [], epsilon=0.2)  # expect: epsilon
+    await backend.train_dpo(model, [], reference="base")  # expect: reference
 
 
 async def right_tinker_calls(backend: TinkerBackend, local: LocalBackend, model: TrainableModel) -> None:
     generic: TrainableBackend = backend
     await backend.train(model, [], loss="cispo", epsilon=0.2, epsilon_high=0.28, num_minibatches=2)
     await backend.train_sft(model, [], batch_size=4, lr_schedule="linear")
+    await backend.train_dpo(model, [], beta=0.1, loss="sigmoid", epochs=2)
     await generic.train(model, [], learning_rate=1e-5, loss="importance_sampling")
     generic = local
     await generic.train(model, [], loss="ppo")

@@ -1,7 +1,7 @@
 """The model lifecycle every backend shares, whatever its training client.
 
 `ModelClients` keeps the models a backend registered, each with its training client, and runs
-the shared trainer on them: register (or resume from the latest checkpoint), one RL or SFT step,
+the shared trainer on them: register (or resume from the latest checkpoint), one RL, SFT or DPO step,
 checkpoint, close. What differs between backends sits behind the two small protocols of
 `checkpoint_index`: how a client is made, reloaded and freed (`ClientSource`: `InProcessClients`
 for LocalBackend and RayBackend), and where checkpoints are kept (`CheckpointIndex`).
@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
-from posttrain.backends.inputs import group_list, trajectory_list
+from posttrain.backends.inputs import group_list, pair_list, trajectory_list
 from posttrain.backends.model_json import check_model_json, write_model_json
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
@@ -30,7 +30,9 @@ from posttrain.clients.protocol import LogprobChunking, TrainingClient
 from posttrain.engines.config import InferenceConfig
 from posttrain.engines.session import EngineSession
 from posttrain.model import TrainableModel
-from posttrain.trainer.config import RLConfig, SFTConfig
+from posttrain.preferences import PreferencePair
+from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig
+from posttrain.trainer.dpo import dpo_batches, train_dpo_batches
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.rl import prepare_batch, train_rl_batch
 from posttrain.trainer.sft import sft_batches, train_sft_batches
@@ -188,6 +190,19 @@ class ModelClients(Generic[ClientT]):
 
         async def run() -> StepMetrics:
             return await train_sft_batches(client, batches, config, num_trajectories=len(listed))
+
+        return await self._step(model, model.step + 1, run, config.save_checkpoint)
+
+    async def train_dpo(
+        self, model: TrainableModel, pairs: Iterable[PreferencePair], config: DPOConfig
+    ) -> TrainResult:
+        """Preference pairs -> DPO updates through the shared trainer, as one step."""
+        listed = pair_list(pairs, f"{self.backend}.train_dpo()")  # read once, here
+        client = self.client(model)
+        batches = dpo_batches(listed, config)  # bad input fails here, before any update
+
+        async def run() -> StepMetrics:
+            return await train_dpo_batches(client, listed, batches, config)
 
         return await self._step(model, model.step + 1, run, config.save_checkpoint)
 

@@ -1,4 +1,4 @@
-"""What `train` and `train_sft` accept: any iterable (a list, a tuple, a generator), read once.
+"""What `train`, `train_sft` and `train_dpo` accept: any iterable (a list, a tuple, a generator), read once.
 
 The trainer reads its input more than once (advantages, then datums; batches, then counts), so
 every backend turns what it was given into a list here, at the API boundary, before anything
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TypeVar
 
+from posttrain.preferences import PreferencePair
 from posttrain.types import Trajectory, TrajectoryGroup
 
 T = TypeVar("T")
@@ -23,6 +24,11 @@ def group_list(groups: Iterable[TrajectoryGroup], call: str) -> list[TrajectoryG
 def trajectory_list(trajectories: Iterable[Trajectory], call: str) -> list[Trajectory]:
     """`trajectories` as a list, each item checked to be a Trajectory."""
     return _checked_list(trajectories, Trajectory, call, "trajectories")
+
+
+def pair_list(pairs: Iterable[PreferencePair], call: str) -> list[PreferencePair]:
+    """`pairs` as a list, each item checked to be a PreferencePair."""
+    return _checked_list(pairs, PreferencePair, call, "preference pairs")
 
 
 def _checked_list(items: Iterable[T], kind: type[T], call: str, what: str) -> list[T]:

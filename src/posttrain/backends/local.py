@@ -11,7 +11,14 @@ from posttrain.backends.capabilities import LOCAL, Capabilities
 from posttrain.backends.client_models import InProcessClients, ModelClients
 from posttrain.backends.engine_options import engine_config, trainer_device
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
-from posttrain.backends.options import LocalRLOptions, SFTOptions, resolve_rl, resolve_sft
+from posttrain.backends.options import (
+    DPOOptions,
+    LocalRLOptions,
+    SFTOptions,
+    resolve_dpo,
+    resolve_rl,
+    resolve_sft,
+)
 from posttrain.backends.preflight import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import ModelSampler
@@ -20,6 +27,7 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.devices import AUTO, resolve_device
 from posttrain.engines.config import InferenceConfig
 from posttrain.model import OpenAIEndpoint, TrainableModel
+from posttrain.preferences import PreferencePair
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 BACKEND = "LocalBackend"
@@ -121,6 +129,16 @@ class LocalBackend:
         segments), then one step."""
         config = resolve_sft(options, BACKEND)
         return await self._models.train_sft(model, trajectories, config)
+
+    async def train_dpo(
+        self,
+        model: TrainableModel,
+        pairs: Iterable[PreferencePair],
+        **options: Unpack[DPOOptions],
+    ) -> TrainResult:
+        """DPO (or IPO) on preference `pairs` (any iterable, read once), then one step."""
+        config = resolve_dpo(options, DPOOptions, BACKEND)
+        return await self._models.train_dpo(model, pairs, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's weights, optimizer, RNG and run_state now, as `checkpoints/<step>`.

@@ -1,4 +1,4 @@
-"""Typed `train()` / `train_sft()` options, composed per backend.
+"""Typed `train()` / `train_sft()` / `train_dpo()` options, composed per backend.
 
 Each option is defined once, as a field of the nested config in `trainer.config` (default, help,
 range). Each option set here is a `TypedDict` naming some of those fields' flat keys: what
@@ -23,9 +23,12 @@ from posttrain.algo.sepa import SEPASchedule
 from posttrain.algo.token_transforms import TokenTransform
 from posttrain.trainer.config import (
     AssistantTurns,
+    DPOConfig,
+    DPOReference,
     KLMode,
     LossName,
     LRDecay,
+    PairLoss,
     PolicyLoss,
     ProtocolPolicyLoss,
     RLConfig,
@@ -126,19 +129,48 @@ class SFTOptions(TypedDict, total=False, closed=True):
     save_checkpoint: bool
 
 
+class DPOFields(TypedDict, total=False):
+    """DPO options every backend honours."""
+
+    learning_rate: float
+    beta: float
+    loss: PairLoss
+    batch_size: int
+    epochs: int
+    grad_clip: float
+    weight_decay: float
+    shuffle_seed: int
+    save_checkpoint: bool
+
+
+class DPOOptions(DPOFields, total=False, closed=True):
+    """DPO options of the backends whose client scores with the base model (Local, Ray)."""
+
+    reference: DPOReference
+
+
+class RemoteDPOOptions(DPOFields, total=False, closed=True):
+    """TinkerBackend.train_dpo() options: its reference is the policy at the start of the call
+    (the Tinker protocol cannot score with the base model)."""
+
+
 def option_names(options_type: type) -> frozenset[str]:
     return frozenset(get_type_hints(options_type))
 
 
-def check_options(options: Mapping[str, object], options_type: type, backend: str) -> None:
-    """Raise TypeError for any option `backend` does not declare, suggesting the nearest."""
+def check_options(
+    options: Mapping[str, object], options_type: type, backend: str, call: str | None = None
+) -> None:
+    """Raise TypeError for any option `backend`'s `call` (train or train_sft unless given) does
+    not declare, suggesting the nearest."""
     known = option_names(options_type)
+    call = call or ("train_sft" if options_type is SFTOptions else "train")
     for name in options:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(
-                f"{backend}.{'train_sft' if options_type is SFTOptions else 'train'}() got an "
+                f"{backend}.{call}() got an "
                 f"option it does not support: {name!r}{hint} "
                 f"(supported: {', '.join(sorted(known))})"
             )
@@ -152,6 +184,11 @@ def resolve_rl(options: Mapping[str, object], options_type: type, backend: str) 
 def resolve_sft(options: Mapping[str, object], backend: str) -> SFTConfig:
     check_options(options, SFTOptions, backend)
     return from_options(SFTConfig, options)
+
+
+def resolve_dpo(options: Mapping[str, object], options_type: type, backend: str) -> DPOConfig:
+    check_options(options, options_type, backend, "train_dpo")
+    return from_options(DPOConfig, options)
 
 
 # One line per option, shown by `posttrain backends` and the option schemas: the fields' help.
@@ -171,3 +208,5 @@ document(PosttrainLossFields, RLConfig)
 document(WeightsInProcessFields, RLConfig)
 document(LocalRLOptions, RLConfig)
 document(SFTOptions, SFTConfig)
+document(DPOOptions, DPOConfig)
+document(RemoteDPOOptions, DPOConfig)

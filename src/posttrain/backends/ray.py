@@ -21,12 +21,14 @@ from posttrain.backends.client_models import InProcessClients, ModelClients
 from posttrain.backends.engine_options import engine_config
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
+    DPOOptions,
     RLConfig,
     SFTConfig,
     SFTOptions,
     WeightsInProcessFields,
     check_options,
     document,
+    resolve_dpo,
     resolve_sft,
 )
 from posttrain.backends.preflight import preflight_register
@@ -39,6 +41,7 @@ from posttrain.engine.ray_actor import Sharding
 from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
 from posttrain.engines.config import InferenceConfig
 from posttrain.model import OpenAIEndpoint, TrainableModel
+from posttrain.preferences import PreferencePair
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 BACKEND = "RayBackend"
@@ -203,6 +206,16 @@ class RayBackend:
         segments), then one step."""
         config = resolve_sft(options, BACKEND)
         return await self._models.train_sft(model, trajectories, config)
+
+    async def train_dpo(
+        self,
+        model: TrainableModel,
+        pairs: Iterable[PreferencePair],
+        **options: Unpack[DPOOptions],
+    ) -> TrainResult:
+        """DPO (or IPO) on preference `pairs` (any iterable, read once), then one step."""
+        config = resolve_dpo(options, DPOOptions, BACKEND)
+        return await self._models.train_dpo(model, pairs, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's state now as `checkpoints/<step>` (see LocalBackend.checkpoint)."""

@@ -27,9 +27,11 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import ModelClients
 from posttrain.backends.options import (
     CoreRLFields,
+    RemoteDPOOptions,
     SFTOptions,
     check_options,
     document,
+    resolve_dpo,
     resolve_sft,
 )
 from posttrain.backends.preflight import preflight_register
@@ -38,6 +40,7 @@ from posttrain.backends.tinker_index import JsonlCheckpoints
 from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
 from posttrain.model import OpenAIEndpoint, TrainableModel
+from posttrain.preferences import PreferencePair
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.config import LossName, ProtocolPolicyLoss, RLConfig, from_options
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
@@ -173,6 +176,18 @@ class TinkerBackend:
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories` (any iterable, read once), then one step."""
         return await self._models.train_sft(model, trajectories, resolve_sft(options, BACKEND))
+
+    async def train_dpo(
+        self,
+        model: TrainableModel,
+        pairs: Iterable[PreferencePair],
+        **options: Unpack[RemoteDPOOptions],
+    ) -> TrainResult:
+        """DPO (or IPO) on preference `pairs` (any iterable, read once), then one step. The
+        reference is the policy at the start of the call (the protocol has no base-model
+        scoring): train_dpo right after SFT uses the SFT model, as in the DPO paper."""
+        config = replace(resolve_dpo(options, RemoteDPOOptions, BACKEND), reference="initial")
+        return await self._models.train_dpo(model, pairs, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's current weights and optimizer on the service, and index them."""

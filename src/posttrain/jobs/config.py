@@ -1,6 +1,6 @@
 """The `posttrain train` job's TOML configuration, as frozen dataclasses, one per table.
 
-Tables: `[run]`, `[model]`, `[sft]`, `[rl]`, `[eval]`, `[backend]`, `[inference]`, `[task]`,
+Tables: `[run]`, `[model]`, `[sft]`, `[dpo]`, `[rl]`, `[eval]`, `[backend]`, `[inference]`, `[task]`,
 `[data]`, `[environment]`.
 `[run] task` names the task: a built-in ("reverse"), a dotted path ("mypkg.tasks:make_task"),
 an entry point of the `posttrain.tasks` group, or "data" for the dataset task that `[data]`
@@ -10,6 +10,8 @@ built-in such as "calculator", a dotted path, an entry point of `posttrain.envir
 with `[environment]` its factory's keyword arguments. `[sft]` and `[rl]` also
 accept every option of `backend.train_sft` / `backend.train` (`SFTConfig` / `LocalRLOptions`);
 the job passes each backend the options it declares, and preflight refuses the others.
+`[dpo]` (optional) names a JSONL file of preference pairs (`data`) and takes every option of
+`backend.train_dpo` (`DPOConfig`): one DPO call after the SFT warm-up, before RL.
 `[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
 name, or a dotted path "package.module:Factory". `[backend]` holds its constructor's keyword
 arguments, checked against the constructor by `jobs.backend` (the job itself supplies `path`
@@ -41,6 +43,7 @@ from posttrain.environments.resolve import (
 from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.rewards import BUILTIN_REWARDS
 from posttrain.trainer.config import (
+    DPOConfig,
     RLConfig,
     SFTConfig,
     check_field_types,
@@ -146,6 +149,22 @@ class SFTWarmupConfig:
     @property
     def enabled(self) -> bool:
         return self.examples > 0 or self.dataset is not None
+
+
+@dataclass(frozen=True)
+class DPOJobConfig:
+    """One `train_dpo` call after the warm-up, on a JSONL file of preference pairs
+    (`jobs.dpo_data`: prompt or messages, chosen, rejected)."""
+
+    data: str = ""  # relative to the config file
+    trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.data:
+            raise ValueError('[dpo] needs data, a JSONL file of pairs, e.g. data = "pairs.jsonl"')
+        if not self.trainer.save_checkpoint:
+            raise ValueError("[dpo] save_checkpoint must be true: resuming needs the checkpoint")
 
 
 @dataclass(frozen=True)
@@ -258,6 +277,7 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTWarmupConfig = field(default_factory=SFTWarmupConfig)
+    dpo: DPOJobConfig | None = None  # [dpo]: preference pairs after the warm-up
     rl: RLJobConfig = field(default_factory=RLJobConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     backend: Mapping[str, object] = field(default_factory=dict[str, object])  # [backend] kwargs
@@ -277,6 +297,10 @@ class JobConfig:
         if self.sft.dataset is None:
             return None
         return self.base_dir / self.sft.dataset
+
+    def dpo_path(self) -> Path | None:
+        """`[dpo] data`, resolved against the config file's directory."""
+        return self.base_dir / self.dpo.data if self.dpo is not None else None
 
 
 def is_secret(key: str) -> bool:
@@ -329,7 +353,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         "rl": RLJobConfig,
         "eval": EvalConfig,
     }
-    names = [*tables, "backend", "inference", "task", "data", "environment"]
+    names = [*tables, "dpo", "backend", "inference", "task", "data", "environment"]
     for name, value in data.items():
         if name not in names:
             raise ValueError(
@@ -356,7 +380,8 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
     dataset = _build(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
     inference = _inference(dict(data.get("inference") or {}))  # type: ignore[call-overload]
-    return JobConfig(**built, **free, data=dataset, inference=inference, source=source)  # type: ignore[arg-type]
+    dpo = _build(DPOJobConfig, dict(data["dpo"]), "dpo") if "dpo" in data else None  # type: ignore[call-overload]
+    return JobConfig(**built, **free, data=dataset, dpo=dpo, inference=inference, source=source)  # type: ignore[arg-type]
 
 
 def _inference(table: dict[str, object]) -> InferenceConfig:
@@ -428,7 +453,9 @@ def _build(cls: type, table: dict[str, object], name: str) -> object:
     (the flat `train()` / `train_sft()` keys, built into the nested config by `from_options`)."""
     own = {f.name for f in fields(cls)} - {"trainer"}
     trainer = next((f for f in fields(cls) if f.name == "trainer"), None)
-    trainer_cls = {"sft": SFTConfig, "rl": RLConfig}.get(name) if trainer else None
+    trainer_cls = (
+        {"sft": SFTConfig, "dpo": DPOConfig, "rl": RLConfig}.get(name) if trainer else None
+    )
     passthrough = set(option_fields(trainer_cls)) if trainer_cls else set[str]()
     for key, value in table.items():
         if key not in own and key not in passthrough:

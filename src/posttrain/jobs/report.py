@@ -22,17 +22,18 @@ class MetricsLog:
     def rows(self) -> list[dict[str, object]]:
         return read_jsonl(self.path)
 
-    def rewind(self, rl_steps_done: int, *, sft_done: bool) -> None:
+    def rewind(self, rl_steps_done: int, *, sft_done: bool, dpo_done: bool = False) -> None:
         """Keep the rows the resumed checkpoint covers; the job redoes the rest.
 
         The job writes a step's row before checkpointing the step, and evaluates after: so the
-        checkpoint after `rl_steps_done` RL steps covers the SFT row (if the warm-up is done),
+        checkpoint after `rl_steps_done` RL steps covers the SFT and DPO rows (if they are done),
         RL rows up to that step and evaluations before it.
         """
         kept = [
             row
             for row in self.rows()
             if (row["phase"] == "sft" and sft_done)
+            or (row["phase"] == "dpo" and dpo_done)
             or (row["phase"] == "rl" and _step(row) <= rl_steps_done)
             or (row["phase"] == "eval" and _step(row) < rl_steps_done)
         ]

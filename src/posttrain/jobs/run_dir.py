@@ -180,6 +180,7 @@ class JobState:
     """
 
     sft_done: bool = False
+    dpo_done: bool = False
     accuracy_before: float | None = None  # held-out accuracy before RL, once measured
     rl_steps_done: int = 0
 

@@ -1,7 +1,8 @@
 """The `posttrain train` job: build or load a model, SFT warm-up, then RL on a task or an
 environment.
 
-Phases: optional SFT warm-up (one `train_sft` call), greedy held-out evaluation, RL steps
+Phases: optional SFT warm-up (one `train_sft` call), optional DPO on `[dpo] data` (one
+`train_dpo` call), greedy held-out evaluation, RL steps
 (`prompts_per_step` x `group_size` samples in one batched call, or as many multi-turn
 episodes of an environment, rewards, `backend.train`, `model.log`), evaluation again.
 Everything lives in the run directory `<output_dir>/<project>/models/<name>/`: checkpoints,
@@ -46,6 +47,7 @@ from posttrain.jobs.backend import (
     work_problems,
 )
 from posttrain.jobs.config import JobConfig, load_config
+from posttrain.jobs.dpo_data import load_preference_pairs
 from posttrain.jobs.pipeline import Prefetch, drop_stale
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
 from posttrain.jobs.rollouts import SampledStep
@@ -53,7 +55,7 @@ from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolv
 from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
 from posttrain.jobs.work import JobWork, job_work, policy_version
 from posttrain.model import TrainableModel
-from posttrain.trainer.config import with_options
+from posttrain.trainer.config import option_defaults, option_values, with_options
 from posttrain.trainer.progress import INTERVAL_S, duration, report_progress
 from posttrain.types import Trajectory
 
@@ -176,10 +178,12 @@ async def _run_phases(run: _Run, on_step: Callable[[int], None] | None) -> JobRe
     run.echo(f"run directory: {run.model.directory}")
     if done:
         run.echo(f"resuming after RL step {done}/{config.rl.steps} (model step {run.model.step})")
-    run.metrics.rewind(done, sft_done=state.sft_done)
+    run.metrics.rewind(done, sft_done=state.sft_done, dpo_done=state.dpo_done)
     rewind_history(run.model.directory / "history.jsonl", run.model.step)
     if config.sft.enabled and not state.sft_done:
         await _warm_up(run, state)
+    if config.dpo is not None and not state.dpo_done:
+        await _dpo_phase(run, state)
     if state.accuracy_before is None:
         state.accuracy_before = await _evaluate(run, 0, "before RL")
         state.save(run.model.run_state)  # goes with the next checkpoint
@@ -233,6 +237,40 @@ async def _warm_up(run: _Run, state: JobState) -> None:
     await _checkpoint(run)
     updates = int(result.metrics["num_updates"])
     run.echo(f"sft warm-up done in {seconds:.1f}s: {updates} updates, mean loss {loss:.4f}")
+
+
+async def _dpo_phase(run: _Run, state: JobState) -> None:
+    """One `train_dpo` call on `[dpo] data`, with the `[dpo]` options set away from their
+    defaults (a backend may lack one it would not need: TinkerBackend's `reference`)."""
+    path, dpo = run.config.dpo_path(), run.config.dpo
+    assert path is not None and dpo is not None
+    train_dpo = getattr(run.backend, "train_dpo", None)
+    if train_dpo is None:
+        raise TypeError(
+            f"[dpo] needs a backend with train_dpo; {type(run.backend).__name__} has none"
+        )
+    pairs = load_preference_pairs(path, run.sampler.tokenizer)
+    run.echo(f"dpo: {len(pairs)} pairs, {dpo.trainer.epochs} epochs, loss={dpo.trainer.loss}")
+    defaults = option_defaults(type(dpo.trainer))
+    options = {k: v for k, v in option_values(dpo.trainer).items() if v != defaults[k]}
+    options["save_checkpoint"] = not _checkpoints_on_demand(run)
+    state.dpo_done = True
+    state.save(run.model.run_state)
+    began = time.perf_counter()
+    result = await train_dpo(run.model, pairs, **options)
+    seconds = time.perf_counter() - began
+    await run.model.log(
+        split="train", metrics={**result.metrics, "step_s": seconds}, step=result.step
+    )
+    keys = ("loss", "rewards/accuracy", "rewards/margin")
+    run.metrics.write(
+        "dpo", result.step, {**{k: result.metrics[k] for k in keys}, "step_s": seconds}
+    )
+    await _checkpoint(run)
+    run.echo(
+        f"dpo done in {seconds:.1f}s: loss {result.metrics['loss']:.4f}, reward accuracy "
+        f"{result.metrics['rewards/accuracy']:.1%}, margin {result.metrics['rewards/margin']:.3f}"
+    )
 
 
 def _checkpoints_on_demand(run: _Run) -> bool:

@@ -18,6 +18,7 @@ from posttrain.algo.advantages import AdvantageConfig
 from posttrain.algo.config_fields import (
     AT_LEAST_ONE,
     NON_NEGATIVE,
+    POSITIVE,
     Check,
     check_field_types,
     check_fields,
@@ -32,16 +33,20 @@ from posttrain.algo.config_fields import (
     option_values,
     with_options,
 )
+from posttrain.algo.dpo import PairLoss
 from posttrain.algo.losses import KLMode, LossConfig, with_art_clip_defaults
 from posttrain.clients.custom_loss import LossName, custom_loss_names, is_custom_loss
 from posttrain.types import AdamParams
 
 __all__ = [
     "AssistantTurns",
+    "DPOConfig",
+    "DPOReference",
     "KLMode",
     "LRDecay",
     "LossName",
     "OptimizerConfig",
+    "PairLoss",
     "PolicyLoss",
     "ProtocolPolicyLoss",
     "RLConfig",
@@ -63,6 +68,9 @@ PolicyLoss = Literal["ppo", "cispo", "importance_sampling", "dro", "gspo"]
 ProtocolPolicyLoss = Literal["ppo", "cispo", "importance_sampling"]
 LRDecay = Literal["cosine", "linear", "constant"]
 AssistantTurns = Literal["all", "last"]
+# The reference of a DPO call: the base model (LoRA off, or a frozen copy of it), or the policy
+# as it is at the start of the call (the SFT model, when DPO follows SFT).
+DPOReference = Literal["base", "initial"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,32 @@ class SFTConfig:
     epochs: int = option(1, "passes over the trajectories", AT_LEAST_ONE)
     assistant_turns: AssistantTurns = option("all", "train every assistant turn, or only the last")
     shuffle_seed: int = option(0, "seed of the order the trajectories are visited in")
+    save_checkpoint: bool = save_checkpoint_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Resolved DPO options with their defaults (keys are those of `DPOOptions`)."""
+
+    optimizer: OptimizerConfig = group(OptimizerConfig)
+    beta: float = option(
+        0.1, "DPO's beta: the inverse temperature of the implicit reward", POSITIVE
+    )
+    loss: PairLoss = option(
+        "sigmoid",
+        "'sigmoid' (DPO) on summed logprobs, or 'ipo' (IPO) on per-token averaged logprobs",
+    )
+    reference: DPOReference = option(
+        "base",
+        "reference policy: 'base' (the base model: LoRA off, or a frozen copy) or 'initial' "
+        "(the policy at the start of the call)",
+    )
+    batch_size: int = option(8, "preference pairs per optimizer step", AT_LEAST_ONE)
+    epochs: int = option(1, "passes over the pairs", AT_LEAST_ONE)
+    shuffle_seed: int = option(0, "seed of the order the pairs are visited in")
     save_checkpoint: bool = save_checkpoint_option()
 
     def __post_init__(self) -> None:

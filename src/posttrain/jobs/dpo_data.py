@@ -1,0 +1,63 @@
+"""A JSONL file of preferences -> `PreferencePair`s on exact tokens, for `backend.train_dpo`.
+
+Each line is `{"prompt": "...", "chosen": "...", "rejected": "..."}` (the prompt a user turn)
+or `{"messages": [...], "chosen": "...", "rejected": "..."}` (the conversation before the
+answers); the answers become assistant turns rendered by the chat template
+(`preferences.preference_pair_from_chat`). Errors name the file and the line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.jobs.sft_data import ROLES
+from posttrain.preferences import PreferencePair, preference_pair_from_chat
+from posttrain.rollout import assistant_closing
+from posttrain.tasks.dataset import json_object
+from posttrain.tokenizer import Tokenizer
+
+
+def load_preference_pairs(path: str | Path, tokenizer: Tokenizer) -> list[PreferencePair]:
+    """One pair per non-blank line of the JSONL file at `path`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DPO dataset {str(path)!r} does not exist")
+    closing = assistant_closing(tokenizer)
+    pairs: list[PreferencePair] = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            prompt, chosen, rejected = _preference(line)
+            pairs.append(
+                preference_pair_from_chat(tokenizer, prompt, chosen, rejected, closing=closing)
+            )
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError too
+            raise ValueError(f"{path}:{number}: {exc}") from None
+    if not pairs:
+        raise ValueError(f"DPO dataset {str(path)!r} has no pairs")
+    return pairs
+
+
+def _preference(line: str) -> tuple[list[dict[str, str]], str, str]:
+    record = json_object(line)
+    for name in ("chosen", "rejected"):
+        if not isinstance(record.get(name), str):
+            raise ValueError(f"field {name!r} must be a string, got {record.get(name)!r}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("field 'messages' must be a non-empty list of messages")
+        for i, m in enumerate(messages):  # pyright: ignore[reportUnknownVariableType]
+            if not isinstance(m, dict) or m.get("role") not in ROLES:  # pyright: ignore[reportUnknownMemberType]
+                raise ValueError(
+                    f"messages[{i}] must be {{'role': ..., 'content': str}}, got {m!r}"
+                )
+            if not isinstance(m.get("content"), str):  # pyright: ignore[reportUnknownMemberType]
+                raise ValueError(f"messages[{i}] must have string content, got {m!r}")
+        prompt = [dict(m) for m in messages]  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+    elif isinstance(record.get("prompt"), str):
+        prompt = [{"role": "user", "content": record["prompt"]}]
+    else:
+        raise ValueError("needs a string field 'prompt' or a list 'messages' before the answers")
+    return prompt, record["chosen"], record["rejected"]  # pyright: ignore[reportUnknownVariableType]

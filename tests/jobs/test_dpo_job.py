@@ -1,0 +1,75 @@
+"""The train job's `[dpo]` table: one train_dpo call on a JSONL file of pairs after the warm-up,
+logged and checkpointed; and its errors (bad lines, unknown keys)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain.jobs.config import JobConfig, parse_config
+from posttrain.jobs.dpo_data import load_preference_pairs
+from posttrain.jobs.train_job import run_job
+
+LINES = [
+    {"prompt": "abc", "chosen": "cba", "rejected": "abc"},
+    {"messages": [{"role": "user", "content": "xyz"}], "chosen": "zyx", "rejected": "xzy"},
+    {"prompt": "hello", "chosen": "olleh", "rejected": "hello"},
+]
+
+
+def _write(path: Path, lines: list[object]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _config(output: Path, data: Path, **dpo: object) -> JobConfig:
+    return parse_config(
+        {
+            "run": {"task": "reverse", "name": "job", "project": "t", "output_dir": str(output)},
+            "model": {"base_model": "tiny:qwen2:tiny"},
+            "dpo": {"data": str(data), "learning_rate": 1e-2, "batch_size": 2, **dpo},
+            "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens": 4},
+            "eval": {"held_out": 2},
+        }
+    )
+
+
+async def test_a_job_with_dpo_trains_logs_and_checkpoints_it(tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", LINES)
+    lines: list[str] = []
+    result = await run_job(_config(tmp_path / "out", data, epochs=2, beta=0.2), echo=lines.append)
+    rows = [json.loads(r) for r in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    dpo = [r for r in rows if r["phase"] == "dpo"]
+    assert len(dpo) == 1 and dpo[0]["step"] == 1
+    assert {"loss", "rewards/accuracy", "rewards/margin"} <= set(dpo[0])
+    assert [r["step"] for r in rows if r["phase"] == "rl"] == [1]
+    assert any(line.startswith("dpo: 3 pairs, 2 epochs") for line in lines)
+    assert (result.run_dir / "checkpoints" / "1").is_dir()  # the DPO step's
+    state = json.loads((result.run_dir / "checkpoints" / "2" / "trainer_state.json").read_text())
+    assert state["run_state"]["dpo_done"] is True
+
+
+def test_pairs_file_errors_name_the_line(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(load_preference_pairs(_write(tmp_path / "ok.jsonl", LINES), tokenizer)) == 3
+    bad = _write(
+        tmp_path / "bad.jsonl", [LINES[0], {"prompt": "a", "chosen": "b", "rejected": "b"}]
+    )
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: .*identical"):
+        load_preference_pairs(bad, tokenizer)
+    missing = _write(tmp_path / "m.jsonl", [{"prompt": "a", "chosen": "b"}])
+    with pytest.raises(ValueError, match=r"m.jsonl:1: field 'rejected' must be a string"):
+        load_preference_pairs(missing, tokenizer)
+
+
+def test_dpo_table_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"\[dpo\] unknown key 'bta'; did you mean 'beta'"):
+        _config(tmp_path, tmp_path / "p.jsonl", bta=0.1)
+    with pytest.raises(ValueError, match=r"\[dpo\] .*option loss="):
+        _config(tmp_path, tmp_path / "p.jsonl", loss="hinge")
+    with pytest.raises(ValueError, match=r"\[dpo\] needs data"):
+        parse_config({"dpo": {"beta": 0.1}})
