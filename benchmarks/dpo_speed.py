@@ -6,7 +6,7 @@ logprobs, the loss on them, then a forward and backward pass with their gradient
 three forward passes and one backward per completion, ~5 forward-equivalents.
 
 Measured (2-core shared CPU, 2 torch threads, 32 pairs of 64+64 tokens, batch_size 8):
-'tiny' 115 pairs/s (load average 0.9); 'small' 0.9 pairs/s (load average 2.8). The first call is a
+'tiny' 115 pairs/s (load average 0.9); 'small' 2.6 pairs/s (load average 1.6; 0.9 at 2.8). The first call is a
 warm-up; the median of the others is reported, with torch's thread count and the load average
 (other processes on a shared machine slow every call alike).
 
