@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from tests.engines.engine_helpers import train_one_step, worst_logprob_gap
 from tests.engines.vllm_python import require_vllm
 
 import posttrain
@@ -53,24 +54,12 @@ async def lora_run(
     await backend.close()
 
 
-async def _trainer_logprobs(client: object, prompt: list[int], tokens: list[int]) -> list[float]:
-    scored = await client.compute_logprobs(ModelInput.from_ints(prompt + tokens))  # type: ignore[attr-defined]
-    return [float(x) for x in scored[len(prompt) :]]
-
-
 async def _assert_matches_trainer(
     backend: posttrain.LocalBackend, model: posttrain.TrainableModel, responses: list[SampleResponse]
 ) -> None:
     """Every sampled token's vLLM logprob equals the training model's within 1e-5: both fp32,
     one summing in vLLM's kernels, one in torch's (measured max here: a few 1e-6)."""
-    client = backend.client(model)
-    worst = 0.0
-    for prompt, response in zip(PROMPTS, responses, strict=True):
-        for sequence in response.sequences:
-            want = await _trainer_logprobs(client, prompt, sequence.tokens)
-            assert sequence.logprobs is not None
-            diff = (torch.tensor(sequence.logprobs) - torch.tensor(want)).abs().max().item()
-            worst = max(worst, diff)
+    worst = await worst_logprob_gap(backend.client(model), PROMPTS, responses)
     assert worst <= 1e-5, f"vLLM vs trainer logprobs differ by up to {worst:.3g}"
 
 
@@ -96,14 +85,21 @@ async def test_fp32_logprobs_match_the_trainer(lora_run):
     sampler = backend.sampling_client(model)
     params = SamplingParams(max_tokens=16, seed=2, stop=[])
     await _assert_matches_trainer(backend, model, await sampler.sample_many(PROMPTS, 2, params))
+    # At T != 1 the engine reports posttrain's convention, log_softmax(logits / T) before any
+    # truncation (vLLM's processed_logprobs), checked against the training model's logits.
     hot = SamplingParams(max_tokens=16, seed=3, stop=[], temperature=0.7)
     responses = await sampler.sample_many(PROMPTS, 2, hot)
-    client = backend.client(model)
+    net = backend.client(model).dispatch.executor.workers[0].model  # type: ignore[attr-defined]
+    worst = 0.0
     for prompt, response in zip(PROMPTS, responses, strict=True):
         for sequence in response.sequences:
-            scored = await client.compute_logprobs(ModelInput.from_ints(prompt + sequence.tokens))
-            assert scored is not None  # at T != 1 vLLM reports log_softmax(logits / T)
-            assert sequence.logprobs is not None
+            tokens = torch.tensor([[*prompt, *sequence.tokens]])
+            with torch.no_grad():
+                logits = net(tokens).logits[0, len(prompt) - 1 : -1]
+            want = torch.log_softmax(logits / 0.7, dim=-1)
+            want = want.gather(1, torch.tensor(sequence.tokens)[:, None])[:, 0]
+            worst = max(worst, (torch.tensor(sequence.logprobs) - want).abs().max().item())
+    assert worst <= 1e-5, worst
 
 
 async def test_weight_sync_after_a_step_samples_the_new_weights(lora_run):
@@ -204,27 +200,11 @@ async def test_ray_fsdp_backend_syncs_gathered_weights_to_vllm(
     )
     await model.register(backend)
     try:
+        await train_one_step(backend, model, content="abc", seed=6, learning_rate=1e-2)
         sampler = backend.sampling_client(model)
-        builder = posttrain.TrajectoryBuilder(sampler.tokenizer)
-        prompt = builder.prompt({"role": "user", "content": "abc"})
-        response = await sampler.sample(prompt, 4, SamplingParams(max_tokens=8, seed=6))
-        group = []
-        for i, sequence in enumerate(response.sequences):
-            turn = builder.fork()
-            turn.completion(sequence)
-            group.append(turn.build(reward=float(i)))
-        await backend.train(
-            model, [TrajectoryGroup(tuple(group))], learning_rate=1e-2, save_checkpoint=False
-        )
         fresh = await sampler.sample_many(PROMPTS, 2, SamplingParams(max_tokens=12, seed=7, stop=[]))
         assert all(r.policy_version == 1 for r in fresh)
-        client = backend.client(model)
-        worst = 0.0
-        for prompt_tokens, got in zip(PROMPTS, fresh, strict=True):
-            for sequence in got.sequences:
-                want = await _trainer_logprobs(client, prompt_tokens, sequence.tokens)
-                diff = (torch.tensor(sequence.logprobs) - torch.tensor(want)).abs().max().item()
-                worst = max(worst, diff)
+        worst = await worst_logprob_gap(backend.client(model), PROMPTS, fresh)
         assert worst <= 1e-5, worst
     finally:
         await backend.close()

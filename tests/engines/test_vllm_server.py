@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from tests.engines.engine_helpers import train_one_step, worst_logprob_gap
 from tests.engines.vllm_python import require_vllm
 
 import posttrain
 from posttrain.engine.tiny import make_tiny_model
-from posttrain.types import ModelInput, SamplingParams, TrajectoryGroup
+from posttrain.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -89,25 +89,10 @@ async def test_openai_engine_trains_through_a_vllm_server(vllm_server, tmp_path:
     try:
         sampler = backend.sampling_client(model)
         assert sampler.engine.capabilities.weight_sync == "full"
-        builder = posttrain.TrajectoryBuilder(sampler.tokenizer)
-        prompt = builder.prompt({"role": "user", "content": "abc"})
-        response = await sampler.sample(prompt, 4, SamplingParams(max_tokens=8, seed=1))
-        group = []
-        for i, sequence in enumerate(response.sequences):
-            turn = builder.fork()
-            turn.completion(sequence)
-            group.append(turn.build(reward=float(i)))
-        await backend.train(
-            model, [TrajectoryGroup(tuple(group))], learning_rate=0.2, save_checkpoint=False
-        )
+        prompt = await train_one_step(backend, model, content="abc", seed=1, learning_rate=0.2)
         after = await sampler.sample(prompt, 3, SamplingParams(max_tokens=12, seed=2, stop=[]))
         assert after.policy_version == 1
-        client = backend.client(model)
-        worst = 0.0
-        for sequence in after.sequences:
-            scored = await client.compute_logprobs(ModelInput.from_ints(prompt + sequence.tokens))
-            want = torch.tensor([float(x) for x in scored[len(prompt) :]])  # type: ignore[arg-type]
-            worst = max(worst, (torch.tensor(sequence.logprobs) - want).abs().max().item())
+        worst = await worst_logprob_gap(backend.client(model), [prompt], [after])
         # The server samples the LoRA-merged weights of step 1, in fp32, as the trainer does.
         assert worst <= 1e-5, worst
     finally:
