@@ -8,6 +8,7 @@ for a training call in progress (and the other way round).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from posttrain.clients.protocol import BatchSampler, TrainingClient
 from posttrain.engines.protocol import EngineCapabilities, WeightSnapshot
@@ -53,4 +54,4 @@ class LiveEngine:
 
 
 def _versioned(response: SampleResponse, version: int) -> SampleResponse:
-    return SampleResponse(response.sequences, response.prompt_logprobs, policy_version=version)
+    return replace(response, policy_version=version)

@@ -187,13 +187,16 @@ def _params_dict(params: SamplingParams) -> dict[str, Any]:
     }
 
 
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """A 63-bit seed for prompt `index` of a batch, so a prompt samples the same tokens
-    whatever else is in the batch (vLLM seeds per request)."""
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from `parts`, stable across processes (unlike `hash`)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """A seed for prompt `index` of a batch, so a prompt samples the same tokens whatever
+    else is in the batch (vLLM seeds per request)."""
+    return None if seed is None else derive_seed(seed, index)
 
 
 def _vllm_request(params: SamplingParams, count: int) -> dict[str, Any]:

@@ -13,10 +13,10 @@ Each trajectory's metadata names the policy version (model step) whose weights s
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from posttrain.engines.process import derive_seed
 from posttrain.environments.runner import EpisodeError
 from posttrain.evaluation import Sampler, completion_text, prompt_builders
 from posttrain.jobs.sft_data import conversation_to_trajectory
@@ -36,12 +36,6 @@ __all__ = [
 ]
 # The trajectory metadata key of the model step whose weights sampled it.
 POLICY_VERSION = "policy_version"
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from `parts`, stable across processes (unlike `hash`)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 def sft_examples(task: Task, problems: Sequence[Problem], tokenizer: Tokenizer) -> list[Trajectory]:
