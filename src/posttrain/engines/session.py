@@ -3,6 +3,7 @@ sync that follows each optimizer step."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ from posttrain.clients.protocol import ExportsWeights, TrainingClient
 from posttrain.engines.config import InferenceConfig
 from posttrain.engines.live import LiveEngine
 from posttrain.engines.process import ProcessEngine
-from posttrain.engines.protocol import EngineCapabilities, SamplingEngine
+from posttrain.engines.protocol import EngineCapabilities, SamplingEngine, WeightSnapshot
 from posttrain.engines.weights import WeightExporter
 
 VLLM = EngineCapabilities(
@@ -69,53 +70,24 @@ class EngineSession:
         if config.engine == "openai":
             from posttrain.engines.openai_engine import OpenAIEngine
 
-            engine = OpenAIEngine(config, version=version)
-            await engine.start()
-            if engine.capabilities.weight_sync != "full" or not isinstance(client, ExportsWeights):
-                return cls(engine)
+            remote = OpenAIEngine(config, version=version)
+            await remote.start()
+            if remote.capabilities.weight_sync != "full":
+                return cls(remote)
             # The server reads the weights from this machine's files, so it must run here.
-            exporter = WeightExporter(
-                base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha
-            )
-            return cls(engine, exporter, client)
-        if not isinstance(client, ExportsWeights):
-            raise TypeError(
-                f"[inference] engine = {config.engine!r} needs the training client's weights, "
-                f"which {type(client).__name__} cannot hand over; use engine = 'pytorch'"
-            )
-        exporter = WeightExporter(
-            base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha
-        )
-        snapshot = exporter.export(await client.trainable_weights(), version)
-        devices = config.split_devices()
-        device = devices[0] if devices else "cpu"
-        options = {
-            "model_dir": str(snapshot.path),
-            "dtype": config.dtype,
-            "kv_cache_mb": config.kv_cache_mb,
-            "max_model_len": config.max_model_len or _max_positions(snapshot.path),
-            "threads": config.threads or torch.get_num_threads(),
-            "device": device,
-        }
-        kind = "vllm" if config.engine == "vllm" else "pytorch"
-        python = sys.executable
-        if kind == "vllm":
-            python = config.python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+            source = _weights_source(config, client)
+            return cls(remote, _exporter(base_model, lora_rank, lora_alpha), source)
+        source = _weights_source(config, client)
+        exporter = _exporter(base_model, lora_rank, lora_alpha)
         try:
-            engine = ProcessEngine(
-                kind,
-                python=python,
-                options=options,
-                capabilities=VLLM if kind == "vllm" else SPLIT_PYTORCH,
-                version=version,
-                start_timeout_s=config.start_timeout_s,
-                log_path=log_dir / f"{kind}-engine.log",
-                env=_visible_gpu(device) if kind == "vllm" else None,
-            )
+            weights = await source.trainable_weights()
+            snapshot = await asyncio.to_thread(exporter.export, weights, version)
+            # Starting takes seconds (vLLM: 10-30 s): off the event loop.
+            engine = await asyncio.to_thread(_start_process, config, snapshot, log_dir)
         except BaseException:
             exporter.close()
             raise
-        return cls(engine, exporter, client)
+        return cls(engine, exporter, source)
 
     async def sync(self, version: int) -> None:
         """Give the engine the weights of model step `version` (the client's current ones)."""
@@ -126,7 +98,7 @@ class EngineSession:
             return
         weights = await self.source.trainable_weights()
         gathered = time.perf_counter()
-        snapshot = self.exporter.export(weights, version)
+        snapshot = await asyncio.to_thread(self.exporter.export, weights, version)
         exported = time.perf_counter()
         await self.engine.update_weights(snapshot, version)
         done = time.perf_counter()
@@ -143,6 +115,47 @@ class EngineSession:
         finally:
             if self.exporter is not None:
                 self.exporter.close()
+
+
+def _weights_source(config: InferenceConfig, client: TrainingClient) -> ExportsWeights:
+    if not isinstance(client, ExportsWeights):
+        raise TypeError(
+            f"[inference] engine = {config.engine!r} needs the training client's weights, "
+            f"which {type(client).__name__} cannot hand over; use engine = 'pytorch'"
+        )
+    return client
+
+
+def _exporter(base_model: str, lora_rank: int | None, lora_alpha: float | None) -> WeightExporter:
+    return WeightExporter(base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha)
+
+
+def _start_process(config: InferenceConfig, snapshot: WeightSnapshot, log_dir: Path) -> ProcessEngine:
+    """The vLLM or split-pytorch worker process, on the weights of `snapshot`."""
+    devices = config.split_devices()
+    device = devices[0] if devices else "cpu"
+    options = {
+        "model_dir": str(snapshot.path),
+        "dtype": config.dtype,
+        "kv_cache_mb": config.kv_cache_mb,
+        "max_model_len": config.max_model_len or _max_positions(snapshot.path),
+        "threads": config.threads or torch.get_num_threads(),
+        "device": device,
+    }
+    vllm = config.engine == "vllm"
+    python = sys.executable
+    if vllm:
+        python = config.python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+    return ProcessEngine(
+        "vllm" if vllm else "pytorch",
+        python=python,
+        options=options,
+        capabilities=VLLM if vllm else SPLIT_PYTORCH,
+        version=snapshot.version,
+        start_timeout_s=config.start_timeout_s,
+        log_path=log_dir / f"{'vllm' if vllm else 'pytorch'}-engine.log",
+        env=_visible_gpu(device) if vllm else None,
+    )
 
 
 def _weights_dir() -> Path:
