@@ -345,7 +345,9 @@ def test_summarize_p95_matches_numpy():
 
 
 def test_registry_and_required_inputs():
-    assert list(LOSSES) == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+    assert list(LOSSES) == [
+        *("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "value")
+    ]
     assert set(REQUIRED_INPUTS) == set(LOSSES)
     assert DEFAULT_THRESHOLDS == SPEC_THRESHOLDS
     assert resolved_thresholds("cispo", LossConfig()) == (0.0, 4.0)
@@ -538,6 +540,9 @@ LOSS_INPUT_KEYS = [
     "sequence_ratio_mask",
     "clip_low_threshold",
     "clip_high_threshold",
+    "returns",  # the critic's value loss
+    "old_values",
+    "value_clip",
 ]
 
 

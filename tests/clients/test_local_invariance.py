@@ -34,6 +34,11 @@ def make_datums(loss_fn: str, seed: int = 0, count: int = 7) -> list[Datum]:
         inputs: dict[str, torch.Tensor] = {"target_tokens": tokens[1:]}
         if loss_fn == "cross_entropy":
             inputs["weights"] = torch.rand(length, generator=gen)
+        elif loss_fn == "value":  # the critic's loss, here on the policy's logprobs as values
+            inputs["returns"] = -5.7 + torch.randn(length, generator=gen)
+            inputs["old_values"] = -5.7 + 0.3 * torch.randn(length, generator=gen)
+            inputs["value_clip"] = torch.full((length,), 0.2)
+            inputs["weights"] = torch.rand(length, generator=gen)
         else:
             # Behaviour logprobs near typical values for a 300-token vocab (log(1/300) = -5.7).
             inputs["logprobs"] = -5.7 + 0.3 * torch.randn(length, generator=gen)

@@ -38,6 +38,7 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cispo": _POLICY_INPUTS,
     "dro": _POLICY_INPUTS,
     "gspo": _POLICY_INPUTS,
+    "value": ("target_tokens", "returns"),  # a critic's (`algo.value_loss`)
 }
 THRESHOLD_KEYS = ("clip_low_threshold", "clip_high_threshold")
 CLIP_KEYS = ("epsilon", "epsilon_high")  # LossConfig's clip range
@@ -55,6 +56,7 @@ PER_TOKEN_INPUTS = (
     "ref_logprobs",
     "sequence_ratio_mask",
     *THRESHOLD_KEYS,
+    *("returns", "old_values", "value_clip"),
 )
 
 

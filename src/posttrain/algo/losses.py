@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -42,6 +42,7 @@ from posttrain.algo.loss_inputs import (
     shaped_advantages,
     weight_and_mask,
 )
+from posttrain.algo.loss_output import LossOutput
 from posttrain.algo.loss_wire import from_loss_fn_config
 from posttrain.algo.ratios import (
     ImportanceSamplingLevel,
@@ -50,6 +51,7 @@ from posttrain.algo.ratios import (
     log_ratio,
     truncated_is_weight,
 )
+from posttrain.algo.value_loss import value
 
 __all__ = [
     "ART_CLIP_DEFAULTS",
@@ -179,17 +181,6 @@ class LossBatch:
 
     def __post_init__(self) -> None:
         check_shapes(self.logp_BT, self.inputs, self.pad_mask_BT, self.entropy_BT)
-
-
-@dataclass(frozen=True)
-class LossOutput:
-    """The summed loss (scalar, with gradient), detached per-token diagnostics [B, T], and the
-    mask of the tokens the loss counted (for `algo.loss_metrics.summarize`).
-    """
-
-    loss: torch.Tensor
-    per_token: Mapping[str, torch.Tensor] = field(default_factory=lambda: dict[str, torch.Tensor]())
-    mask_BT: torch.Tensor | None = None
 
 
 LossFn = Callable[[LossBatch, LossConfig], LossOutput]
@@ -369,6 +360,7 @@ LOSSES: dict[str, LossFn] = {
     "cispo": cispo,
     "dro": dro,
     "gspo": gspo,
+    "value": value,
 }
 
 

@@ -28,6 +28,7 @@ from posttrain.engine.models import (
     parse_dtype,
 )
 from posttrain.engine.threads import ComputeThread
+from posttrain.engine.value_head import VALUE_HEAD_MODULE, to_value_model
 from posttrain.engine.worker import Worker, WorkerConfig
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from posttrain.engine.ray_executor import RayConfig
 
 ExecutorKind = Literal["local", "ray"]
+# "policy": the causal LM; "value": a critic, the same model with a scalar head
+# (`engine.value_head`), whose passes give per-token values instead of logprobs.
+Head = Literal["policy", "value"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +51,22 @@ class WorkerSpec:
     dtype: str
     config: WorkerConfig
     seed: int
+    head: Head = "policy"
 
     def build(self) -> Worker:
         """Load the model and wrap it; the same spec gives bit-identical replicas anywhere.
 
         LoRA's random A matrices come from `seed` through a forked generator, so building a
-        worker leaves torch's global random state as it was.
+        worker leaves torch's global random state as it was. A critic's value head trains
+        whole beside the adapters (never a LoRA of its own: it is one row).
         """
         model = load_hf_model(self.base_model, dtype=self.dtype, device=self.device)
-        if self.lora is not None:
+        if self.head == "value":
+            model = to_value_model(model)
+        if self.lora is not None and self.head == "value":
+            lora = replace(self.lora, train_unembed=False)
+            model = apply_lora(model, lora, seed=self.seed, modules_to_save=[VALUE_HEAD_MODULE])
+        elif self.lora is not None:
             model = apply_lora(model, self.lora, seed=self.seed)
         return Worker(
             model,
@@ -88,6 +99,7 @@ def create_training_client(
     logprob_chunk_size: int = ...,
     storage_dir: str | Path | None = ...,
     seed: int = ...,
+    head: Head = ...,
     executor: Literal["local"] = ...,
     compute_thread: ComputeThread | None = ...,
 ) -> LocalTrainingClient: ...
@@ -109,6 +121,7 @@ def create_training_client(
     logprob_chunk_size: int = ...,
     storage_dir: str | Path | None = ...,
     seed: int = ...,
+    head: Head = ...,
     executor: Literal["ray"],
     address: str | None = ...,
     resources_per_worker: Mapping[str, float] | None = ...,
@@ -131,6 +144,7 @@ def create_training_client(
     logprob_chunk_size: int = 1024,
     storage_dir: str | Path | None = None,
     seed: int = 0,
+    head: Head = "policy",
     executor: ExecutorKind = "local",
     address: str | None = None,
     resources_per_worker: Mapping[str, float] | None = None,
@@ -147,6 +161,7 @@ def create_training_client(
     `address` override the fields of `ray_config` (timeouts, threads, collective backend), and
     "auto" is CUDA when each worker gets a GPU share. `compute_thread` (local only) runs the
     client's calls on that thread, shared with other clients, instead of a thread of its own.
+    `head="value"` makes a critic (`engine.value_head`): its passes return per-token values.
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -167,7 +182,9 @@ def create_training_client(
     config = WorkerConfig(
         micro_batch_tokens=micro_batch_tokens, logprob_chunk_size=logprob_chunk_size, device=device
     )
-    spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed)
+    if head not in ("policy", "value"):
+        raise ValueError(f"head must be 'policy' or 'value', got {head!r}")
+    spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed, head)
     storage = Path(storage_dir) if storage_dir else Path(tempfile.mkdtemp(prefix="posttrain-"))
     if ray is not None:
         return _ray_client(spec, num_workers, ray, storage)

@@ -15,6 +15,7 @@ from torch import nn
 
 from posttrain.algo.logprobs import token_logprobs_from_hidden
 from posttrain.engine.shared_prefix import PrefixGroup, decoder_hidden
+from posttrain.engine.value_head import is_value_model
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -54,10 +55,16 @@ def target_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target_t | tokens <= t) for every position, and optionally the entropy.
 
+    For a critic (`engine.value_head`) the first tensor is instead V(tokens <= t), the value of
+    the state each target is chosen in, and the entropy is None.
     `prefix_groups` (rows sharing leading tokens, `engine.shared_prefix`) run those tokens once.
     """
-    decoder = causal_lm(model).get_decoder()  # type: ignore[operator]
+    lm = causal_lm(model)
+    decoder = lm.get_decoder()  # type: ignore[operator]
     hidden_BTH = decoder_hidden(decoder, input_ids_BT, pad_mask_BT, prefix_groups)
+    if is_value_model(lm):
+        head = lm.get_output_embeddings()  # type: ignore[operator]
+        return head(hidden_BTH).squeeze(-1).float(), None
     weight_VH, bias_V = unembedding_weight(model)
     return token_logprobs_from_hidden(
         hidden_BTH,

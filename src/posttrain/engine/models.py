@@ -130,9 +130,14 @@ class LoraSettings:
 
 
 def apply_lora(
-    model: PreTrainedModel, settings: LoraSettings, *, seed: int | None = None
+    model: PreTrainedModel,
+    settings: LoraSettings,
+    *,
+    seed: int | None = None,
+    modules_to_save: list[str] | None = None,
 ) -> PeftModel:
-    """Wrap `model` with LoRA adapters; only the adapters train.
+    """Wrap `model` with LoRA adapters; only the adapters (and `modules_to_save`, trained and
+    saved whole: a critic's value head) train.
 
     B starts at zero, so the wrapped model computes what `model` does. The random A matrices
     come from torch's global generator, or from `seed` without touching that generator (nor
@@ -145,6 +150,7 @@ def apply_lora(
         target_modules=settings.target_modules(),
         bias="none",
         task_type="CAUSAL_LM",
+        modules_to_save=modules_to_save,
     )
     if seed is None:
         return get_peft_model(model, config)  # type: ignore[return-value]
