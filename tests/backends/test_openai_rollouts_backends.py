@@ -119,7 +119,9 @@ async def test_art_rollout_loop_trains_on_exact_tokens_locally(
     row = model.history()[-1]
     # The step's metrics win over log's own count: trained trajectories, so a group whose four
     # rewards happen to be equal (no advantage) is left out of it.
-    assert row["num_trajectories"] + 4 * row["num_zero_variance_groups"] == 8.0
+    counted, flat = row["num_trajectories"], row["num_zero_variance_groups"]
+    assert isinstance(counted, float) and isinstance(flat, float)
+    assert counted + 4 * flat == 8.0
     assert "length" in row
     saved = (model.directory / "trajectories" / "train" / "00001.jsonl").read_text().splitlines()
     assert len(saved) == 8

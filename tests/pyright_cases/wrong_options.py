@@ -48,6 +48,8 @@ async def wrong_tinker_calls(backend: TinkerBackend, model: TrainableModel) -> N
     await backend.train(model, [], precalculate_logprobs=True)  # expect: precalculate_logprobs
     await backend.train_sft(model, [], epsilon=0.2)  # expect: epsilon
     await backend.train_dpo(model, [], reference="base")  # expect: reference
+    await backend.train(model, [], gae_lambda=0.95)  # expect: gae_lambda
+    await backend.train(model, [], critic_learning_rate=1e-5)  # expect: critic_learning_rate
 
 
 async def right_tinker_calls(backend: TinkerBackend, local: LocalBackend, model: TrainableModel) -> None:
@@ -58,3 +60,5 @@ async def right_tinker_calls(backend: TinkerBackend, local: LocalBackend, model:
     await generic.train(model, [], learning_rate=1e-5, loss="importance_sampling")
     generic = local
     await generic.train(model, [], loss="ppo")
+    await local.train(model, [], advantage_estimator="gae", gae_lambda=0.95, value_clip=None)
+    await local.train(model, [], critic_learning_rate=1e-5, update_epochs=2)

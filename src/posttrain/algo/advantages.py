@@ -18,7 +18,10 @@ from posttrain.algo.config_fields import POSITIVE, Check, check_fields, group, o
 from posttrain.algo.sepa import SEPAConfig
 from posttrain.algo.token_transforms import TokenTransform, TokenTransformConfig
 
-AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "maxrl", "reinforce_pp"]
+# Each estimator but "gae" works from a group's rewards alone (`ADVANTAGE_ESTIMATORS`); "gae"
+# reads a learned critic's per-token values (`algo.gae`, run by `trainer.critic`), so only
+# backends with a critic take it.
+AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "maxrl", "reinforce_pp", "gae"]
 # retrain's fixed recipes, <estimator>_<transform>. retrain's grpo centres without dividing
 # by the std, which is posttrain's dr_grpo.
 AlgorithmMode = Literal[
@@ -91,7 +94,7 @@ def _reinforce_pp(r_G: torch.Tensor, scale_rewards: bool, eps: float) -> torch.T
 
 
 # `scale_rewards` only affects "grpo": the other estimators fix their own scaling.
-ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, EstimatorFn] = {
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorFn] = {
     "grpo": _grpo,
     "rloo": _rloo,
     "dr_grpo": _dr_grpo,
@@ -117,6 +120,11 @@ def _check_eps(eps: float) -> None:
 
 
 def _check_estimator(estimator: str) -> None:
+    if estimator == "gae":
+        raise ValueError(
+            "gae advantages come from a critic's per-token values (trainer.critic), not from a "
+            "group's rewards alone"
+        )
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {estimator!r}"
@@ -176,7 +184,8 @@ class AdvantageConfig:
     advantage_estimator: AdvantageEstimator = option(
         "grpo",
         "group baseline: grpo, dr_grpo (no std), rloo, maxrl, reinforce_pp (centred, then "
-        "whitened over the batch's completion tokens)",
+        "whitened over the batch's completion tokens); gae: PPO with a learned critic "
+        "(backends with a critic)",
     )
     algorithm_mode: AlgorithmMode | None = option(
         None,
@@ -207,6 +216,12 @@ class AdvantageConfig:
             raise ValueError(
                 "option loss_reduction_constant is needed by loss_reduction='constant': "
                 "pass loss_reduction_constant > 0"
+            )
+        if self.advantage_estimator == "gae" and self.tokens.token_transform != "none":
+            raise ValueError(
+                f"advantage_estimator='gae' gives every token its own advantage already; "
+                f"token_transform={self.tokens.token_transform!r} spreads an episode advantage "
+                "over tokens: pass one of them"
             )
         if self.algorithm_mode is not None:
             estimator, transform = ALGORITHM_MODES[self.algorithm_mode]

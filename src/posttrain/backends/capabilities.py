@@ -34,6 +34,9 @@ class Capabilities:
     # which uncertainty_kind='shannon_entropy' reads. Optional in a plugin's dict: a flag added
     # after the others, so a plugin written before it keeps working (conservatively False).
     provides_token_entropies: bool = False
+    # Its models can get a value model beside the policy, trained with it: PPO with a learned
+    # critic (advantage_estimator='gae'). Optional for plugins, like provides_token_entropies.
+    supports_critic: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -145,4 +148,5 @@ LOCAL = Capabilities(
     supports_sampling=True,
     device_kinds=("cpu", "cuda"),
     provides_token_entropies=True,  # engine.sampler computes them per decode step
+    supports_critic=True,
 )

@@ -15,6 +15,8 @@ last good state.
 from __future__ import annotations
 
 import asyncio
+import logging
+import shutil
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -27,6 +29,7 @@ from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import LogprobChunking, TrainingClient
+from posttrain.engine.checkpoint import is_complete_checkpoint, step_directories
 from posttrain.engines.config import InferenceConfig
 from posttrain.engines.session import EngineSession
 from posttrain.model import TrainableModel
@@ -40,6 +43,8 @@ from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 ClientT = TypeVar("ClientT", bound=TrainingClient)
+CRITIC_DIR = "critic"  # a model's critic: its checkpoints, under the model's directory
+log = logging.getLogger(__name__)
 # Called with the model and its step once its client's weights changed: after a step's updates
 # (a failure fails the step), or after a failed step's reload (a failure becomes a note).
 WeightsHook = Callable[[TrainableModel, int], Awaitable[None]]
@@ -59,6 +64,7 @@ class ModelClients(Generic[ClientT]):
         after_update: WeightsHook | None = None,
         after_reload: WeightsHook | None = None,
         inference: InferenceConfig | None = None,
+        critics: ClientSource[ClientT] | None = None,
     ) -> None:
         self.path = Path(path)
         self.backend = backend
@@ -68,6 +74,10 @@ class ModelClients(Generic[ClientT]):
         self.after_update = after_update
         self.after_reload = after_reload
         self.inference = inference or InferenceConfig()
+        # Value models of PPO with a critic (`trainer.critic`), made at a model's first 'gae'
+        # step, checkpointed beside its policy under `critic/checkpoints/<step>`.
+        self.critics = critics
+        self._critics: dict[int, ClientT] = {}
         self._clients: dict[int, ClientT] = {}
         self._engines: dict[int, EngineSession] = {}
         self._registered: dict[tuple[str, str], TrainableModel] = {}
@@ -94,7 +104,11 @@ class ModelClients(Generic[ClientT]):
         attached = False
         session: EngineSession | None = None
         step = checkpoint.step if checkpoint else 0
+        critic: ClientT | None = None
         try:
+            # Right after the policy, whose load restored the RNG: the critic's checkpoint holds
+            # the same RNG state (saved just before the policy's), so loading it changes nothing.
+            critic = await self._open_critic(model, directory, step) if step > 0 else None
             session = await self._open_engine(model, client, directory, step)
             model.attach(backend, directory, step)
             attached = True  # the metric sinks opened (they may refuse)
@@ -105,13 +119,52 @@ class ModelClients(Generic[ClientT]):
                 model.detach()
             if session is not None:
                 await session.close()
+            if critic is not None:
+                await self._release_critic(critic)
             await self.clients.release(client)
             raise
         if checkpoint is not None:  # last: a failed registration leaves the model as it was
             model.run_state = dict(checkpoint.run_state)
         self._clients[id(model)] = client
+        if critic is not None:
+            self._critics[id(model)] = critic
         self._engines[id(model)] = session
         self._registered[(model.project, model.name)] = model
+
+    async def _open_critic(
+        self, model: TrainableModel, directory: Path, step: int
+    ) -> ClientT | None:
+        """The critic saved with `step`'s checkpoint, if the run has one (None otherwise)."""
+        if self.critics is None:
+            return None
+        saved = critic_checkpoint(directory, step)
+        if not is_complete_checkpoint(saved):
+            return None
+        return await self.critics.open(model, directory / CRITIC_DIR, str(saved))
+
+    async def _critic(self, model: TrainableModel) -> ClientT:
+        """The model's critic: the one it has, else a new one on the base model."""
+        critic = self._critics.get(id(model))
+        if critic is not None:
+            return critic
+        if self.critics is None:
+            raise RuntimeError(f"{self.backend} has no critic (supports_critic=false)")
+        earlier = step_directories(model.directory / CRITIC_DIR / "checkpoints")
+        if earlier:  # the run had a critic, but its step saved none (save_checkpoint=False)
+            log.warning(
+                "model %r starts a new critic at step %d: no critic was saved with that step "
+                "(the last was at step %s), so its values start from the base model",
+                model.name,
+                model.step,
+                earlier[-1].name,
+            )
+        critic = await self.critics.open(model, model.directory / CRITIC_DIR, None)
+        self._critics[id(model)] = critic
+        return critic
+
+    async def _release_critic(self, critic: ClientT) -> None:
+        assert self.critics is not None
+        await self.critics.release(critic)
 
     async def _open_engine(
         self, model: TrainableModel, client: ClientT, directory: Path, version: int
@@ -143,6 +196,11 @@ class ModelClients(Generic[ClientT]):
                 "call `await model.register(backend)` first"
             ) from None
 
+    def critic(self, model: TrainableModel) -> ClientT | None:
+        """The model's critic (a value model), None before its first 'gae' step."""
+        self.client(model)  # the clear "not registered" error
+        return self._critics.get(id(model))
+
     def sampling_client(self, model: TrainableModel) -> ModelSampler:
         client = self.client(model)
         return ModelSampler(client, client.get_tokenizer(), engine=self._engines[id(model)].engine)
@@ -162,12 +220,13 @@ class ModelClients(Generic[ClientT]):
         if isinstance(client, LogprobChunking):
             client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
+        critic = await self._critic(model) if config.advantages.estimator == "gae" else None
         step = model.step + 1
         plot = model.directory / "plots" / f"step_{step:05d}.png"
         before = dict(model.run_state)
 
         async def run() -> StepMetrics:
-            metrics = await train_rl_batch(client, batch, config, recorder=recorder)
+            metrics = await train_rl_batch(client, batch, config, recorder=recorder, critic=critic)
             if recorder is not None:
                 recorder.save(plot)
             model.run_state.update(batch.run_state)  # saved with this step's checkpoint
@@ -222,7 +281,10 @@ class ModelClients(Generic[ClientT]):
                 await self.after_update(model, step)
             await self._engines[id(model)].sync(step)
             if save:
+                # The critic first: a policy checkpoint of `step` then implies its critic's.
+                await self._save_critic(model, step)
                 path = await self.index.save(self.client(model), model, step)
+                self._prune_critics(model)
         except Exception as exc:
             for leftover in leftovers:
                 leftover.unlink(missing_ok=True)
@@ -231,8 +293,40 @@ class ModelClients(Generic[ClientT]):
         model.set_step(step)
         return TrainResult(step=step, metrics=metrics.as_dict(), checkpoint_path=path)
 
+    async def _save_critic(self, model: TrainableModel, step: int) -> None:
+        critic = self._critics.get(id(model))
+        if critic is None:
+            return
+        await critic.save_state(str(step))
+
+    def _prune_critics(self, model: TrainableModel) -> None:
+        """Drop the critics of steps whose policy checkpoint the index pruned."""
+        if id(model) not in self._critics:
+            return
+        kept = {p.name for p in step_directories(model.directory / "checkpoints")}
+        for saved in step_directories(model.directory / CRITIC_DIR / "checkpoints"):
+            if saved.name not in kept and int(saved.name) < model.step:
+                shutil.rmtree(saved, ignore_errors=True)
+
+    async def _restore_critic(self, model: TrainableModel, error: Exception) -> None:
+        """After a failed step: the critic of the model's step, or none (made anew when next
+        needed) if that step saved no critic."""
+        critic = self._critics.get(id(model))
+        if critic is None:
+            return
+        saved = critic_checkpoint(model.directory, model.step)
+        try:
+            if is_complete_checkpoint(saved):
+                await critic.load_state(str(saved), with_optimizer=True)
+                return
+        except Exception as reload_error:
+            error.add_note(f"reloading the critic from {saved} failed: {reload_error!r}")
+        del self._critics[id(model)]
+        await self._release_critic(critic)
+
     async def _restore(self, model: TrainableModel, error: Exception) -> None:
         """After a failed step: reload the checkpoint of the model's (unchanged) step."""
+        await self._restore_critic(model, error)
         last_good = self.index.checkpoint_of(model.directory, model.step)
         if last_good is None:
             error.add_note(
@@ -260,8 +354,11 @@ class ModelClients(Generic[ClientT]):
                 error.add_note(f"after reloading {last_good}: {hook_error}")
 
     async def checkpoint(self, model: TrainableModel) -> str:
-        """Save the model's current state as the checkpoint of its step."""
-        return await self.index.save(self.client(model), model, model.step)
+        """Save the model's current state (its critic's too) as the checkpoint of its step."""
+        await self._save_critic(model, model.step)
+        path = await self.index.save(self.client(model), model, model.step)
+        self._prune_critics(model)
+        return path
 
     async def _reopen_engine(self, model: TrainableModel, client: ClientT) -> None:
         """A new client after a failed step: a new engine on it (the old one sampled the old
@@ -283,9 +380,10 @@ class ModelClients(Generic[ClientT]):
                 await session.close()
         finally:
             self._engines.clear()
-            for client in self._clients.values():
+            for client in [*self._clients.values(), *self._critics.values()]:
                 client.close()
             self._clients.clear()
+            self._critics.clear()
             self._registered.clear()
 
 
@@ -315,6 +413,11 @@ class InProcessClients(Generic[ClientT]):
 
     async def release(self, client: ClientT) -> None:
         client.close()
+
+
+def critic_checkpoint(directory: Path, step: int) -> Path:
+    """Where the critic saved with the policy checkpoint of `step` is."""
+    return directory / CRITIC_DIR / "checkpoints" / str(step)
 
 
 def missing_base_model(model: TrainableModel, error: FileNotFoundError) -> str:

@@ -22,7 +22,7 @@ from posttrain.backends.options import (
 from posttrain.backends.preflight import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import ModelSampler
-from posttrain.clients.create import create_training_client
+from posttrain.clients.create import Head, create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.devices import AUTO, resolve_device
 from posttrain.engines.config import InferenceConfig
@@ -69,6 +69,7 @@ class LocalBackend:
             clients=InProcessClients(self._make_client),
             index=DirectoryCheckpoints(keep_checkpoints),
             inference=self.inference,
+            critics=InProcessClients(self._make_critic),
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -85,7 +86,13 @@ class LocalBackend:
         await preflight_register(BACKEND, model)
         await self._models.register(self, model)
 
-    def _make_client(self, model: TrainableModel, directory: Path) -> LocalTrainingClient:
+    def _make_critic(self, model: TrainableModel, directory: Path) -> LocalTrainingClient:
+        """A value model on the policy's base model, LoRA and placement (`trainer.critic`)."""
+        return self._make_client(model, directory, head="value")
+
+    def _make_client(
+        self, model: TrainableModel, directory: Path, head: Head = "policy"
+    ) -> LocalTrainingClient:
         return create_training_client(
             model.base_model,
             lora_rank=model.lora_rank,
@@ -99,6 +106,7 @@ class LocalBackend:
             micro_batch_tokens=self.micro_batch_tokens,
             storage_dir=directory,
             seed=model.seed,
+            head=head,
         )
 
     def registered_models(self) -> list[TrainableModel]:
@@ -107,6 +115,11 @@ class LocalBackend:
     def client(self, model: TrainableModel) -> LocalTrainingClient:
         """The primitive-level client of a registered model (for power users)."""
         return self._models.client(model)
+
+    def critic_client(self, model: TrainableModel) -> LocalTrainingClient | None:
+        """The primitive-level client of the model's critic (advantage_estimator='gae'): a
+        value model whose passes return per-token values; None before its first 'gae' step."""
+        return self._models.critic(model)
 
     async def train(
         self,

@@ -70,6 +70,7 @@ class CoreRLFields(TypedDict, total=False):
     sepa_warmup_steps: int
     sepa_ema_decay: float
     num_minibatches: int
+    update_epochs: int
     grad_clip: float
     weight_decay: float
     save_checkpoint: bool
@@ -109,7 +110,17 @@ class WeightsInProcessFields(PosttrainLossFields, total=False):
     plot_tensors: bool
 
 
-class LocalRLOptions(WeightsInProcessFields, total=False, closed=True):
+class CriticFields(WeightsInProcessFields, total=False):
+    """Options of PPO with a learned critic (advantage_estimator='gae'): backends whose models
+    get a value model beside the policy (`supports_critic`)."""
+
+    gae_gamma: float
+    gae_lambda: float
+    value_clip: float | None
+    critic_learning_rate: float | None
+
+
+class LocalRLOptions(CriticFields, total=False, closed=True):
     """LocalBackend.train() options."""
 
 
@@ -206,6 +217,7 @@ document(CoreRLFields, RLConfig)
 document(RLOptions, RLConfig)
 document(PosttrainLossFields, RLConfig)
 document(WeightsInProcessFields, RLConfig)
+document(CriticFields, RLConfig)
 document(LocalRLOptions, RLConfig)
 document(SFTOptions, SFTConfig)
 document(DPOOptions, DPOConfig)

@@ -327,6 +327,15 @@ def preflight_rl(
                 "set kl_penalty_coef=0 or use a backend with supports_kl_reference",
             )
         )
+    if config.advantages.estimator == "gae" and not capabilities.supports_critic:
+        problems.append(
+            PreflightProblem(
+                "advantage_estimator",
+                f"'gae' needs a learned critic (a value model trained beside the policy), which "
+                f"{backend} does not have (supports_critic=false); use LocalBackend or "
+                "RayBackend, or a group estimator such as 'grpo'",
+            )
+        )
     problem = token_data_problem(backend, capabilities, config)
     if problem is not None:
         problems.append(problem)

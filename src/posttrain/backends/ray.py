@@ -21,11 +21,11 @@ from posttrain.backends.client_models import InProcessClients, ModelClients
 from posttrain.backends.engine_options import engine_config
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
+    CriticFields,
     DPOOptions,
     RLConfig,
     SFTConfig,
     SFTOptions,
-    WeightsInProcessFields,
     check_options,
     document,
     resolve_dpo,
@@ -34,7 +34,7 @@ from posttrain.backends.options import (
 from posttrain.backends.preflight import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import ModelSampler
-from posttrain.clients.create import create_training_client
+from posttrain.clients.create import Head, create_training_client
 from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.devices import AUTO, resolve_worker_device
 from posttrain.engine.ray_actor import Sharding
@@ -53,7 +53,7 @@ class RayFields(TypedDict, total=False):
     check_weights_in_sync: bool
 
 
-class RayRLOptions(WeightsInProcessFields, RayFields, total=False, closed=True):
+class RayRLOptions(CriticFields, RayFields, total=False, closed=True):
     """RayBackend.train() options: LocalBackend's plus RayBackend's own."""
 
 
@@ -78,6 +78,7 @@ RAY = Capabilities(
     supports_sampling=True,
     device_kinds=("cpu", "cuda"),
     provides_token_entropies=True,  # its actors run engine.sampler, as LocalBackend
+    supports_critic=True,  # a second actor group, sharded like the policy's
 )
 
 
@@ -129,6 +130,7 @@ class RayBackend:
             clients=InProcessClients(self._make_client),
             index=DirectoryCheckpoints(keep_checkpoints),
             inference=self.inference,
+            critics=InProcessClients(self._make_critic),
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -154,7 +156,13 @@ class RayBackend:
         await preflight_register(BACKEND, model)
         await self._models.register(self, model)
 
-    def _make_client(self, model: TrainableModel, directory: Path) -> RayTrainingClient:
+    def _make_critic(self, model: TrainableModel, directory: Path) -> RayTrainingClient:
+        """A value model on the policy's base model, LoRA and placement (`trainer.critic`)."""
+        return self._make_client(model, directory, head="value")
+
+    def _make_client(
+        self, model: TrainableModel, directory: Path, head: Head = "policy"
+    ) -> RayTrainingClient:
         return create_training_client(
             model.base_model,
             lora_rank=model.lora_rank,
@@ -168,6 +176,7 @@ class RayBackend:
             micro_batch_tokens=self.micro_batch_tokens,
             storage_dir=directory,
             seed=model.seed,
+            head=head,
             executor="ray",
             address=self.address,
             resources_per_worker=self.resources_per_worker,
@@ -180,6 +189,11 @@ class RayBackend:
     def client(self, model: TrainableModel) -> RayTrainingClient:
         """The primitive-level client of a registered model (for power users)."""
         return self._models.client(model)
+
+    def critic_client(self, model: TrainableModel) -> RayTrainingClient | None:
+        """The primitive-level client of the model's critic (advantage_estimator='gae'): a
+        value model whose passes return per-token values; None before its first 'gae' step."""
+        return self._models.critic(model)
 
     async def train(
         self,

@@ -98,6 +98,38 @@ class OptimizerConfig:
         )
 
 
+def _unit_interval(v: float) -> bool:
+    return 0.0 <= v <= 1.0
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """PPO with a learned value function: GAE and the critic's updates (advantage_estimator
+    'gae', on backends with a critic). verl's defaults for γ and λ (1.0: undiscounted returns,
+    Monte-Carlo advantages minus the critic's baseline); the value clip of OpenRLHF (0.2)."""
+
+    gae_gamma: float = option(1.0, "GAE discount gamma", Check("in [0, 1]", _unit_interval))
+    gae_lambda: float = option(
+        1.0,
+        "GAE lambda (1: Monte-Carlo, 0: one-step TD)",
+        Check("in [0, 1]", _unit_interval),
+    )
+    value_clip: float | None = option(
+        0.2,
+        "critic values move at most this far from their pre-step values (PPO2's clipped value "
+        "loss); None: unclipped",
+        POSITIVE,
+    )
+    critic_learning_rate: float | None = option(
+        None,
+        "the critic's AdamW learning rate (None: the policy's learning_rate)",
+        NON_NEGATIVE,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
 def check_loss_name(name: str | None) -> None:
     """A built-in policy loss or a registered custom one; else a ValueError naming the nearest."""
     if name is None or name in get_args(PolicyLoss) or is_custom_loss(name):
@@ -147,6 +179,12 @@ class RLConfig:
     num_minibatches: int = option(
         1, "optimizer steps per call, each on its share of the trajectories", AT_LEAST_ONE
     )
+    update_epochs: int = option(
+        1,
+        "passes over the batch's mini-batches (num_minibatches x update_epochs updates)",
+        AT_LEAST_ONE,
+    )
+    critic: CriticConfig = group(CriticConfig)
     precalculate_logprobs: bool = option(
         False,
         "score the batch with the trainer's weights first; use those as the ratio's reference",

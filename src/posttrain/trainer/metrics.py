@@ -76,6 +76,19 @@ class StepMetrics:
             if f"{name}:mean" in optim:
                 self._add(name, optim[f"{name}:mean"], 1.0)
 
+    def add_critic_update(
+        self, forward: Mapping[str, float], optim: Mapping[str, float], *, num_tokens: int
+    ) -> None:
+        """Fold in the critic's update beside a policy mini-batch, as `critic/<name>`: its
+        value loss (summed, averaged over updates), per-token means and gradient norm."""
+        self._add("critic/value_loss", forward.get("loss:sum", 0.0), 1.0)
+        for key, value in forward.items():
+            name, _, reduction = key.partition(":")
+            if reduction == "mean":
+                self._add(f"critic/{name}", value, float(num_tokens))
+        if "grad_norm:mean" in optim:
+            self._add("critic/grad_norm", optim["grad_norm:mean"], 1.0)
+
     def _add(self, name: str, value: float, weight: float) -> None:
         self._sums[name] += value * weight
         self._sums[f"{name}.weight"] += weight

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -18,6 +18,7 @@ from posttrain.clients.custom_loss import custom_loss, is_custom_loss
 from posttrain.clients.futures import APIFuture
 from posttrain.clients.protocol import CustomLossClient, ReferenceScorer, TrainingClient
 from posttrain.trainer.config import RLConfig
+from posttrain.trainer.critic import gae_batch, score_values, update_critic
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
@@ -38,6 +39,7 @@ class PreparedBatch:
     masks: list[torch.Tensor]
     advantages: list[float]
     rewards: list[float]
+    datum_rewards: list[float]  # each datum's trajectory reward (GAE puts it on the last token)
     num_groups: int
     num_zero_variance_groups: int
     num_dropped_groups: int
@@ -63,7 +65,15 @@ def prepare_batch(
     require_sequence(groups, "the trajectory groups")
     if not groups:
         raise ValueError("train() got an empty list of trajectory groups; pass at least one group")
-    result = compute_group_advantages([g.rewards for g in groups], config.advantages)
+    # GAE's advantages come from the critic once the batch is scored (`trainer.critic`): the
+    # groups' own statistics are still reported, and none is dropped for equal rewards (the
+    # critic's baseline is not the group mean, so such a group still carries a signal).
+    episode = (
+        replace(config.advantages, advantage_estimator="grpo", zero_variance_groups="keep")
+        if config.advantages.estimator == "gae"
+        else config.advantages
+    )
+    result = compute_group_advantages([g.rewards for g in groups], episode)
     per_token = (
         token_advantages(
             groups, result, config.advantages, run_state=run_state, tokenizer=tokenizer
@@ -74,6 +84,7 @@ def prepare_batch(
     datums: list[Datum] = []
     masks: list[torch.Tensor] = []
     advantages: list[float] = []
+    datum_rewards: list[float] = []
     for g, (group, adv_G, kept) in enumerate(
         zip(groups, result.advantages, result.kept, strict=True)
     ):
@@ -91,11 +102,13 @@ def prepare_batch(
             datums.append(datum)
             masks.append(mask)
             advantages.append(adv)
+            datum_rewards.append(trajectory.reward)
     return PreparedBatch(
         datums=datums,
         masks=masks,
         advantages=advantages,
         rewards=[r for g in groups for r in g.rewards],
+        datum_rewards=datum_rewards,
         num_groups=result.num_groups,
         num_zero_variance_groups=result.num_zero_variance_groups,
         num_dropped_groups=result.num_dropped_groups,
@@ -176,6 +189,7 @@ async def train_rl_batch(
     config: RLConfig,
     *,
     recorder: TensorRecorder | None = None,
+    critic: TrainingClient | None = None,
 ) -> StepMetrics:
     """The updates of one step on an already prepared (and so already validated) batch.
 
@@ -183,7 +197,10 @@ async def train_rl_batch(
     over the whole step. The trainer's are those of precalculate_logprobs' forward pass, before
     any update; without it, each mini-batch's forward_backward logprobs, so from the second
     mini-batch on the difference also holds the policy's own updates (as tinker-cookbook
-    measures it).
+    measures it), and only the first of `update_epochs` passes is compared.
+
+    `critic` (advantage_estimator 'gae') scores the batch, gives the policy GAE advantages, and
+    is updated beside each policy update on the same mini-batch (`trainer.critic`).
     """
     metrics = StepMetrics.for_batch(
         batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups
@@ -194,23 +211,34 @@ async def train_rl_batch(
     datums = await add_reference_inputs(client, batch.datums, config)
     if config.precalculate_logprobs:
         metrics.sample_train = _precalculated_agreement(datums, batch.masks)
+    critic_datums: list[Datum] = []
+    if critic is not None:
+        values = await score_values(critic, datums, batch.masks)
+        scored = gae_batch(datums, batch.masks, batch.datum_rewards, values, config)
+        datums, critic_datums = scored.policy_datums, scored.critic_datums
+        metrics.flow.update(scored.metrics)
     adam = config.optimizer.adam_params()
     parts = split_minibatches(len(datums), config.num_minibatches)
-    with Progress("train", len(parts), "update") as progress:
-        for part in parts:
+    updates = [(epoch, part) for epoch in range(config.update_epochs) for part in parts]
+    with Progress("train", len(updates), "update") as progress:
+        for epoch, part in updates:
             masks = [batch.masks[i] for i in part]
             mini = weighted([datums[i] for i in part], masks, config)
             out = await _forward_backward(client, mini, config)
-            if not config.precalculate_logprobs:
+            if epoch == 0 and not config.precalculate_logprobs:
                 metrics.sample_train += _update_agreement(mini, masks, out)
             if recorder is not None:
                 recorder.record(mini, out)
             step = await client.optim_step(adam)
             tokens = sum(int(m.sum()) for m in masks)
             metrics.add_update(out.metrics, step.metrics or {}, num_tokens=tokens)
+            if critic is not None:
+                value_mini = weighted([critic_datums[i] for i in part], masks, config)
+                value_out, value_step = await update_critic(critic, value_mini, config)
+                metrics.add_critic_update(value_out.metrics, value_step, num_tokens=tokens)
             if config.verbose:
                 _log_update(
-                    progress.done, len(parts), tokens, {**out.metrics, **(step.metrics or {})}
+                    progress.done, len(updates), tokens, {**out.metrics, **(step.metrics or {})}
                 )
             progress.update()
     metrics.num_trajectories = len(datums)

@@ -1,0 +1,45 @@
+"""A critic on RayBackend: a second actor group, FSDP2-sharded like the policy's, landing where
+LocalBackend's critic does. Tolerance as in test_ray_backend.py (fp32 summation order across
+two shards: measured below 1e-7 relative on the weights; 2e-6 allowed)."""
+
+from __future__ import annotations
+
+import pytest
+from local_groups import synthetic_groups
+from test_critic_backend import GAE, new_model, weights
+from test_ray_backend import REL_TOL, TEST_RAY, assert_same_metrics, rel_error
+
+from posttrain.backends.local import LocalBackend
+from posttrain.backends.ray import RayBackend
+from posttrain.engine.ray_session import ray_session
+
+
+@pytest.mark.slow
+async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
+    local = LocalBackend(tmp_path / "local")
+    expected = new_model(tiny_model_dir)
+    await expected.register(local)
+    expected_results = [
+        await local.train(expected, synthetic_groups(s, groups=2, size=3), **GAE)  # type: ignore[arg-type]
+        for s in range(2)
+    ]
+    # Two groups of two actors (policy and critic) share the 2 CPUs: half a CPU each.
+    with ray_session(num_cpus=2):
+        backend = RayBackend(
+            tmp_path / "ray",
+            num_workers=2,
+            ray_config=TEST_RAY,
+            sharding="fsdp2",
+            resources_per_worker={"CPU": 0.5},
+        )
+        model = new_model(tiny_model_dir)
+        await model.register(backend)
+        for s, reference in enumerate(expected_results):
+            result = await backend.train(model, synthetic_groups(s, groups=2, size=3), **GAE)  # type: ignore[arg-type]
+            assert_same_metrics(result, reference)
+        critic = backend.critic_client(model)
+        assert critic is not None
+        gathered = critic.executor.full_tensors("weights")[0]
+        assert rel_error(weights(local.critic_client(expected)), gathered) < REL_TOL  # type: ignore[arg-type]
+        await backend.close()
+    await local.close()
