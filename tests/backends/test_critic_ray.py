@@ -12,6 +12,7 @@ from test_ray_backend import REL_TOL, TEST_RAY, assert_same_metrics, rel_error
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.ray import RayBackend
 from posttrain.engine.ray_session import ray_session
+from posttrain.model import TrainableModel
 
 
 @pytest.mark.slow
@@ -41,5 +42,37 @@ async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
         assert critic is not None
         gathered = critic.executor.full_tensors("weights")[0]
         assert rel_error(weights(local.critic_client(expected)), gathered) < REL_TOL  # type: ignore[arg-type]
+        await backend.close()
+    await local.close()
+
+
+@pytest.mark.slow
+async def test_fsdp2_frozen_reference_matches_local(tiny_model_dir, tmp_path):
+    """A fully fine-tuned policy's KL reference as a second FSDP2 actor group (each rank holds
+    a shard of it, where the in-worker copy was whole on every rank)."""
+    kl = {"learning_rate": 1e-3, "kl_penalty_coef": 0.5, "loss": "ppo"}
+    local = LocalBackend(tmp_path / "local")
+    expected = TrainableModel(name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None)
+    await expected.register(local)
+    expected_results = [
+        await local.train(expected, synthetic_groups(s), **kl)  # type: ignore[arg-type]
+        for s in range(2)
+    ]
+    with ray_session(num_cpus=2):
+        backend = RayBackend(
+            tmp_path / "ray",
+            num_workers=2,
+            ray_config=TEST_RAY,
+            sharding="fsdp2",
+            resources_per_worker={"CPU": 0.5},
+        )
+        model = TrainableModel(
+            name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None
+        )
+        await model.register(backend)
+        for s, reference in enumerate(expected_results):
+            result = await backend.train(model, synthetic_groups(s), **kl)  # type: ignore[arg-type]
+            assert_same_metrics(result, reference)
+        assert result.metrics["kl"] > 0
         await backend.close()
     await local.close()

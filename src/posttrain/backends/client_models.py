@@ -28,7 +28,7 @@ from posttrain.backends.model_json import check_model_json, write_model_json
 from posttrain.backends.preflight import preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
-from posttrain.clients.protocol import LogprobChunking, TrainingClient
+from posttrain.clients.protocol import LogprobChunking, ReferenceScorer, TrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint, step_directories
 from posttrain.engines.config import InferenceConfig
 from posttrain.engines.session import EngineSession
@@ -44,6 +44,7 @@ from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 ClientT = TypeVar("ClientT", bound=TrainingClient)
 CRITIC_DIR = "critic"  # a model's critic: its checkpoints, under the model's directory
+REFERENCE_DIR = "reference"  # a frozen reference's storage (it never saves anything)
 log = logging.getLogger(__name__)
 # Called with the model and its step once its client's weights changed: after a step's updates
 # (a failure fails the step), or after a failed step's reload (a failure becomes a note).
@@ -65,6 +66,7 @@ class ModelClients(Generic[ClientT]):
         after_reload: WeightsHook | None = None,
         inference: InferenceConfig | None = None,
         critics: ClientSource[ClientT] | None = None,
+        references: ClientSource[ClientT] | None = None,
     ) -> None:
         self.path = Path(path)
         self.backend = backend
@@ -78,6 +80,10 @@ class ModelClients(Generic[ClientT]):
         # step, checkpointed beside its policy under `critic/checkpoints/<step>`.
         self.critics = critics
         self._critics: dict[int, ClientT] = {}
+        # Frozen base models of fully fine-tuned policies: their KL (and DPO) reference, made
+        # at first use, in workers of their own (LoRA policies switch their adapters off).
+        self.references = references
+        self._references: dict[int, ClientT] = {}
         self._clients: dict[int, ClientT] = {}
         self._engines: dict[int, EngineSession] = {}
         self._registered: dict[tuple[str, str], TrainableModel] = {}
@@ -162,6 +168,20 @@ class ModelClients(Generic[ClientT]):
         self._critics[id(model)] = critic
         return critic
 
+    async def _reference(self, model: TrainableModel) -> ReferenceScorer | None:
+        """The frozen base model a fully fine-tuned policy's reference logprobs come from, in
+        workers of its own (placed and sharded like the policy's); None for a LoRA policy,
+        whose reference is itself with the adapters off, or without a reference source."""
+        if model.lora_rank is not None or self.references is None:
+            return None
+        reference = self._references.get(id(model))
+        if reference is None:
+            reference = await self.references.open(model, model.directory / REFERENCE_DIR, None)
+            self._references[id(model)] = reference
+        if not isinstance(reference, ReferenceScorer):
+            raise TypeError(f"{type(reference).__name__} cannot score reference logprobs")
+        return reference
+
     async def _release_critic(self, critic: ClientT) -> None:
         assert self.critics is not None
         await self.critics.release(critic)
@@ -221,12 +241,16 @@ class ModelClients(Generic[ClientT]):
             client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
         critic = await self._critic(model) if config.advantages.estimator == "gae" else None
+        kl = config.loss.kl_penalty_coef > 0
+        reference = await self._reference(model) if kl else None
         step = model.step + 1
         plot = model.directory / "plots" / f"step_{step:05d}.png"
         before = dict(model.run_state)
 
         async def run() -> StepMetrics:
-            metrics = await train_rl_batch(client, batch, config, recorder=recorder, critic=critic)
+            metrics = await train_rl_batch(
+                client, batch, config, recorder=recorder, critic=critic, reference=reference
+            )
             if recorder is not None:
                 recorder.save(plot)
             model.run_state.update(batch.run_state)  # saved with this step's checkpoint
@@ -259,9 +283,10 @@ class ModelClients(Generic[ClientT]):
         listed = pair_list(pairs, f"{self.backend}.train_dpo()")  # read once, here
         client = self.client(model)
         batches = dpo_batches(listed, config)  # bad input fails here, before any update
+        reference = await self._reference(model) if config.reference == "base" else None
 
         async def run() -> StepMetrics:
-            return await train_dpo_batches(client, listed, batches, config)
+            return await train_dpo_batches(client, listed, batches, config, reference)
 
         return await self._step(model, model.step + 1, run, config.save_checkpoint)
 
@@ -380,10 +405,12 @@ class ModelClients(Generic[ClientT]):
                 await session.close()
         finally:
             self._engines.clear()
-            for client in [*self._clients.values(), *self._critics.values()]:
+            others = [*self._critics.values(), *self._references.values()]
+            for client in [*self._clients.values(), *others]:
                 client.close()
             self._clients.clear()
             self._critics.clear()
+            self._references.clear()
             self._registered.clear()
 
 

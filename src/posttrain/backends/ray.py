@@ -131,6 +131,7 @@ class RayBackend:
             index=DirectoryCheckpoints(keep_checkpoints),
             inference=self.inference,
             critics=InProcessClients(self._make_critic),
+            references=InProcessClients(self._make_reference),
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -159,6 +160,10 @@ class RayBackend:
     def _make_critic(self, model: TrainableModel, directory: Path) -> RayTrainingClient:
         """A value model on the policy's base model, LoRA and placement (`trainer.critic`)."""
         return self._make_client(model, directory, head="value")
+
+    def _make_reference(self, model: TrainableModel, directory: Path) -> RayTrainingClient:
+        """The frozen base model of a fully fine-tuned policy: its KL and DPO reference."""
+        return self._make_client(model, directory, head="reference")
 
     def _make_client(
         self, model: TrainableModel, directory: Path, head: Head = "policy"

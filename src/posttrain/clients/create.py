@@ -37,8 +37,10 @@ if TYPE_CHECKING:
 
 ExecutorKind = Literal["local", "ray"]
 # "policy": the causal LM; "value": a critic, the same model with a scalar head
-# (`engine.value_head`), whose passes give per-token values instead of logprobs.
-Head = Literal["policy", "value"]
+# (`engine.value_head`), whose passes give per-token values instead of logprobs; "reference":
+# the base model whole and never trained, whose `reference_logprobs` are its own (the frozen
+# KL / DPO reference of a fully fine-tuned policy, in workers of its own).
+Head = Literal["policy", "value", "reference"]
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,14 @@ class WorkerSpec:
         if self.lora is not None and self.head == "value":
             lora = replace(self.lora, train_unembed=False)
             model = apply_lora(model, lora, seed=self.seed, modules_to_save=[VALUE_HEAD_MODULE])
-        elif self.lora is not None:
+        elif self.lora is not None and self.head == "policy":
             model = apply_lora(model, self.lora, seed=self.seed)
         return Worker(
             model,
             self.config,
             tokenizer=load_tokenizer(self.base_model),
-            reference_factory=self.reference_model,
+            # A reference model scores with itself; a policy builds a frozen copy when asked.
+            reference_factory=None if self.head == "reference" else self.reference_model,
         )
 
     def on_cpu(self) -> WorkerSpec:
@@ -162,6 +165,7 @@ def create_training_client(
     "auto" is CUDA when each worker gets a GPU share. `compute_thread` (local only) runs the
     client's calls on that thread, shared with other clients, instead of a thread of its own.
     `head="value"` makes a critic (`engine.value_head`): its passes return per-token values.
+    `head="reference"` makes a frozen base model (no LoRA) that scores `reference_logprobs`.
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -182,8 +186,8 @@ def create_training_client(
     config = WorkerConfig(
         micro_batch_tokens=micro_batch_tokens, logprob_chunk_size=logprob_chunk_size, device=device
     )
-    if head not in ("policy", "value"):
-        raise ValueError(f"head must be 'policy' or 'value', got {head!r}")
+    if head not in ("policy", "value", "reference"):
+        raise ValueError(f"head must be 'policy', 'value' or 'reference', got {head!r}")
     spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed, head)
     storage = Path(storage_dir) if storage_dir else Path(tempfile.mkdtemp(prefix="posttrain-"))
     if ray is not None:
@@ -213,7 +217,7 @@ def _local_client(
             copy.deepcopy(first.model),
             spec.config,
             tokenizer=first.tokenizer,
-            reference_factory=spec.reference_model,
+            reference_factory=None if spec.head == "reference" else spec.reference_model,
         )
         for _ in range(num_workers - 1)
     ]

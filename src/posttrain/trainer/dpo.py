@@ -76,12 +76,18 @@ def dpo_batches(pairs: Sequence[PreferencePair], config: DPOConfig) -> list[list
 
 
 async def reference_logprobs(
-    client: TrainingClient, datums: list[Datum], config: DPOConfig
+    client: TrainingClient,
+    datums: list[Datum],
+    config: DPOConfig,
+    reference: ReferenceScorer | None = None,
 ) -> list[torch.Tensor]:
-    """Each datum's target logprobs under the reference policy (see the module docstring)."""
+    """Each datum's target logprobs under the reference policy (see the module docstring);
+    `reference="base"` scores with `reference` (a frozen base model) if given."""
     if config.reference == "initial":
         out = await client.forward(datums, "cross_entropy", LossConfig())
         return [o["logprobs"].reshape(-1).float().cpu() for o in out.loss_fn_outputs]
+    if reference is not None:
+        return [torch.tensor(r) for r in await reference.reference_logprobs(datums)]
     if not isinstance(client, ReferenceScorer):
         raise TypeError(
             f"reference='base' needs the base model's logprobs, which {type(client).__name__} "
@@ -165,13 +171,15 @@ async def train_dpo_batches(
     pairs: Sequence[PreferencePair],
     batches: Sequence[Sequence[int]],
     config: DPOConfig,
+    reference: ReferenceScorer | None = None,
 ) -> StepMetrics:
-    """The updates of `train_dpo` on batches from `dpo_batches` (already validated)."""
+    """The updates of `train_dpo` on batches from `dpo_batches` (already validated); the base
+    reference scores with `reference` if given (a frozen base model), else the client."""
     if not isinstance(client, CustomLossClient):
         raise TypeError(f"DPO needs forward_backward_custom, which {type(client).__name__} lacks")
     datums = [pair_datums(p) for p in pairs]
     flat = [d for pair in datums for d in pair]
-    ref = await reference_logprobs(client, flat, config)  # before any update
+    ref = await reference_logprobs(client, flat, config, reference)  # before any update
     refs = list(zip(ref[::2], ref[1::2], strict=True))
     fn = custom_loss(loss_name(config.loss))
     adam = config.optimizer.adam_params()

@@ -137,12 +137,17 @@ def weighted(datums: list[Datum], masks: list[torch.Tensor], config: RLConfig) -
 
 
 async def add_reference_inputs(
-    client: TrainingClient, datums: list[Datum], config: RLConfig
+    client: TrainingClient,
+    datums: list[Datum],
+    config: RLConfig,
+    reference: ReferenceScorer | None = None,
 ) -> list[Datum]:
     """Trainer logprobs as the ratio's reference (precalculate_logprobs) and KL reference.
 
     With precalculate_logprobs the datums come back with `logprobs` the trainer's and
     `sampler_logprobs` the sampler's, which `train_rl_batch` also compares (`algo.agreement`).
+    The KL reference scores with `reference` (a frozen base model in workers of its own) if
+    given, else with the client itself (LoRA off, or a copy inside its workers).
     """
     if config.precalculate_logprobs:
         allow = config.loss.allow_training_without_logprobs
@@ -154,12 +159,13 @@ async def add_reference_inputs(
             for d, out in zip(datums, scored.loss_fn_outputs, strict=True)
         ]
     if config.loss.kl_penalty_coef > 0:
-        if not isinstance(client, ReferenceScorer):
+        scorer = reference if reference is not None else client
+        if not isinstance(scorer, ReferenceScorer):
             raise TypeError(
                 f"kl_penalty_coef needs reference logprobs, which {type(client).__name__} "
                 "cannot compute; use a local backend or set kl_penalty_coef=0"
             )
-        ref = await client.reference_logprobs(datums)
+        ref = await scorer.reference_logprobs(datums)
         datums = [
             _with_inputs(d, ref_logprobs=torch.tensor(r)) for d, r in zip(datums, ref, strict=True)
         ]
@@ -190,6 +196,7 @@ async def train_rl_batch(
     *,
     recorder: TensorRecorder | None = None,
     critic: TrainingClient | None = None,
+    reference: ReferenceScorer | None = None,
 ) -> StepMetrics:
     """The updates of one step on an already prepared (and so already validated) batch.
 
@@ -201,6 +208,7 @@ async def train_rl_batch(
 
     `critic` (advantage_estimator 'gae') scores the batch, gives the policy GAE advantages, and
     is updated beside each policy update on the same mini-batch (`trainer.critic`).
+    `reference` scores the KL reference (see `add_reference_inputs`).
     """
     metrics = StepMetrics.for_batch(
         batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups
@@ -208,7 +216,7 @@ async def train_rl_batch(
     metrics.flow = dict(batch.metrics)
     if not batch.datums:
         return metrics.nothing_trainable()
-    datums = await add_reference_inputs(client, batch.datums, config)
+    datums = await add_reference_inputs(client, batch.datums, config, reference)
     if config.precalculate_logprobs:
         metrics.sample_train = _precalculated_agreement(datums, batch.masks)
     critic_datums: list[Datum] = []
