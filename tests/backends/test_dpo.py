@@ -259,3 +259,19 @@ def test_pairs_from_chat_are_the_templates_tokens(tiny_model_dir):
         preference_pair_from_chat(tokenizer, prompt, "hi", "")
     with pytest.raises(ValueError, match="at least one prompt message"):
         preference_pair_from_chat(tokenizer, [], "hi", "no")
+
+
+def test_train_dpo_options_are_declared_and_checked_per_backend():
+    from posttrain.backends.preflight import PreflightError, preflight_dpo
+    from posttrain.backends.registry import describe
+    from posttrain.trainer.config import DPOConfig, from_options
+
+    local, tinker = describe("local"), describe("tinker")
+    assert "reference" in {o.name for o in local.train_dpo_options}
+    assert "reference" not in {o.name for o in tinker.train_dpo_options}
+    initial = from_options(DPOConfig, {"reference": "initial", "beta": 0.2})
+    preflight_dpo("LocalBackend", initial, options=local.train_dpo_options)
+    with pytest.raises(
+        PreflightError, match=r"reference: TinkerBackend.train_dpo\(\) does not take this option"
+    ):
+        preflight_dpo("TinkerBackend", initial, options=tinker.train_dpo_options)

@@ -8,8 +8,8 @@ listing) when it takes an argument, as retrain calls its hooks, and with none ot
   (every flag), else retrain's `retrain_backend_capabilities` / `RETRAIN_BACKEND_CAPABILITIES`
   (its four flags, the rest conservative; see `Capabilities.from_retrain`), else CONSERVATIVE.
   posttrain's hook wins over retrain's wherever each is; a hook that loses is reported.
-- `train()` / `train_sft()` options: `rl_options` / `sft_options` TypedDicts, else
-  `posttrain_option_schema`.
+- `train()` / `train_sft()` / `train_dpo()` options: `rl_options` / `sft_options` /
+  `dpo_options` TypedDicts, else `posttrain_option_schema` (each call's list optional).
 - `[backend]` options: retrain's `retrain_backend_option_schema` /
   `RETRAIN_BACKEND_OPTION_SCHEMA`, a mapping name -> `{type|value_type, default, choices?,
   validator?}`. retrain's backend options are what posttrain's `[backend]` table holds, the
@@ -30,10 +30,11 @@ from typing import Literal
 from posttrain.backends.backend_options import BackendOption
 from posttrain.backends.capabilities import CONSERVATIVE, Capabilities
 from posttrain.backends.schema import OptionSchema, option_schema
-from posttrain.trainer.config import RLConfig, SFTConfig
+from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig
 
 CAPABILITIES_HOOK = "posttrain_capabilities"
 OPTION_SCHEMA_HOOK = "posttrain_option_schema"
+CALLS = ("train", "train_sft", "train_dpo")  # the calls an option schema describes
 RETRAIN_CAPABILITIES_HOOKS = ("retrain_backend_capabilities", "RETRAIN_BACKEND_CAPABILITIES")
 RETRAIN_OPTION_SCHEMA_HOOKS = ("retrain_backend_option_schema", "RETRAIN_BACKEND_OPTION_SCHEMA")
 PRECEDENCE = (
@@ -63,6 +64,7 @@ class Declarations:
     capabilities_hook: str | None = None
     train: list[OptionSchema] = field(default_factory=list[OptionSchema])
     train_sft: list[OptionSchema] = field(default_factory=list[OptionSchema])
+    train_dpo: list[OptionSchema] = field(default_factory=list[OptionSchema])
     option_schema_hook: str | None = None
     backend_options: list[BackendOption] = field(default_factory=list[BackendOption])
     backend_options_hook: str | None = None
@@ -147,13 +149,15 @@ def _capabilities(
     return CONSERVATIVE, "default", None, []
 
 
-def _schema_from_hook(values: object, where: str) -> tuple[list[OptionSchema], list[OptionSchema]]:
-    if not isinstance(values, Mapping) or not set(values) <= {"train", "train_sft"}:
+def _schema_from_hook(values: object, where: str) -> list[list[OptionSchema]]:
+    """[train, train_sft, train_dpo] option lists from a hook's mapping (keys optional)."""
+    if not isinstance(values, Mapping) or not set(values) <= set(CALLS):
         raise ValueError(
-            f"{where} must return {{'train': [...], 'train_sft': [...]}}, got {values!r}"
+            f"{where} must return {{'train': [...], 'train_sft': [...], 'train_dpo': [...]}} "
+            f"(each optional), got {values!r}"
         )
     out: list[list[OptionSchema]] = []
-    for key in ("train", "train_sft"):
+    for key in CALLS:
         rows = values.get(key, [])  # a hook may leave out a call it has no options for
         if not isinstance(rows, list | tuple):
             raise ValueError(f"{where}[{key!r}] must be a list of option dicts")
@@ -161,7 +165,7 @@ def _schema_from_hook(values: object, where: str) -> tuple[list[OptionSchema], l
         names = [o.name for o in out[-1]]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}[{key!r}] lists an option twice: {names}")
-    return out[0], out[1]
+    return out
 
 
 def _typed_options(
@@ -177,20 +181,19 @@ def _typed_options(
 
 def _call_options(
     backend: object, source: str, options: Mapping[str, object]
-) -> tuple[list[OptionSchema], list[OptionSchema], str | None, list[Hook]]:
-    """(train, train_sft, the hook used, hooks beaten): typed declarations, else the hook."""
+) -> tuple[list[list[OptionSchema]], str | None, list[Hook]]:
+    """([train, train_sft, train_dpo] options, the hook used, hooks beaten): typed
+    declarations, else the hook."""
     hooks = find_hooks(backend, (OPTION_SCHEMA_HOOK,))
-    if getattr(backend, "rl_options", None) is not None or (
-        getattr(backend, "sft_options", None) is not None
-    ):
-        train = _typed_options(backend, "rl_options", "rl_config", RLConfig, source)
-        train_sft = _typed_options(backend, "sft_options", "sft_config", SFTConfig, source)
-        return train, train_sft, None, hooks
+    typed = (("rl_options", "rl_config", RLConfig), ("sft_options", "sft_config", SFTConfig))
+    typed += (("dpo_options", "dpo_config", DPOConfig),)
+    if any(getattr(backend, attr, None) is not None for attr, _, _ in typed):
+        lists = [_typed_options(backend, a, c, default, source) for a, c, default in typed]
+        return lists, None, hooks
     if not hooks:
-        return [], [], None, []
+        return [[], [], []], None, []
     value = hook_value(hooks[0], options, source)
-    train, train_sft = _schema_from_hook(value, f"{source}: {hooks[0].label()}")
-    return train, train_sft, hooks[0].name, hooks[1:]
+    return _schema_from_hook(value, f"{source}: {hooks[0].label()}"), hooks[0].name, hooks[1:]
 
 
 def _backend_options(
@@ -217,7 +220,9 @@ def read_declarations(
     the hook, the key and the fix. `options` are the backend options hooks may take."""
     given = options or {}
     caps, caps_source, caps_hook, beaten = _capabilities(backend, source, given)
-    train, train_sft, schema_hook, beaten_schema = _call_options(backend, source, given)
+    (train, train_sft, train_dpo), schema_hook, beaten_schema = _call_options(
+        backend, source, given
+    )
     backend_options, options_hook, beaten_options = _backend_options(backend, source, given)
     used = {caps_hook, schema_hook, options_hook}
     # A name on both the factory and its module is plain shadowing, not a hook that lost.
@@ -228,6 +233,7 @@ def read_declarations(
         capabilities_hook=caps_hook,
         train=train,
         train_sft=train_sft,
+        train_dpo=train_dpo,
         option_schema_hook=schema_hook,
         backend_options=backend_options,
         backend_options_hook=options_hook,

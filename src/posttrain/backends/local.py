@@ -47,6 +47,7 @@ class LocalBackend:
     capabilities: ClassVar[Capabilities] = LOCAL
     rl_options: ClassVar[type] = LocalRLOptions
     sft_options: ClassVar[type] = SFTOptions
+    dpo_options: ClassVar[type] = DPOOptions
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ from posttrain.backends.schema import OptionSchema
 from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.engine.model_source import HubUnreachableError, check_base_model
 from posttrain.trainer.config import (
+    DPOConfig,
     RLConfig,
     SFTConfig,
     option_defaults,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 _RL_DEFAULTS = option_defaults(RLConfig)
 _SFT_DEFAULTS = option_defaults(SFTConfig)
+_DPO_DEFAULTS = option_defaults(DPOConfig)
 
 # Options known to give the tokens of one sequence different advantages (the static check).
 TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] = (
@@ -371,6 +373,20 @@ def preflight_sft(
     if config.warmup_steps and config.lr_schedule == "constant" and config.min_lr_ratio != 0.0:
         problems.append(
             PreflightProblem("min_lr_ratio", "has no effect with lr_schedule='constant'")
+        )
+    if problems:
+        raise PreflightError(backend, problems)
+
+
+def preflight_dpo(
+    backend: str, config: DPOConfig, *, options: Sequence[OptionSchema] | None = None
+) -> None:
+    """Raise PreflightError for `train_dpo` options `backend` does not declare (set away from
+    their default) or values outside its choices, as preflight_sft does for SFT."""
+    problems: list[PreflightProblem] = []
+    if options is not None:
+        problems += unsupported_options(
+            backend, "train_dpo", option_values(config), _DPO_DEFAULTS, options
         )
     if problems:
         raise PreflightError(backend, problems)

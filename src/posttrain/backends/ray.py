@@ -99,6 +99,7 @@ class RayBackend:
     rl_config = RayRLConfig
     sft_options = SFTOptions
     sft_config = SFTConfig
+    dpo_options = DPOOptions
 
     def __init__(
         self,

@@ -2,10 +2,10 @@
 entry-point group, each described with its capabilities and option schemas.
 
 A backend (a class, or any factory returning a backend) declares `capabilities` (a
-`Capabilities`), `rl_options` / `sft_options` (TypedDicts) and `rl_config` / `sft_config` (their
-defaults). A plugin may instead give hooks, on the factory or on its module:
+`Capabilities`), `rl_options` / `sft_options` / `dpo_options` (TypedDicts) and `rl_config` /
+`sft_config` / `dpo_config` (their defaults). A plugin may instead give hooks, on the factory or on its module:
 `posttrain_capabilities` giving a dict of every capability, and `posttrain_option_schema`
-giving `{"train": [...], "train_sft": [...]}` of option dicts (name, type, default, choices,
+giving `{"train": [...], "train_sft": [...], "train_dpo": [...]}` of option dicts (name, type, default, choices,
 description). retrain's hooks are read too (`backends.hooks` has the names, formats and which
 wins). Without hooks a plugin gets conservative capabilities and an empty schema, so preflight
 refuses any option set away from its default.
@@ -81,6 +81,7 @@ class BackendInfo:
     capabilities_source: CapabilitiesSource = "default"
     train_options: list[OptionSchema] = field(default_factory=list[OptionSchema])
     train_sft_options: list[OptionSchema] = field(default_factory=list[OptionSchema])
+    train_dpo_options: list[OptionSchema] = field(default_factory=list[OptionSchema])
     constructor: list[ParameterSchema] = field(default_factory=list[ParameterSchema])
     # The hook that gave the capabilities, the train options and the [backend] options (None:
     # declared by the factory itself, or nothing), and hooks it has that lost to another.
@@ -111,6 +112,7 @@ class BackendInfo:
             "options": {
                 "train": [o.as_dict() for o in self.train_options],
                 "train_sft": [o.as_dict() for o in self.train_sft_options],
+                "train_dpo": [o.as_dict() for o in self.train_dpo_options],
             },
             "constructor": [p.as_dict() for p in self.constructor],
         }
@@ -210,6 +212,7 @@ def describe(spec: str, backend_options: Mapping[str, object] | None = None) -> 
         capabilities_source=found.capabilities_source,
         train_options=found.train,
         train_sft_options=found.train_sft,
+        train_dpo_options=found.train_dpo,
         constructor=constructor,
         hooks={
             "capabilities": found.capabilities_hook,

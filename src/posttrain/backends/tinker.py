@@ -103,6 +103,7 @@ class TinkerBackend:
     rl_options: ClassVar[type] = TinkerRLOptions
     rl_config: ClassVar[type] = TinkerRLConfig
     sft_options: ClassVar[type] = SFTOptions
+    dpo_options: ClassVar[type] = RemoteDPOOptions
 
     def __init__(
         self,

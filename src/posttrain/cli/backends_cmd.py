@@ -31,7 +31,7 @@ from posttrain.cli.engine_table import (
 # 3: adds "hooks" to each backend, "choices" and "has_validator" to each constructor argument,
 #    and retrain's hook names and the precedence to "plugins".
 # 4: adds "accepts_inference" to each backend and the top-level "engines".
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 5  # 5: supports_critic, train_dpo options
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -117,7 +117,12 @@ def _text(info: BackendInfo) -> str:
     if info.constructor:
         args = [_argument(p) for p in info.constructor]
         lines.append(f"  constructor ([backend] table): {', '.join(args)}")
-    for call, options in (("train", info.train_options), ("train_sft", info.train_sft_options)):
+    calls = (
+        ("train", info.train_options),
+        ("train_sft", info.train_sft_options),
+        ("train_dpo", info.train_dpo_options),
+    )
+    for call, options in calls:
         lines.append(f"  {call}() options:" + ("" if options else " none declared"))
         for o in options:
             choices = f" {{{', '.join(map(str, o.choices))}}}" if o.choices else ""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from posttrain.backends.engine_options import trainer_device
-from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
+from posttrain.backends.preflight import PreflightError, preflight_dpo, preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
 from posttrain.backends.schema import (
@@ -42,7 +42,7 @@ JOB_SUPPLIED = {
     "inference": "the [inference] table",
 }
 PLAIN_CALLS = ("model", "task", "backend")  # problems named by their option alone
-Call = Literal["model", "task", "backend", "train", "train_sft"]
+Call = Literal["model", "task", "backend", "train", "train_sft", "train_dpo"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,12 @@ def job_problems(
             lambda: preflight_sft(
                 info.label, info.capabilities, config.sft.trainer, options=info.train_sft_options
             ),
+        )
+    if config.dpo is not None:
+        dpo = config.dpo.trainer
+        problems += _preflight(
+            "train_dpo",
+            lambda: preflight_dpo(info.label, dpo, options=info.train_dpo_options),
         )
     return JobBackend(info, factory, kwargs), problems
 
