@@ -99,6 +99,11 @@ class TrainableModel:
                 f"{self.lora_rank}"
             )
         self._check_lora_layers()
+        if self.lora_rank is None and self.dtype != "float32":
+            raise ValueError(
+                f"TrainableModel: full fine-tuning (lora_rank=None) in {self.dtype} would round "
+                "most updates away; give a lora_rank (adapters stay float32) or dtype='float32'"
+            )
         if self.report_metrics is not None:
             if isinstance(self.report_metrics, str):
                 raise ValueError(

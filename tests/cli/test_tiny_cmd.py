@@ -39,3 +39,18 @@ def test_bad_choices_exit_2(tmp_path: Path, bad: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["make-tiny-model", str(tmp_path), *bad])
     assert exc.value.code == 2
+
+
+def test_size_choices_are_the_engine_sizes() -> None:
+    from typing import get_args
+
+    from posttrain.cli.tiny_cmd import SIZES
+    from posttrain.engine.tiny import Size
+
+    assert get_args(Size) == SIZES
+
+
+def test_real_size_with_another_arch_is_refused(tmp_path: Path) -> None:
+    args = ["make-tiny-model", str(tmp_path / "m"), "--arch", "llama", "--size", "qwen2.5-0.5b"]
+    assert main(args) == 2
+    assert not (tmp_path / "m").exists()

@@ -71,7 +71,7 @@ def test_constructor_options_are_checked_against_the_constructor(tmp_path):
     cases = [
         (
             {"num_worker": 2},
-            r"\[backend\] unknown key 'num_worker' for backend 'local'; did you mean 'num_workers'\? \(its constructor takes: device, num_workers, micro_batch_tokens\)",
+            r"\[backend\] unknown key 'num_worker' for backend 'local'; did you mean 'num_workers'\? \(its constructor takes: device, num_workers, micro_batch_tokens, gradient_checkpointing\)",
         ),
         ({"num_workers": "2"}, r"\[backend\] option num_workers='2' is invalid: expected int"),
         (

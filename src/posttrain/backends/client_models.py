@@ -25,7 +25,7 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
 from posttrain.backends.inputs import group_list, pair_list, trajectory_list
 from posttrain.backends.model_json import check_model_json, write_model_json
-from posttrain.backends.preflight import preflight_rl, preflight_sft
+from posttrain.backends.preflight import precision_mismatch, preflight_rl, preflight_sft
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import LogprobChunking, ReferenceScorer, TrainingClient
@@ -42,10 +42,10 @@ from posttrain.trainer.sft import sft_batches, train_sft_batches
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
+log = logging.getLogger(__name__)
 ClientT = TypeVar("ClientT", bound=TrainingClient)
 CRITIC_DIR = "critic"  # a model's critic: its checkpoints, under the model's directory
 REFERENCE_DIR = "reference"  # a frozen reference's storage (it never saves anything)
-log = logging.getLogger(__name__)
 # Called with the model and its step once its client's weights changed: after a step's updates
 # (a failure fails the step), or after a failed step's reload (a failure becomes a note).
 WeightsHook = Callable[[TrainableModel, int], Awaitable[None]]
@@ -84,6 +84,7 @@ class ModelClients(Generic[ClientT]):
         # at first use, in workers of their own (LoRA policies switch their adapters off).
         self.references = references
         self._references: dict[int, ClientT] = {}
+        self._warned_precision: set[int] = set()
         self._clients: dict[int, ClientT] = {}
         self._engines: dict[int, EngineSession] = {}
         self._registered: dict[tuple[str, str], TrainableModel] = {}
@@ -231,6 +232,12 @@ class ModelClients(Generic[ClientT]):
         """Preflight, one RL step through the shared trainer, then a checkpoint and the step."""
         groups = group_list(trajectory_groups, f"{self.backend}.train()")  # read once, here
         preflight_rl(self.backend, self.capabilities, config, groups)
+        mismatch = precision_mismatch(
+            model.dtype, self.inference.dtype, self.inference.engine, config
+        )
+        if mismatch is not None and id(model) not in self._warned_precision:
+            self._warned_precision.add(id(model))
+            log.warning("%s: %s", model.name, mismatch)
         client = self.client(model)
         # Bad input fails here, before any update. The advantage flow reads its controller
         # state (SEPA) from run_state; the tokenizer is fetched only to find planning tokens.

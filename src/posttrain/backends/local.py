@@ -56,6 +56,7 @@ class LocalBackend:
         device: str = AUTO,
         num_workers: int = 1,
         micro_batch_tokens: int = 8192,
+        gradient_checkpointing: bool = False,
         keep_checkpoints: int = 3,
         inference: InferenceConfig | Mapping[str, object] | None = None,
     ) -> None:
@@ -76,6 +77,7 @@ class LocalBackend:
         self.path = Path(path)
         self.num_workers = num_workers
         self.micro_batch_tokens = micro_batch_tokens
+        self.gradient_checkpointing = gradient_checkpointing
         self.keep_checkpoints = keep_checkpoints
         self._openai: OpenAIServer | None = None
 
@@ -110,6 +112,7 @@ class LocalBackend:
             device=self.device,
             num_workers=self.num_workers,
             micro_batch_tokens=self.micro_batch_tokens,
+            gradient_checkpointing=self.gradient_checkpointing,
             storage_dir=directory,
             seed=model.seed,
             head=head,

@@ -110,6 +110,7 @@ class RayBackend:
         resources_per_worker: Mapping[str, float] | None = None,
         device: str = AUTO,
         micro_batch_tokens: int = 8192,
+        gradient_checkpointing: bool = False,
         keep_checkpoints: int = 3,
         ray_config: RayConfig | None = None,
         sharding: Sharding | None = None,
@@ -144,6 +145,7 @@ class RayBackend:
         )
         self.device = resolve_worker_device(device, gpus, option=f"{BACKEND} device")
         self.micro_batch_tokens = micro_batch_tokens
+        self.gradient_checkpointing = gradient_checkpointing
         if sharding is not None:
             ray_config = replace(ray_config or RayConfig(), sharding=sharding)
         self.ray_config = ray_config
@@ -180,6 +182,7 @@ class RayBackend:
             device=self.device,
             num_workers=self.num_workers,
             micro_batch_tokens=self.micro_batch_tokens,
+            gradient_checkpointing=self.gradient_checkpointing,
             storage_dir=directory,
             seed=model.seed,
             head=head,

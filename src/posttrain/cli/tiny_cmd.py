@@ -3,26 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+# engine.tiny.Size, spelled out so `posttrain --help` does not import torch and transformers.
+SIZES = ("tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `make-tiny-model` on the `posttrain` command."""
     parser = subparsers.add_parser(
         "make-tiny-model",
-        help="write a random tiny causal LM with a byte-level tokenizer to DIR (no download)",
+        help="write a random causal LM with a byte-level tokenizer to DIR (no download)",
         description=(
-            "Write a randomly initialised causal LM and its byte-level tokenizer (260 tokens, "
-            "chat template) to DIR. The same seed gives the same weights."
+            "Write a randomly initialised causal LM and its byte-level tokenizer (chat "
+            "template) to DIR. The test sizes have 260 tokens; qwen2.5-0.5b and llama3.2-1b "
+            "are the published architectures with their vocabulary sizes (151936, 128256). "
+            "The same seed gives the same weights."
         ),
     )
     parser.add_argument("dir", type=Path, help="output directory (created if missing)")
-    parser.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
+    parser.add_argument(
+        "--arch",
+        choices=("qwen2", "llama"),
+        default=None,
+        help="default: qwen2 for the test sizes, the published one for a real size",
+    )
     parser.add_argument(
         "--size",
-        choices=("tiny", "mini", "small"),
+        choices=SIZES,
         default="tiny",
-        help="tiny: ~108K parameters; mini: ~511K; small: ~30M",
+        help="tiny: ~108K parameters; mini: ~511K; small: ~30M; qwen2.5-0.5b: 494M; "
+        "llama3.2-1b: 1.24B (real sizes take seconds to a minute and 1-2.5 GB of disk)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.set_defaults(handler=run_make_tiny_model)
@@ -32,6 +44,10 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     # Imported here so `posttrain --help` does not pay for importing transformers.
     from posttrain.engine.tiny import make_tiny_model
 
-    path = make_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    try:
+        path = make_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    except ValueError as err:  # a real size asked for with another architecture
+        print(f"posttrain make-tiny-model: error: {err}", file=sys.stderr)
+        return 2
     print(path)
     return 0

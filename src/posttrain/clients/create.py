@@ -23,6 +23,7 @@ from posttrain.engine.executor import InProcessExecutor
 from posttrain.engine.models import (
     LoraSettings,
     apply_lora,
+    check_trainable_dtype,
     load_hf_model,
     load_tokenizer,
     parse_dtype,
@@ -100,6 +101,7 @@ def create_training_client(
     num_workers: int = ...,
     micro_batch_tokens: int = ...,
     logprob_chunk_size: int = ...,
+    gradient_checkpointing: bool = ...,
     storage_dir: str | Path | None = ...,
     seed: int = ...,
     head: Head = ...,
@@ -122,6 +124,7 @@ def create_training_client(
     num_workers: int = ...,
     micro_batch_tokens: int = ...,
     logprob_chunk_size: int = ...,
+    gradient_checkpointing: bool = ...,
     storage_dir: str | Path | None = ...,
     seed: int = ...,
     head: Head = ...,
@@ -145,6 +148,7 @@ def create_training_client(
     num_workers: int = 1,
     micro_batch_tokens: int = 8192,
     logprob_chunk_size: int = 1024,
+    gradient_checkpointing: bool = False,
     storage_dir: str | Path | None = None,
     seed: int = 0,
     head: Head = "policy",
@@ -157,7 +161,9 @@ def create_training_client(
     """Load `base_model` (a local directory or hub id), optionally wrap it with LoRA, and return
     a client over `num_workers` data-parallel replicas.
 
-    `lora_rank=None` trains all weights. Replicas start bit-identical. `device="auto"` is
+    `lora_rank=None` trains all weights, in float32 only; `dtype="bfloat16"` is for LoRA on a
+    bf16 base (float32 adapters). `gradient_checkpointing=True` recomputes each decoder
+    layer in backward: less memory, about a third more compute, the same gradients. Replicas start bit-identical. `device="auto"` is
     CUDA where this machine has it, else the CPU; an explicit "cuda" without CUDA is an error.
     With `executor="ray"` the result is a `RayTrainingClient`: `address=None` starts a local
     Ray, otherwise joins that cluster; `resources_per_worker` (e.g. {"CPU": 1, "GPU": 1}) and
@@ -183,8 +189,12 @@ def create_training_client(
     else:
         device = resolve_device(device, option="device")
     lora = _lora_settings(lora_rank, lora_alpha, train_attn, train_mlp, train_unembed)
+    check_trainable_dtype(dtype, lora=lora is not None)
     config = WorkerConfig(
-        micro_batch_tokens=micro_batch_tokens, logprob_chunk_size=logprob_chunk_size, device=device
+        micro_batch_tokens=micro_batch_tokens,
+        logprob_chunk_size=logprob_chunk_size,
+        device=device,
+        gradient_checkpointing=gradient_checkpointing,
     )
     if head not in ("policy", "value", "reference"):
         raise ValueError(f"head must be 'policy', 'value' or 'reference', got {head!r}")

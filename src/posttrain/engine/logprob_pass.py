@@ -30,7 +30,8 @@ def causal_lm(model: nn.Module) -> nn.Module:
 
 
 def unembedding_weight(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The output projection's effective weight [V, H] and bias, LoRA delta included."""
+    """The output projection's effective weight [V, H] and bias, LoRA delta included, in the
+    base weight's dtype."""
     head = causal_lm(model).get_output_embeddings()  # type: ignore[operator]
     base = getattr(head, "base_layer", None)
     if base is None:
@@ -40,7 +41,9 @@ def unembedding_weight(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
         for adapter in head.active_adapters:
             if adapter in head.lora_A:
                 weight = weight + head.get_delta_weight(adapter)
-    return weight, base.bias
+    # fp32 adapters on a bf16 base: W + delta is summed in fp32, then rounded once to the
+    # base's dtype, in which the decoder's hidden states arrive.
+    return weight.to(base.weight.dtype), base.bias
 
 
 def target_logprobs(

@@ -36,6 +36,17 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+def check_trainable_dtype(dtype: str | torch.dtype, lora: bool) -> None:
+    """Full fine-tuning trains float32 weights only: AdamW's update of a bf16 weight (lr 1e-5 on
+    a weight of 0.02 moves it 2e-7, under bf16's step of 2^-8 relative, 8e-5) rounds to zero."""
+    if not lora and parse_dtype(dtype) != torch.float32:
+        raise ValueError(
+            f"full fine-tuning in {dtype} would round most updates away (no float32 master "
+            "weights); train LoRA (adapters stay float32 on a half-precision base) or use "
+            "dtype='float32'"
+        )
+
+
 def _check_source(name_or_path: str | Path) -> str:
     """A local model directory (checked now) or a hub id (left to transformers to fetch; see
     `model_source.check_base_model` for the up-front check of a hub id)."""
@@ -139,7 +150,9 @@ def apply_lora(
     """Wrap `model` with LoRA adapters; only the adapters (and `modules_to_save`, trained and
     saved whole: a critic's value head) train.
 
-    B starts at zero, so the wrapped model computes what `model` does. The random A matrices
+    B starts at zero, so the wrapped model computes what `model` does. Adapters are float32
+    whatever the base dtype: on a bf16 base, an update far below bf16's resolution (2^-8
+    relative) still changes them. The random A matrices
     come from torch's global generator, or from `seed` without touching that generator (nor
     any GPU's: a model on the CPU never initialises CUDA).
     """
@@ -153,7 +166,7 @@ def apply_lora(
         modules_to_save=modules_to_save,
     )
     if seed is None:
-        return get_peft_model(model, config)  # type: ignore[return-value]
+        return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[return-value]
     # peft draws A from the default generator of the device it builds A on: the CPU, or the
     # model's own GPU(s). Fork and seed only those; reading or seeding any other GPU's
     # generator (torch.manual_seed seeds them all) would initialise CUDA for a CPU run.
@@ -162,4 +175,4 @@ def apply_lora(
         torch.random.default_generator.manual_seed(seed)
         for index in devices:
             torch.cuda.default_generators[index].manual_seed(seed)
-        return get_peft_model(model, config)  # type: ignore[return-value]
+        return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[return-value]

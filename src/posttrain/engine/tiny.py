@@ -11,6 +11,7 @@ without re-rendering.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -31,7 +32,7 @@ from transformers import (
 )
 
 Arch = Literal["qwen2", "llama"]
-Size = Literal["tiny", "mini", "small"]
+Size = Literal["tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b"]
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -78,6 +79,46 @@ _SHAPES: dict[Size, _Shape] = {
 }
 
 
+@dataclass(frozen=True)
+class _PublicConfig:
+    """A published architecture, field for field as in its config.json on the hub."""
+
+    arch: Arch
+    vocab_size: int
+    shape: _Shape
+    rope_theta: float
+    rms_norm_eps: float
+    rope_scaling: dict[str, float | int | str] | None = None
+
+
+# The real sizes: Qwen2.5-0.5B(-Instruct) and Llama-3.2-1B, with tied embeddings as published.
+_PUBLIC: dict[Size, _PublicConfig] = {
+    "qwen2.5-0.5b": _PublicConfig(
+        arch="qwen2",
+        vocab_size=151936,
+        shape=_Shape(896, 24, 14, 2, 4864, max_positions=32768),
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "llama3.2-1b": _PublicConfig(
+        arch="llama",
+        vocab_size=128256,
+        shape=_Shape(2048, 16, 32, 8, 8192, max_positions=131072),
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+}
+# Frequent characters first, so the filler merges of a large vocabulary are common n-grams.
+_FILLER_ALPHABET = " etaoinshrdlcumwfgypbvkjxqz"
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from each byte to a printable character (what ByteLevel pre-tokenises to)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
@@ -91,11 +132,40 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The byte-level tokenizer: token id == byte value, specials at 256..259, chat template."""
+def _filler_merges(count: int) -> list[tuple[str, str]]:
+    """`count` BPE merges over printable ASCII: every pair, then triples, frequent letters first.
+
+    Each merge joins tokens that exist already (two characters, or a pair and a character), so
+    the merges form a valid byte-level BPE that grows the vocabulary to a real model's size.
+    """
+    to_unicode = _bytes_to_unicode()
+    text = _FILLER_ALPHABET + "".join(
+        chr(b) for b in range(32, 127) if chr(b) not in _FILLER_ALPHABET
+    )
+    alphabet = [to_unicode[ord(c)] for c in text]
+    merges = [(a, b) for a in alphabet for b in alphabet][:count]
+    triples = ((a + b, c) for a in alphabet for b in alphabet for c in alphabet)
+    merges += itertools.islice(triples, count - len(merges))
+    if len(merges) < count:
+        raise ValueError(f"at most {len(alphabet) ** 2 + len(alphabet) ** 3} filler merges")
+    return merges
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer: token id == byte value, specials at 256..259, chat template.
+
+    A larger `vocab_size` adds BPE merges (`_filler_merges`) at ids 260 and up, so a real
+    architecture's embedding and unembedding have their published shapes and every id is a
+    token the tokenizer can produce.
+    """
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {VOCAB_SIZE}, got {vocab_size}")
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    # A BPE without merges is a plain byte lookup after ByteLevel maps bytes to characters.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab.update({token: 256 + i for i, token in enumerate(SPECIAL_TOKENS)})
+    merges = _filler_merges(vocab_size - VOCAB_SIZE)
+    vocab.update({a + b: VOCAB_SIZE + i for i, (a, b) in enumerate(merges)})
+    # Without merges the BPE is a plain byte lookup after ByteLevel maps bytes to characters.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     # NFC because transformers loads any qwen2 directory with Qwen2Tokenizer, which imposes it;
     # doing the same here makes both load paths (and both archs) tokenise identically.
     backend.normalizer = normalizers.NFC()
@@ -116,16 +186,36 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_config(arch: Arch = "qwen2", size: Size = "tiny") -> PretrainedConfig:
-    """The transformers config for an (arch, size) pair, with the tokenizer's special ids."""
-    if size not in _SHAPES:
-        raise ValueError(f"size must be one of {sorted(_SHAPES)}, got {size!r}")
+def resolve_arch(arch: Arch | None, size: Size) -> Arch:
+    """The architecture of `size`: a real size's own, else `arch` (qwen2 when None)."""
+    public = _PUBLIC.get(size)
+    if public is None:
+        return arch or "qwen2"
+    if arch is not None and arch != public.arch:
+        raise ValueError(f"size {size!r} is a {public.arch} architecture, got arch={arch!r}")
+    return public.arch
+
+
+def build_config(arch: Arch | None = None, size: Size = "tiny") -> PretrainedConfig:
+    """The transformers config for an (arch, size) pair, with the tokenizer's special ids.
+
+    `qwen2.5-0.5b` and `llama3.2-1b` are the published configs of Qwen2.5-0.5B and
+    Llama-3.2-1B (vocabulary, shapes, rope, tied embeddings); the other sizes are test models.
+    """
+    if size not in _SHAPES and size not in _PUBLIC:
+        raise ValueError(f"size must be one of {sorted([*_SHAPES, *_PUBLIC])}, got {size!r}")
     config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
-    if arch not in config_classes:
+    if arch is not None and arch not in config_classes:
         raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
-    shape = _SHAPES[size]
+    arch = resolve_arch(arch, size)
+    public = _PUBLIC.get(size)
+    shape = public.shape if public else _SHAPES[size]
+    extra: dict[str, object] = {}
+    if public is not None:
+        rope: dict[str, object] = {"rope_type": "default", **(public.rope_scaling or {})}
+        extra = {"rope_parameters": {**rope, "rope_theta": public.rope_theta}}
     return config_classes[arch](
-        vocab_size=VOCAB_SIZE,
+        vocab_size=public.vocab_size if public else VOCAB_SIZE,
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
@@ -135,30 +225,35 @@ def build_config(arch: Arch = "qwen2", size: Size = "tiny") -> PretrainedConfig:
         bos_token_id=256 + SPECIAL_TOKENS.index(BOS_TOKEN),
         eos_token_id=256 + SPECIAL_TOKENS.index(EOS_TOKEN),
         pad_token_id=256 + SPECIAL_TOKENS.index(PAD_TOKEN),
-        # Untied so the unembedding is its own matrix (trainable apart, a LoRA target).
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
+        # Test sizes untie the unembedding (trainable apart, a LoRA target); real sizes tie it
+        # as published.
+        tie_word_embeddings=public is not None,
+        rms_norm_eps=public.rms_norm_eps if public else 1e-6,
         initializer_range=0.02,
+        **extra,
     )
 
 
 def make_tiny_model(
-    path: str | Path, *, arch: Arch = "qwen2", size: Size = "tiny", seed: int = 0
+    path: str | Path, *, arch: Arch | None = None, size: Size = "tiny", seed: int = 0
 ) -> Path:
     """Write a randomly initialised causal LM and its tokenizer to `path`; same seed, same bits.
 
     Parameter counts: tiny 107,584 (qwen2) / 107,328 (llama); mini 510,592 / 509,824;
-    small 29,778,432 (qwen2) /
-    29,768,192 (llama). The directory loads with `AutoModelForCausalLM.from_pretrained` and
-    `AutoTokenizer.from_pretrained`.
+    small 29,778,432 (qwen2) / 29,768,192 (llama); qwen2.5-0.5b 494,032,768;
+    llama3.2-1b 1,235,814,400. `arch=None` is qwen2 for the test sizes and the published
+    architecture for a real size. Real sizes are saved in bfloat16, as published (about 1 and
+    2.5 GB); the test sizes in float32. The directory loads with
+    `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
     """
     config = build_config(arch, size)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(config.vocab_size)
     tokenizer.model_max_length = config.max_position_embeddings
+    dtype = torch.bfloat16 if size in _PUBLIC else torch.float32
     # fork_rng keeps the caller's global RNG untouched by our seeding.
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -181,7 +276,7 @@ def default_cache_dir() -> Path:
 def tiny_model_path(
     cache_dir: str | Path | None = None,
     *,
-    arch: Arch = "qwen2",
+    arch: Arch | None = None,
     size: Size = "tiny",
     seed: int = 0,
 ) -> Path:
@@ -191,7 +286,7 @@ def tiny_model_path(
     processes (pytest-xdist workers) never see a half-written model.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"{arch}-{size}-seed{seed}-v{FORMAT_VERSION}"
+    final = root / f"{resolve_arch(arch, size)}-{size}-seed{seed}-v{FORMAT_VERSION}"
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)

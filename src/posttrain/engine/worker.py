@@ -37,6 +37,7 @@ from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.placement import Parking, StateGroup
+from posttrain.engine.recompute import enable_gradient_checkpointing
 from posttrain.engine.sampler import Sampler
 from posttrain.engine.shared_prefix import MicroBatch, plan_micro_batches
 from posttrain.tokenizer import Tokenizer
@@ -51,6 +52,9 @@ class WorkerConfig:
     # Rows sharing at least this many leading tokens (a prompt's completions) run them once
     # (engine.shared_prefix); 0 turns sharing off.
     min_shared_prefix: int = 8
+    # Recompute each decoder layer in backward (`engine.recompute`): activations of one layer
+    # instead of all, for about one more forward pass.
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
@@ -91,6 +95,8 @@ class Worker:
         self.config = config or WorkerConfig()
         self.model = model.to(self.config.device)
         self.model.train()
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.tokenizer = tokenizer
         self._sampler: Sampler | None = None
         self.optimizer = create_adamw_optimizer(self.trainable_parameters().values())
