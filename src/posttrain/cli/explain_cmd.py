@@ -34,7 +34,10 @@ PLAN_NOTES = {
     "rl_prompts_per_step": "prompts sampled per RL step",
     "rl_group_size": "completions per prompt",
     "rl_completions_per_step": "prompts_per_step x group_size trajectories per step",
-    "rl_optimizer_steps_per_step": "optimizer steps per backend.train call (num_minibatches)",
+    "rl_optimizer_steps_per_step": (
+        "optimizer steps per backend.train call (num_minibatches x update_epochs; a critic "
+        "takes as many)"
+    ),
     "rl_sampled_tokens_per_step_max": "completions x max_tokens: sampled tokens at most",
     "rl_prompt_tokens_per_step_estimate": "prompt tokens of step 1's prompts x group_size (each "
     "completion is trained with its prompt); null without a local tokenizer",
@@ -156,7 +159,9 @@ def plan(
         "rl_prompts_per_step": config.rl.prompts_per_step,
         "rl_group_size": config.rl.group_size,
         "rl_completions_per_step": completions,
-        "rl_optimizer_steps_per_step": config.rl.trainer.num_minibatches,
+        "rl_optimizer_steps_per_step": (
+            config.rl.trainer.num_minibatches * config.rl.trainer.update_epochs
+        ),
         "rl_sampled_tokens_per_step_max": sampled,
         "rl_prompt_tokens_per_step_estimate": prompt_estimate,
         "rl_trained_tokens_per_step_max_estimate": (
