@@ -70,9 +70,12 @@ async def test_fsdp2_frozen_reference_matches_local(tiny_model_dir, tmp_path):
             name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None
         )
         await model.register(backend)
-        for s, reference in enumerate(expected_results):
-            result = await backend.train(model, synthetic_groups(s), **kl)  # type: ignore[arg-type]
+        results = [
+            await backend.train(model, synthetic_groups(s), **kl)  # type: ignore[arg-type]
+            for s in range(len(expected_results))
+        ]
+        for result, reference in zip(results, expected_results, strict=True):
             assert_same_metrics(result, reference)
-        assert result.metrics["kl"] > 0
+        assert results[-1].metrics["kl"] > 0
         await backend.close()
     await local.close()

@@ -203,6 +203,8 @@ BAD_RL_VALUES: dict[str, list[object]] = {
     "max_negative_advantage_importance_sampling_weight": [0.0, -1.0, math.inf, "2"],
     "kimi_k2_tau": [-0.5, math.inf],
     "allow_training_without_logprobs": [1, None],
+    "teacher": ["a-model-name", 1],
+    "distill_reward_coef": [-0.5, math.inf, None],
     "num_minibatches": [0, 1.5, True],
     "update_epochs": [0, 2.0, None],
     "gae_gamma": [1.5, -0.1, math.nan],

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -190,3 +191,22 @@ async def test_backend_recipe_trains_and_makes_the_expected_update(tiny_model_di
     )
     print(f"exactly checked: {share:.1%} of the weights")
     assert share > 0.5, share
+
+
+@pytest.mark.slow  # builds and trains two models: about 8 s
+async def test_distill_recipe_runs_both_curves_and_plots(tmp_path):
+    # The whole recipe at toy sizes: one SFT update each, two steps of each kind. What it
+    # measures at full size is in docs/distillation.md.
+    found = await load("distill").main(
+        [
+            *("--teacher-examples", "64", "--teacher-epochs", "1"),
+            *("--student-examples", "64", "--student-epochs", "1"),
+            *("--steps", "2", "--eval-every", "1", "--held-out", "8", "--prompts", "4"),
+            *("--baseline", "--plot", str(tmp_path / "curve.png"), "--path", str(tmp_path)),
+        ]
+    )
+    assert set(found["curves"]) == {"distill", "grpo"}
+    for curve in found["curves"].values():
+        assert [step for step, _ in curve] == [0, 1, 2]
+        assert all(0.0 <= accuracy <= 1.0 for _, accuracy in curve)
+    assert (tmp_path / "curve.png").stat().st_size > 0

@@ -21,11 +21,19 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
+import torch
+
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
 from posttrain.backends.inputs import group_list, pair_list, trajectory_list
 from posttrain.backends.model_json import check_model_json, write_model_json
-from posttrain.backends.preflight import precision_mismatch, preflight_rl, preflight_sft
+from posttrain.backends.preflight import (
+    PreflightError,
+    PreflightProblem,
+    precision_mismatch,
+    preflight_rl,
+    preflight_sft,
+)
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import LogprobChunking, ReferenceScorer, TrainingClient
@@ -35,6 +43,7 @@ from posttrain.engines.session import EngineSession
 from posttrain.model import TrainableModel
 from posttrain.preferences import PreferencePair
 from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig
+from posttrain.trainer.distill import score_groups
 from posttrain.trainer.dpo import dpo_batches, train_dpo_batches
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.rl import prepare_batch, train_rl_batch
@@ -239,10 +248,15 @@ class ModelClients(Generic[ClientT]):
             self._warned_precision.add(id(model))
             log.warning("%s: %s", model.name, mismatch)
         client = self.client(model)
+        teacher_logprobs = await self._score_with_teacher(model, client, config, groups)
         # Bad input fails here, before any update. The advantage flow reads its controller
         # state (SEPA) from run_state; the tokenizer is fetched only to find planning tokens.
         batch = prepare_batch(
-            groups, config, run_state=model.run_state, tokenizer=client.get_tokenizer
+            groups,
+            config,
+            run_state=model.run_state,
+            tokenizer=client.get_tokenizer,
+            teacher_logprobs=teacher_logprobs,
         )
         if isinstance(client, LogprobChunking):
             client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
@@ -269,6 +283,25 @@ class ModelClients(Generic[ClientT]):
             model.run_state.clear()  # a failed step leaves the controller state as it was
             model.run_state.update(before)
             raise
+
+    async def _score_with_teacher(
+        self,
+        model: TrainableModel,
+        client: ClientT,
+        config: RLConfig,
+        groups: Sequence[TrajectoryGroup],
+    ) -> list[list[torch.Tensor]] | None:
+        """With a teacher: refuse one whose vocabulary is not the student's (a PreflightError
+        naming both), then the teacher's logprobs of every trajectory. Before any update."""
+        teacher = config.distill.teacher
+        if teacher is None:
+            return None
+        student = f"{model.name!r} (base_model={model.base_model!r})"
+        try:
+            teacher.check_vocabulary(client.get_tokenizer(), student)
+        except ValueError as exc:
+            raise PreflightError(self.backend, [PreflightProblem("teacher", str(exc))]) from exc
+        return await score_groups(teacher, groups)
 
     async def train_sft(
         self, model: TrainableModel, trajectories: Iterable[Trajectory], config: SFTConfig

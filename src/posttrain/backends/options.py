@@ -21,6 +21,7 @@ from posttrain.algo.advantages import AdvantageEstimator, AlgorithmMode, Reducti
 from posttrain.algo.ratios import ImportanceSamplingLevel, KLEstimator
 from posttrain.algo.sepa import SEPASchedule
 from posttrain.algo.token_transforms import TokenTransform
+from posttrain.clients.teacher import Teacher
 from posttrain.trainer.config import (
     AssistantTurns,
     DPOConfig,
@@ -41,9 +42,9 @@ from posttrain.trainer.config import (
 class CoreRLFields(TypedDict, total=False):
     """RL options computed by the trainer or carried by Tinker's wire protocol.
 
-    Advantages (per token too: token transforms, SEPA), loss reduction and mini-batching
-    happen in the shared trainer on the caller's side; per-token advantages travel in the
-    datums; the clip range travels as the loss's thresholds; the rest go with `optim_step`.
+    Advantages (per token too: token transforms, SEPA, a teacher's distillation), loss
+    reduction and mini-batching happen in the shared trainer on the caller's side (the teacher
+    is called from there); per-token advantages travel in the datums; the clip range travels as the loss's thresholds; the rest go with `optim_step`.
     """
 
     learning_rate: float
@@ -69,6 +70,8 @@ class CoreRLFields(TypedDict, total=False):
     sepa_correct_rate_gate: float
     sepa_warmup_steps: int
     sepa_ema_decay: float
+    teacher: Teacher | None
+    distill_reward_coef: float
     num_minibatches: int
     update_epochs: int
     grad_clip: float

@@ -53,6 +53,11 @@ TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] =
         lambda c: c.loss.kl_penalty_coef > 0 and c.loss.kl_mode == "advantage",
         "kl_mode='advantage' shapes each token's advantage by its KL",
     ),
+    (
+        "teacher",
+        lambda c: c.distill.teacher is not None,
+        "a teacher gives each token its own advantage (teacher - student logprob)",
+    ),
 )
 
 
@@ -124,6 +129,7 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
             )
         )
     problems += token_flow_conflicts(config)
+    problems += distill_conflicts(config)
     if is_custom_loss(config.policy_loss):
         return problems + custom_loss_conflicts(config)
     unused = unused_options(config.policy_loss, loss)
@@ -170,6 +176,40 @@ def token_flow_conflicts(config: RLConfig) -> list[PreflightProblem]:
                 "sepa_steps",
                 "is 0 with sepa_schedule='linear', so lambda stays 0 and gtpo_sepa is plain "
                 "gtpo; set sepa_steps > 0, sepa_schedule='auto', or token_transform='gtpo'",
+            )
+        )
+    return problems
+
+
+def distill_conflicts(config: RLConfig) -> list[PreflightProblem]:
+    """Distillation options without a teacher, and options a teacher's advantages exclude."""
+    advantages = config.advantages
+    if config.distill.teacher is None:
+        if _changed(config, "distill_reward_coef"):
+            return [
+                PreflightProblem(
+                    "distill_reward_coef",
+                    "has no effect without a teacher; pass teacher=Teacher(...) or drop it",
+                )
+            ]
+        return []
+    problems: list[PreflightProblem] = []
+    if advantages.transform != "none" or advantages.estimator in ("reinforce_pp", "gae"):
+        name = "token_transform" if advantages.transform != "none" else "advantage_estimator"
+        value = advantages.transform if name == "token_transform" else advantages.estimator
+        problems.append(
+            PreflightProblem(
+                name,
+                f"{name}={value!r} computes its own per-token advantages, which a teacher's "
+                "(teacher - student logprob) would replace; drop it, or drop teacher",
+            )
+        )
+    if config.loss.allow_training_without_logprobs:
+        problems.append(
+            PreflightProblem(
+                "allow_training_without_logprobs",
+                "a teacher's advantages are teacher - student logprob, so every trainable token "
+                "needs the student's sampler logprob; sample with logprobs and drop this option",
             )
         )
     return problems

@@ -36,12 +36,14 @@ from posttrain.algo.config_fields import (
 from posttrain.algo.dpo import PairLoss
 from posttrain.algo.losses import KLMode, LossConfig, with_art_clip_defaults
 from posttrain.clients.custom_loss import LossName, custom_loss_names, is_custom_loss
+from posttrain.clients.teacher import Teacher
 from posttrain.types import AdamParams
 
 __all__ = [
     "AssistantTurns",
     "DPOConfig",
     "DPOReference",
+    "DistillConfig",
     "KLMode",
     "LRDecay",
     "LossName",
@@ -154,6 +156,27 @@ def save_checkpoint_option() -> bool:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation (`algo.distill`): the teacher, and how much task reward to mix in."""
+
+    teacher: Teacher | None = option(
+        None,
+        "on-policy distillation: a posttrain Teacher that scores the student's sampled tokens; "
+        "each token's advantage becomes teacher - student logprob, every group trains, and "
+        "teacher_kl (the reverse-KL estimate) is reported",
+    )
+    distill_reward_coef: float = option(
+        0.0,
+        "with a teacher: weight of the task-reward advantage added to each token's teacher - "
+        "student advantage (0: pure distillation)",
+        NON_NEGATIVE,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
 class RLConfig:
     """Resolved RL options with their defaults (keys are those of `LocalRLOptions`).
 
@@ -176,6 +199,7 @@ class RLConfig:
     )
     loss: LossConfig = group(LossConfig)
     advantages: AdvantageConfig = group(AdvantageConfig)
+    distill: DistillConfig = group(DistillConfig)
     num_minibatches: int = option(
         1, "optimizer steps per call, each on its share of the trajectories", AT_LEAST_ONE
     )

@@ -20,6 +20,7 @@ from posttrain.clients.protocol import CustomLossClient, ReferenceScorer, Traini
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.critic import gae_batch, score_values, update_critic
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
+from posttrain.trainer.distill import distill_token_advantages, score_groups
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
 from posttrain.trainer.tensor_plots import TensorRecorder
@@ -55,12 +56,16 @@ def prepare_batch(
     *,
     run_state: Mapping[str, object] | None = None,
     tokenizer: Callable[[], object] | None = None,
+    teacher_logprobs: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> PreparedBatch:
     """Advantages per group (per token for a token transform or reinforce_pp), then one datum
     per trajectory of every kept group.
 
     `run_state` is the model's, read for the SEPA controller's state (never written here);
     `tokenizer` returns the tokenizer that finds planning tokens, called only if needed.
+    `teacher_logprobs` (`trainer.distill.score_groups`) makes it a distillation step: each
+    token's advantage is teacher − student logprob (plus the mixed-in task advantage), and
+    every group is kept.
     """
     require_sequence(groups, "the trajectory groups")
     if not groups:
@@ -68,19 +73,25 @@ def prepare_batch(
     # GAE's advantages come from the critic once the batch is scored (`trainer.critic`): the
     # groups' own statistics are still reported, and none is dropped for equal rewards (the
     # critic's baseline is not the group mean, so such a group still carries a signal).
-    episode = (
-        replace(config.advantages, advantage_estimator="grpo", zero_variance_groups="keep")
-        if config.advantages.estimator == "gae"
-        else config.advantages
-    )
-    result = compute_group_advantages([g.rewards for g in groups], episode)
-    per_token = (
-        token_advantages(
+    # Distillation keeps every group too: the teacher gives each token its own signal.
+    advantage_config = config.advantages
+    if config.advantages.estimator == "gae":
+        advantage_config = replace(
+            advantage_config, advantage_estimator="grpo", zero_variance_groups="keep"
+        )
+    elif teacher_logprobs is not None:
+        advantage_config = replace(advantage_config, zero_variance_groups="keep")
+    result = compute_group_advantages([g.rewards for g in groups], advantage_config)
+    if teacher_logprobs is not None:
+        per_token = distill_token_advantages(
+            groups, result, teacher_logprobs, reward_coef=config.distill.distill_reward_coef
+        )
+    elif uses_token_path(config.advantages):
+        per_token = token_advantages(
             groups, result, config.advantages, run_state=run_state, tokenizer=tokenizer
         )
-        if uses_token_path(config.advantages)
-        else None
-    )
+    else:
+        per_token = None
     datums: list[Datum] = []
     masks: list[torch.Tensor] = []
     advantages: list[float] = []
@@ -185,8 +196,15 @@ async def train_rl_step(
     *,
     recorder: TensorRecorder | None = None,
 ) -> StepMetrics:
-    """One call of `backend.train`: as many optimizer steps as mini-batches."""
-    return await train_rl_batch(client, prepare_batch(groups, config), config, recorder=recorder)
+    """One call of `backend.train`: as many optimizer steps as mini-batches (a distillation
+    step when the config has a teacher: it scores the groups first)."""
+    teacher = config.distill.teacher
+    teacher_logprobs = None
+    if teacher is not None:
+        teacher.check_vocabulary(client.get_tokenizer(), f"({type(client).__name__})")
+        teacher_logprobs = await score_groups(teacher, groups)
+    batch = prepare_batch(groups, config, teacher_logprobs=teacher_logprobs)
+    return await train_rl_batch(client, batch, config, recorder=recorder)
 
 
 async def train_rl_batch(
