@@ -353,7 +353,7 @@ def precision_mismatch(
     another dtype than the trainer's differs by as much.
     """
     sampled_by = train_dtype if engine == "pytorch" else sample_dtype
-    if "float32" == train_dtype == sampled_by:
+    if train_dtype == sampled_by == "float32":
         return None
     if config.precalculate_logprobs and config.loss.truncated_importance_sampling is not None:
         return None
