@@ -83,6 +83,9 @@ def test_layers_recompute_only_when_training_with_gradients(
     model.eval()
     model(input_ids=ids_BT).logits.sum().backward()
     assert len(checkpointed) == 2  # without gradients, or in eval mode: run as they are
+    copied = copy.deepcopy(model)
+    layer = copied.model.layers[0]
+    assert layer.forward.__self__ is layer  # the copy's layers checkpoint themselves
 
 
 def test_a_model_without_decoder_layers_is_refused() -> None:

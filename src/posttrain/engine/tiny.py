@@ -81,7 +81,8 @@ _SHAPES: dict[Size, _Shape] = {
 
 @dataclass(frozen=True)
 class _PublicConfig:
-    """A published architecture, field for field as in its config.json on the hub."""
+    """The fields of a published config.json that shape the network (special token ids are
+    the byte-level tokenizer's own)."""
 
     arch: Arch
     vocab_size: int

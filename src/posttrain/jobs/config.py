@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Literal, get_args, get_type_hints
 
 from posttrain.backends.registry import resolve as resolve_backend
-from posttrain.engine.tiny import Arch, Size
+from posttrain.engine.tiny import Arch, Size, resolve_arch
 from posttrain.engines.config import InferenceConfig
 from posttrain.environments.resolve import (
     VERIFIERS_PREFIX,
@@ -328,6 +328,10 @@ def parse_tiny_spec(spec: str) -> tuple[str, str, int | None]:
         )
     if len(parts) == 4 and not parts[3].isdigit():
         raise ValueError(f"[model] base_model={spec!r}: the seed after the size must be an integer")
+    try:
+        resolve_arch(parts[1], parts[2])  # type: ignore[arg-type]  # both checked just above
+    except ValueError as exc:  # a real size with another architecture
+        raise ValueError(f"[model] base_model={spec!r}: {exc}") from None
     return parts[1], parts[2], int(parts[3]) if len(parts) == 4 else None
 
 
