@@ -67,7 +67,7 @@ def target_logprobs(
     hidden_BTH = decoder_hidden(decoder, input_ids_BT, pad_mask_BT, prefix_groups)
     if is_value_model(lm):
         head = lm.get_output_embeddings()  # type: ignore[operator]
-        return head(hidden_BTH).squeeze(-1).float(), None
+        return head(hidden_BTH.float()).squeeze(-1), None
     weight_VH, bias_V = unembedding_weight(model)
     return token_logprobs_from_hidden(
         hidden_BTH,

@@ -7,7 +7,7 @@ values in place of logprobs), so micro-batching, shared prefixes, data-parallel 
 checkpoints and offload all serve the critic unchanged.
 
 The head starts at zero (every value 0), so the first GAE advantages are the discounted
-rewards, and two critics built from one base model are identical. With LoRA, the decoder gets
+rewards, and two critics built from one base model are identical. It is fp32 on any base. With LoRA, the decoder gets
 adapters and the head trains whole (PEFT's `modules_to_save`): it is saved in the adapter file.
 """
 
@@ -29,8 +29,9 @@ def to_value_model(model: PreTrainedModel) -> PreTrainedModel:
             f"{type(model).__name__} has no linear unembedding to replace with a value head"
         )
     hidden = head.in_features
-    weight = head.weight
-    value = nn.Linear(hidden, 1, bias=True, device=weight.device, dtype=weight.dtype)
+    # fp32 whatever the base's dtype: with LoRA on a bf16 base the head trains whole, and
+    # AdamW's small updates would round away on bf16 weights (the pass feeds it fp32 hidden).
+    value = nn.Linear(hidden, 1, bias=True, device=head.weight.device, dtype=torch.float32)
     with torch.no_grad():
         value.weight.zero_()
         assert value.bias is not None
