@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import ClassVar, Unpack
 
@@ -71,8 +72,9 @@ class LocalBackend:
             clients=InProcessClients(self._make_client),
             index=DirectoryCheckpoints(keep_checkpoints),
             inference=self.inference,
-            critics=InProcessClients(self._make_critic),
-            references=InProcessClients(self._make_reference),
+            # A value model and a frozen base model: the policy's base, LoRA and placement.
+            critics=InProcessClients(partial(self._make_client, head="value")),
+            references=InProcessClients(partial(self._make_client, head="reference")),
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -89,14 +91,6 @@ class LocalBackend:
         get is an error before anything loads."""
         await preflight_register(BACKEND, model)
         await self._models.register(self, model)
-
-    def _make_critic(self, model: TrainableModel, directory: Path) -> LocalTrainingClient:
-        """A value model on the policy's base model, LoRA and placement (`trainer.critic`)."""
-        return self._make_client(model, directory, head="value")
-
-    def _make_reference(self, model: TrainableModel, directory: Path) -> LocalTrainingClient:
-        """The frozen base model of a fully fine-tuned policy: its KL and DPO reference."""
-        return self._make_client(model, directory, head="reference")
 
     def _make_client(
         self, model: TrainableModel, directory: Path, head: Head = "policy"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Unpack
 
@@ -132,8 +133,9 @@ class RayBackend:
             clients=InProcessClients(self._make_client),
             index=DirectoryCheckpoints(keep_checkpoints),
             inference=self.inference,
-            critics=InProcessClients(self._make_critic),
-            references=InProcessClients(self._make_reference),
+            # A value model and a frozen base model: the policy's base, LoRA and placement.
+            critics=InProcessClients(partial(self._make_client, head="value")),
+            references=InProcessClients(partial(self._make_client, head="reference")),
         )
         self.path = Path(path)
         self.num_workers = num_workers
@@ -159,14 +161,6 @@ class RayBackend:
         this machine cannot get is an error before any worker starts."""
         await preflight_register(BACKEND, model)
         await self._models.register(self, model)
-
-    def _make_critic(self, model: TrainableModel, directory: Path) -> RayTrainingClient:
-        """A value model on the policy's base model, LoRA and placement (`trainer.critic`)."""
-        return self._make_client(model, directory, head="value")
-
-    def _make_reference(self, model: TrainableModel, directory: Path) -> RayTrainingClient:
-        """The frozen base model of a fully fine-tuned policy: its KL and DPO reference."""
-        return self._make_client(model, directory, head="reference")
 
     def _make_client(
         self, model: TrainableModel, directory: Path, head: Head = "policy"

@@ -70,7 +70,7 @@ PolicyLoss = Literal["ppo", "cispo", "importance_sampling", "dro", "gspo"]
 ProtocolPolicyLoss = Literal["ppo", "cispo", "importance_sampling"]
 LRDecay = Literal["cosine", "linear", "constant"]
 AssistantTurns = Literal["all", "last"]
-# The reference of a DPO call: the base model (LoRA off, or a frozen copy of it), or the policy
+# The reference of a DPO call: the base model (LoRA off, or a frozen base model), or the policy
 # as it is at the start of the call (the SFT model, when DPO follows SFT).
 DPOReference = Literal["base", "initial"]
 
@@ -289,7 +289,7 @@ class DPOConfig:
     )
     reference: DPOReference = option(
         "base",
-        "reference policy: 'base' (the base model: LoRA off, or a frozen copy) or 'initial' "
+        "reference policy: 'base' (the base model: LoRA off, or a frozen base model) or 'initial' "
         "(the policy at the start of the call)",
     )
     batch_size: int = option(8, "preference pairs per optimizer step", AT_LEAST_ONE)

@@ -49,13 +49,6 @@ def critic_inputs(datum: Datum, mask_T: torch.Tensor) -> Datum:
     return Datum(datum.model_input, inputs)
 
 
-def _rows(values: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(values), width)
-    for row, v in enumerate(values):
-        out[row, : v.numel()] = v.reshape(-1).float()
-    return out
-
-
 def gae_batch(
     datums: Sequence[Datum],
     masks: Sequence[torch.Tensor],
@@ -79,10 +72,12 @@ def gae_batch(
                 f"the critic returned {v.numel()} values for datum {i}'s {m.numel()} targets"
             )
     mask_BT = pad_masks(list(masks))
-    values_BT = _rows(values, mask_BT.shape[1])
+    values_BT = pad_masks([v.reshape(-1).float() for v in values])  # zero-padded like the masks
     rewards_BT = token_rewards(torch.tensor(list(rewards), dtype=torch.float32), mask_BT)
     critic = config.critic
-    adv_BT, returns_BT = gae(values_BT, rewards_BT, mask_BT, gamma=critic.gae_gamma, lam=critic.gae_lambda)
+    adv_BT, returns_BT = gae(
+        values_BT, rewards_BT, mask_BT, gamma=critic.gae_gamma, lam=critic.gae_lambda
+    )
     whitened_BT = whiten_advantages(adv_BT, mask_BT)
     policy: list[Datum] = []
     for_critic: list[Datum] = []
