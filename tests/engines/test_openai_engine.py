@@ -279,7 +279,8 @@ async def test_requests_carry_per_prompt_seeds_neutral_settings_and_stops(stub) 
     probe = server.completions()[0]
     assert probe["prompt"] == [1, 2, 3] and probe["max_tokens"] == 1 and probe["logprobs"] == 0
     await engine.sample_many([[1], [2]], 2, SamplingParams(max_tokens=3, seed=9))
-    bodies = server.completions()[1:]
+    # The two requests are concurrent, so they may reach the server in either order.
+    bodies = sorted(server.completions()[1:], key=lambda b: b["prompt"])
     assert [b["prompt"] for b in bodies] == [[1], [2]]
     assert [b["seed"] for b in bodies] == [prompt_seed(9, 0), prompt_seed(9, 1)]
     neutral = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
