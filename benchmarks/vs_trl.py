@@ -1,7 +1,10 @@
 """posttrain's LocalBackend against TRL's GRPOTrainer: GRPO steps on the same model and batch.
 
-Both sides fully fine-tune the locally built Qwen2 model (`small`: ~30M parameters, fp32, no
-gradient checkpointing, nothing downloaded) on reverse-task prompts: 8 prompts x 8 samples,
+Both sides train the same locally built model (`small`: a ~30M-parameter Qwen2; `qwen2.5-0.5b`:
+Qwen2.5-0.5B's architecture, random weights; nothing downloaded) at the same precision and with
+the same fine-tuning: full fine-tuning in float32 by default, or LoRA (`--lora-rank`: the same
+rank, alpha, target modules and float32 adapters on both sides, which `--dtype bfloat16`
+requires). No gradient checkpointing. The prompts are reverse-task prompts: 8 prompts x 8 samples,
 exactly 16 sampled tokens each (posttrain samples with `stop=[]`, TRL with `min_new_tokens`, so
 neither stops early), temperature 1.0, then one AdamW step on the 64 completions with the same
 learning rate, Adam betas/eps, grad clip 1.0, a PPO-clipped token-level loss (epsilon 0.2)
@@ -13,7 +16,11 @@ between steps, so the two sides alternate in rounds in one process (the order fl
 A B, B A, ...); each side's first step is a warm-up and is not measured.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/vs_trl.py \\
-        [--steps 5] [--rounds 2] [--model-size small] [--threads 2] [--json]
+        [--steps 5] [--rounds 2] [--model-size small] [--dtype float32] [--lora-rank R] \\
+        [--threads 2] [--json]
+
+In bfloat16 both sides hold the base weights in bfloat16 (posttrain `dtype="bfloat16"`; TRL's
+model loaded in bfloat16 with `bf16=True`), and PEFT keeps both sides' adapters in float32.
 
 TRL is not a posttrain dependency: `pip install -r benchmarks/requirements-trl.txt`.
 """
@@ -42,6 +49,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, T
 from transformers.utils import logging as hf_logging
 
 from posttrain.backends.local import LocalBackend
+from posttrain.engine.models import LoraSettings
 from posttrain.engine.tiny import tiny_model_path
 from posttrain.model import TrainableModel
 from posttrain.rollout import TrajectoryBuilder
@@ -57,6 +65,8 @@ class BenchConfig:
     """What both sides share."""
 
     model_size: str = "small"
+    dtype: str = "float32"  # float32 | bfloat16, both sides
+    lora_rank: int | None = None  # None: full fine-tuning
     prompts: int = 8
     group_size: int = 8
     new_tokens: int = 16
@@ -71,6 +81,24 @@ class BenchConfig:
     steps: int = 5  # measured steps per side per round
     rounds: int = 2
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise SystemExit(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype != "float32" and self.lora_rank is None:
+            raise SystemExit(
+                f"--dtype {self.dtype} needs --lora-rank: posttrain refuses full fine-tuning "
+                "without float32 weights (updates below bf16's resolution would be lost)"
+            )
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        """posttrain's LoRA for the rank (its default alpha), mirrored on TRL's side. Without the
+        unembedding: TRL refuses LoRA on `lm_head` (it reads `lm_head.weight` directly)."""
+        if self.lora_rank is None:
+            return None
+        alpha = LoraSettings.default_alpha(self.lora_rank)
+        return LoraSettings(rank=self.lora_rank, alpha=alpha, train_unembed=False)
 
     @property
     def total_steps(self) -> int:
@@ -124,8 +152,9 @@ class PosttrainSide:
             name="vs-trl",
             project="bench",
             base_model=str(model_path),
-            lora_rank=None,  # full fine-tuning
-            dtype="float32",
+            lora_rank=config.lora_rank,  # None: full fine-tuning
+            dtype=config.dtype,  # pyright: ignore[reportArgumentType]
+            train_unembed=False,  # as TRL (only read with LoRA)
             seed=config.seed,
         )
         self.runner.run(self.model.register(self.backend))
@@ -230,10 +259,12 @@ class TrlSide:
                 "answer": [p.answer for p in problems],
             }
         )
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        dtype = getattr(torch, self.config.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         trainer = self.trl.GRPOTrainer(
             model=model,
+            peft_config=self._peft_config(),
             reward_funcs=trl_reward,
             args=self._grpo_config(workdir),
             train_dataset=dataset,
@@ -242,6 +273,23 @@ class TrlSide:
         )
         trainer.remove_callback(PrinterCallback)  # it prints the run's summary metrics at the end
         return trainer
+
+    def _peft_config(self):
+        """posttrain's LoRA as a PEFT config: same rank, alpha, dropout and target modules
+        (PEFT upcasts the adapters to float32 on a bf16 base, as posttrain's do)."""
+        lora = self.config.lora
+        if lora is None:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,  # pyright: ignore[reportArgumentType]
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules(),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
 
     def _grpo_config(self, workdir: Path):
         config = self.config
@@ -269,7 +317,7 @@ class TrlSide:
             adam_epsilon=config.adam_eps,
             weight_decay=0.0,
             max_grad_norm=config.grad_clip,
-            bf16=False,
+            bf16=config.dtype == "bfloat16",
             fp16=False,
             gradient_checkpointing=False,
             use_cpu=True,
@@ -398,9 +446,12 @@ def describe(config: BenchConfig, params: tuple[int, int]) -> dict[str, object]:
         "parameters": params[0],
         "trainable_parameters_trl": params[1],
         "completions_per_step": config.prompts * config.group_size,
-        "dtype": "float32",
+        "dtype": config.dtype,
         "gradient_checkpointing": False,
-        "fine_tuning": "full (posttrain lora_rank=None)",
+        "fine_tuning": "full (posttrain lora_rank=None)"
+        if config.lora is None
+        else f"LoRA rank {config.lora.rank}, alpha {config.lora.alpha:g}, "
+        f"modules {','.join(config.lora.target_modules())}, float32 adapters",
         "loss": "ppo clip, token mean over the batch (posttrain loss='ppo', "
         "loss_reduction='token_mean'; TRL loss_type='dapo')",
         "advantages": "(r - mean) / std per group (posttrain grpo, scale_rewards=True; "
@@ -446,7 +497,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=5, help="measured steps per side per round")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--model-size", default="small", choices=["tiny", "mini", "small"])
+    parser.add_argument(
+        "--model-size", default="small", choices=["tiny", "mini", "small", "qwen2.5-0.5b"]
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--lora-rank", type=int, default=None, help="LoRA on both sides (default: full)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
@@ -455,7 +512,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     args = parse_args(argv)
     config = BenchConfig(
-        model_size=args.model_size, steps=args.steps, rounds=args.rounds, threads=args.threads
+        model_size=args.model_size,
+        dtype=args.dtype,
+        lora_rank=args.lora_rank,
+        steps=args.steps,
+        rounds=args.rounds,
+        threads=args.threads,
     )
     import_trl()  # fail before building anything
     hf_logging.set_verbosity_error()

@@ -190,7 +190,11 @@ class Sampler:
             position_ids=pos_PL,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            # The last position as an index, not `logits_to_keep=1`: HF slices [:, -1:], a
+            # non-contiguous [P, 1, H] view that torch's linear runs as a bmm on a copy of
+            # lm_head's weight expanded P times (at 0.5B in bf16: 2.2 GB copied, 4.3 s per
+            # call). Indexing gives a contiguous [P, 1, H] and a plain matmul.
+            logits_to_keep=torch.tensor([width - 1], device=device),
         )
         if num_samples > 1:
             cache.batch_repeat_interleave(num_samples)
