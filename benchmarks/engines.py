@@ -1,5 +1,6 @@
 """Sampling engines side by side: posttrain's sampler (default engine) against the vLLM engine,
-and the cost of one weight sync, on the `small` tiny model (29.8M parameters, fp32).
+and the cost of one weight sync, on the `small` tiny model (29.8M parameters, fp32) or the
+Qwen2.5-0.5B architecture (`--size qwen2.5-0.5b`, random weights, built locally).
 
 Both engines sample the same batches, taking turns round after round in one run, EOS ignored
 so every sequence has the full length; the ratio is vLLM / posttrain tokens per second
@@ -8,7 +9,10 @@ trainable weights out of the trainer, merged into whole weights, written to /dev
 by vLLM.
 
     OMP_NUM_THREADS=2 python benchmarks/engines.py --vllm-python .venv-vllm/bin/python \
-        [--rounds 4] [--lora-rank 8]
+        [--rounds 4] [--lora-rank 8] [--size small] [--dtype float32]
+
+`--dtype` is both engines' precision: the trainer's weights (with LoRA adapters in float32),
+and so posttrain's sampler, and vLLM's `[inference] dtype`.
 
 Thread settings: the trainer (and so the default engine) uses torch's thread count in this
 process (OMP_NUM_THREADS); the vLLM worker gets the same count (`[inference] threads`). They
@@ -54,20 +58,35 @@ async def main() -> None:
     parser.add_argument("--vllm-python", default=os.environ.get("POSTTRAIN_VLLM_PYTHON"))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument(
+        "--size", default="small", choices=["tiny", "mini", "small", "qwen2.5-0.5b"]
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    model_dir = tiny_model_path(size="small")
+    model_dir = tiny_model_path(size=args.size)
     threads = torch.get_num_threads()
-    print(f"model: small (29.8M, fp32), threads {threads}, load average {os.getloadavg()[0]:.1f}")
+    load = os.getloadavg()[0]
+    print(f"model: {args.size}, {args.dtype}, threads {threads}, load average {load:.1f}")
     root = Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
     backends, models, samplers = {}, {}, {}
     for name, inference in {
         "pytorch": None,
-        "vllm": {"engine": "vllm", "python": args.vllm_python, "kv_cache_mb": 512,
-                 "threads": threads},
+        "vllm": {
+            "engine": "vllm",
+            "python": args.vllm_python,
+            "kv_cache_mb": 512,
+            "threads": threads,
+            "dtype": args.dtype,
+        },
     }.items():
         backends[name] = posttrain.LocalBackend(root / name, inference=inference)
         models[name] = posttrain.TrainableModel(
-            name="m", project="b", base_model=str(model_dir), lora_rank=args.lora_rank, seed=0
+            name="m",
+            project="b",
+            base_model=str(model_dir),
+            lora_rank=args.lora_rank,
+            dtype=args.dtype,
+            seed=0,
         )
         began = time.perf_counter()
         await models[name].register(backends[name])
@@ -97,7 +116,9 @@ async def main() -> None:
             for key, seconds in session.last_sync.items():
                 parts.setdefault(key, []).append(seconds)
         shown = ", ".join(f"{k} {statistics.median(v) * 1000:.0f} ms" for k, v in parts.items())
-        print(f"vllm weight sync (LoRA r{args.lora_rank} merged, whole model), medians of 5: {shown}")
+        print(
+            f"vllm weight sync (LoRA r{args.lora_rank} merged, whole model), medians of 5: {shown}"
+        )
     finally:
         for backend in backends.values():
             await backend.close()

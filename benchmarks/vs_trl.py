@@ -261,6 +261,7 @@ class TrlSide:
         )
         dtype = getattr(torch, self.config.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        give_lm_head_contiguous_inputs(model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         trainer = self.trl.GRPOTrainer(
             model=model,
@@ -385,6 +386,18 @@ class TrlSide:
 
     def close(self) -> None:
         self.thread.join()
+
+
+def give_lm_head_contiguous_inputs(model: torch.nn.Module) -> None:
+    """posttrain's sampler fix, given to TRL's model too (a forward pre-hook on lm_head).
+
+    `generate` asks for the last position's logits with `logits_to_keep=1`, a non-contiguous
+    [rows, 1, hidden] slice, which torch's linear runs as a bmm on lm_head's weight expanded
+    once per row. At 0.5B in bf16 that is 64 x 896 x 151936 x 2 bytes = 17 GB per prefill: the
+    benchmark was OOM-killed on a 24 GiB machine without this hook.
+    """
+    head = getattr(model, "get_output_embeddings")()  # noqa: B009 - HF's method, hidden by nn.Module's stubs
+    head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
 
 
 def trl_reward(completions: list, answer: list[str], **kwargs: object) -> list[float]:

@@ -38,7 +38,7 @@ def test_parse_dtype_rejects_with_choices(bad: str | torch.dtype) -> None:
 def test_load_hf_model(tiny_model_dir: Path) -> None:
     model = load_hf_model(tiny_model_dir)
     assert not model.training
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "posttrain_sdpa"  # SDPA (engine.attention)
     assert next(model.parameters()).dtype == torch.float32
     assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
     assert model.config.attention_dropout == 0.0

@@ -247,9 +247,14 @@ def _chunk_stats(
     logp_C = logits_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C
     entropy_C = None
     if with_entropy:
-        # xlogy(0, 0) = 0, so masked (-inf) logits add 0 rather than 0 * -inf = NaN.
         p_CV = (logits_CV - lse_C.unsqueeze(-1)).exp_()
-        entropy_C = -torch.xlogy(p_CV, p_CV).sum(-1)
+        if torch.isneginf(logits_CV).any():
+            # xlogy(0, 0) = 0, so masked (-inf) logits add 0 rather than 0 * -inf = NaN.
+            entropy_C = -torch.xlogy(p_CV, p_CV).sum(-1)
+        else:
+            # -sum p (z - lse) = lse - sum p z: one dot product per row, not a log and a
+            # product per logit.
+            entropy_C = lse_C - torch.linalg.vecdot(p_CV, logits_CV)
     return logp_C, lse_C, entropy_C
 
 

@@ -10,6 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from posttrain.engine import attention
 from posttrain.engine.model_source import is_path_like
 
 DTYPES: dict[str, torch.dtype] = {
@@ -81,10 +82,12 @@ def load_hf_model(
 
     Dropout is zeroed and the model is in eval mode. Attention is SDPA: on CPU it matches or beats
     eager attention on the 30M-parameter `small` tiny model and never materialises a [T, T] matrix.
+    A bf16/fp16 model trains its attention in float32 on the CPU (`engine.attention`: faster
+    there, and more accurate).
     """
     source = _check_source(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=parse_dtype(dtype), attn_implementation="sdpa"
+        source, dtype=parse_dtype(dtype), attn_implementation=attention.register()
     )
     _disable_dropout(model)
     model.eval()
