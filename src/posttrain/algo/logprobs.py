@@ -12,7 +12,7 @@ Inside this module N = B*T is the flattened token dimension.
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
@@ -47,17 +47,30 @@ def token_logprobs(
     return _unflatten(cast(_Outputs, outputs), targets_BT.shape)
 
 
+class LowRank(NamedTuple):
+    """A LoRA term of the output projection: logits += scale * (h @ a_RH.T) @ b_VR.T."""
+
+    a_RH: torch.Tensor
+    b_VR: torch.Tensor
+    scale: float
+
+
 def token_logprobs_from_hidden(
     hidden_BTH: torch.Tensor,
     weight_VH: torch.Tensor,
     targets_BT: torch.Tensor,
     *,
     bias_V: torch.Tensor | None = None,
+    lora: LowRank | None = None,
     chunk_size: int = 1024,
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs(hidden @ weight.T + bias, ...)` without ever materialising the logits.
+
+    `lora` adds a low-rank term per chunk, in its factors' dtype (float32 adapters on a bf16
+    base), without forming the [V, H] effective weight or its gradient: gradients reach
+    a_RH and b_VR through products of rank R, and weight_VH gets none unless it requires one.
 
     Forward keeps only hidden, weight, bias, targets and the per-token logsumexp; backward
     recomputes each chunk's logits and uses d logp / d logits = (onehot(target) - softmax) / τ.
@@ -91,18 +104,39 @@ def token_logprobs_from_hidden(
                     f"{name} dtype {tensor.dtype} must match weight_VH dtype {weight_VH.dtype}"
                 )
     _check_targets(targets_BT, weight_VH.shape[0])
+    if lora is not None:
+        _check_low_rank(lora, weight_VH.shape)
+    a_RH, b_VR, scale = lora if lora is not None else (None, None, 0.0)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     targets_N = targets_BT.reshape(-1).long()
     outputs = _HiddenLogprob.apply(  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
-        hidden_NH, weight_VH, bias_V, targets_N, chunk_size, temperature, with_entropy
+        hidden_NH,
+        weight_VH,
+        bias_V,
+        a_RH,
+        b_VR,
+        scale,
+        targets_N,
+        chunk_size,
+        temperature,
+        with_entropy,
     )
     return _unflatten(cast(_Outputs, outputs), targets_BT.shape)
 
 
 # (logp, entropy or None) as the autograd Functions return them.
 _Outputs = tuple[torch.Tensor, torch.Tensor | None]
-# What _HiddenLogprob saves: hidden_NH, weight_VH, bias_V (may be None), targets_N, lse_N.
-_SavedHidden = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+# What _HiddenLogprob saves: hidden_NH, weight_VH, bias_V, a_RH, b_VR (those three may be
+# None), targets_N, lse_N.
+_SavedHidden = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor,
+    torch.Tensor,
+]
 
 
 class _Ctx(FunctionCtx):
@@ -112,6 +146,7 @@ class _Ctx(FunctionCtx):
     needs_input_grad: tuple[bool, ...]
     chunk_size: int
     temperature: float
+    scale: float
 
 
 class _LogitsLogprob(torch.autograd.Function):
@@ -159,7 +194,7 @@ class _LogitsLogprob(torch.autograd.Function):
 
 
 class _HiddenLogprob(torch.autograd.Function):
-    """Chunked lm_head + log-softmax gather; saves hidden, weight, bias, targets and lse."""
+    """Chunked lm_head (+ a LoRA term) + log-softmax gather; saves the inputs and lse."""
 
     @staticmethod
     def forward(  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -167,14 +202,18 @@ class _HiddenLogprob(torch.autograd.Function):
         hidden_NH: torch.Tensor,
         weight_VH: torch.Tensor,
         bias_V: torch.Tensor | None,
+        a_RH: torch.Tensor | None,
+        b_VR: torch.Tensor | None,
+        scale: float,
         targets_N: torch.Tensor,
         chunk_size: int,
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        low_rank = None if a_RH is None or b_VR is None else LowRank(a_RH, b_VR, scale)
         stats = [
             _chunk_stats(
-                _scaled(_project(hidden_NH[s:e], weight_VH, bias_V), temperature, owned=True),
+                _chunk_logits(hidden_NH[s:e], weight_VH, bias_V, low_rank, temperature),
                 targets_N[s:e],
                 with_entropy,
             )
@@ -182,8 +221,8 @@ class _HiddenLogprob(torch.autograd.Function):
         ]
         logp_N, lse_N, entropy_N = _concat(stats)
         # torch's stub says Tensor, but None is accepted and comes back as None.
-        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, lse_N)  # pyright: ignore[reportArgumentType]
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, a_RH, b_VR, targets_N, lse_N)  # pyright: ignore[reportArgumentType]
+        ctx.chunk_size, ctx.temperature, ctx.scale = chunk_size, temperature, scale
         if entropy_N is not None:
             ctx.mark_non_differentiable(entropy_N)
         return logp_N, entropy_N
@@ -192,12 +231,14 @@ class _HiddenLogprob(torch.autograd.Function):
     @once_differentiable
     def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
         ctx: _Ctx, grad_logp_N: torch.Tensor, _grad_entropy_N: torch.Tensor | None
-    ) -> tuple[
-        torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None, None
-    ]:
-        hidden_NH, weight_VH, bias_V, targets_N, lse_N = cast(_SavedHidden, ctx.saved_tensors)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    ) -> tuple[torch.Tensor | None, ...]:
+        saved = cast(_SavedHidden, ctx.saved_tensors)
+        hidden_NH, weight_VH, bias_V, a_RH, b_VR, targets_N, lse_N = saved
+        need_h, need_w, need_b, need_a, need_lora_b = ctx.needs_input_grad[:5]
         temperature: float = ctx.temperature
+        low_rank = None if a_RH is None or b_VR is None else LowRank(a_RH, b_VR, ctx.scale)
+        grad_a_RH = torch.zeros_like(a_RH) if need_a and a_RH is not None else None
+        grad_b_VR = torch.zeros_like(b_VR) if need_lora_b and b_VR is not None else None
         # Weight and bias gradients sum over all chunks: accumulate in float32 even for bf16.
         acc = torch.promote_types(weight_VH.dtype, torch.float32)
         grad_h_NH = torch.empty_like(hidden_NH) if need_h else None
@@ -207,22 +248,86 @@ class _HiddenLogprob(torch.autograd.Function):
         )
         for s, e in _chunks(hidden_NH.shape[0], ctx.chunk_size):
             h_CH = hidden_NH[s:e]
-            logits_CV = _scaled(_project(h_CH, weight_VH, bias_V), temperature, owned=True)
+            logits_CV = _chunk_logits(h_CH, weight_VH, bias_V, low_rank, temperature)
             g_CV = _grad_logits(
                 logits_CV, lse_N[s:e], targets_N[s:e], grad_logp_N[s:e], temperature
             )
             if grad_b_V is not None:
                 grad_b_V += g_CV.sum(0)
+            lora_h_CH = None
+            if low_rank is not None:
+                lora_h_CH = _low_rank_grads(h_CH, g_CV, low_rank, grad_a_RH, grad_b_VR, need_h)
             g_CV = g_CV.to(weight_VH.dtype)
             if grad_h_NH is not None:
                 torch.mm(g_CV, weight_VH, out=grad_h_NH[s:e])
+                if lora_h_CH is not None:
+                    grad_h_NH[s:e] += lora_h_CH.to(grad_h_NH.dtype)
             if grad_w_VH is not None and acc == weight_VH.dtype:
                 grad_w_VH.addmm_(g_CV.T, h_CH)
             elif grad_w_VH is not None:
                 grad_w_VH += (g_CV.T @ h_CH).to(acc)
         grad_w = None if grad_w_VH is None else grad_w_VH.to(weight_VH.dtype)
         grad_b = None if grad_b_V is None else grad_b_V.to(weight_VH.dtype)
-        return grad_h_NH, grad_w, grad_b, None, None, None, None
+        return grad_h_NH, grad_w, grad_b, grad_a_RH, grad_b_VR, None, None, None, None, None
+
+
+def _chunk_logits(
+    h_CH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    low_rank: LowRank | None,
+    temperature: float,
+) -> torch.Tensor:
+    """One chunk's logits / τ in (at least) float32; the low-rank term is added in its own
+    dtype's precision, to the logits rather than to the weight."""
+    raw_CV = _project(h_CH, weight_VH, bias_V)
+    if low_rank is None:
+        return _scaled(raw_CV, temperature, owned=True)
+    a_RH, b_VR, scale = low_rank
+    dtype = torch.promote_types(torch.promote_types(raw_CV.dtype, torch.float32), b_VR.dtype)
+    logits_CV = raw_CV.to(dtype)  # a new tensor unless raw_CV (ours) already has the dtype
+    u_CR = (h_CH.to(a_RH.dtype) @ a_RH.T).to(dtype)
+    logits_CV.addmm_(u_CR, b_VR.T.to(dtype), alpha=scale)
+    return logits_CV.div_(temperature) if temperature != 1.0 else logits_CV
+
+
+def _low_rank_grads(
+    h_CH: torch.Tensor,
+    g_CV: torch.Tensor,
+    low_rank: LowRank,
+    grad_a_RH: torch.Tensor | None,
+    grad_b_VR: torch.Tensor | None,
+    need_h: bool,
+) -> torch.Tensor | None:
+    """Accumulate one chunk's gradients of the low-rank factors, given g = d loss / d raw
+    logits [C, V]; return the term's share of d loss / d h, or None if not needed.
+
+    logits += s (h A^T) B^T, so with u = h A^T:  dB = s g^T u,  dA = s (g B)^T h,
+    dh = s (g B) A. Every product has rank R; nothing [V, H] is formed.
+    """
+    a_RH, b_VR, scale = low_rank
+    h_lora_CH = h_CH.to(a_RH.dtype)
+    gb_CR = g_CV.to(b_VR.dtype) @ b_VR
+    if grad_b_VR is not None:
+        grad_b_VR.addmm_(g_CV.T.to(b_VR.dtype), h_lora_CH @ a_RH.T, alpha=scale)
+    if grad_a_RH is not None:
+        grad_a_RH.addmm_(gb_CR.T, h_lora_CH, alpha=scale)
+    return (gb_CR @ a_RH).mul_(scale) if need_h else None
+
+
+def _check_low_rank(lora: LowRank, weight_shape: torch.Size) -> None:
+    vocab, hidden = weight_shape
+    a_RH, b_VR, _ = lora
+    if a_RH.dim() != 2 or b_VR.dim() != 2 or a_RH.shape[1] != hidden or b_VR.shape[0] != vocab:
+        raise ValueError(
+            f"lora factors must be a_RH [R, {hidden}] and b_VR [{vocab}, R], got "
+            f"{tuple(a_RH.shape)} and {tuple(b_VR.shape)}"
+        )
+    if a_RH.shape[0] != b_VR.shape[1] or a_RH.dtype != b_VR.dtype:
+        raise ValueError(
+            f"lora factors must share their rank and dtype, got a_RH {tuple(a_RH.shape)} "
+            f"{a_RH.dtype} and b_VR {tuple(b_VR.shape)} {b_VR.dtype}"
+        )
 
 
 def _project(

@@ -1,8 +1,9 @@
 """Per-token logprobs of target tokens from a causal LM, without materialising [tokens, vocab].
 
 The decoder runs once for hidden states; the output projection and log-softmax run in chunks
-through `algo.logprobs`. A LoRA-wrapped unembedding contributes its effective weight
-W + delta, so gradients reach the adapter.
+through `algo.logprobs`. A LoRA-wrapped unembedding contributes its factors, applied per
+chunk as a rank-R term (or, for adapters that are not plain LoRA, its effective weight
+W + delta), so gradients reach the adapter.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from posttrain.algo.logprobs import token_logprobs_from_hidden
+from posttrain.algo.logprobs import LowRank, token_logprobs_from_hidden
 from posttrain.engine.shared_prefix import PrefixGroup, decoder_hidden
 from posttrain.engine.value_head import is_value_model
 
@@ -46,6 +47,29 @@ def unembedding_weight(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
     return weight.to(base.weight.dtype), base.bias
 
 
+def unembedding_low_rank(
+    model: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor | None, LowRank] | None:
+    """The output projection as base weight, bias and its LoRA factors, where it has exactly one
+    active, unmerged plain LoRA adapter (no DoRA, no dropout); else None."""
+    head = causal_lm(model).get_output_embeddings()  # type: ignore[operator]
+    base = getattr(head, "base_layer", None)
+    if base is None or getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
+        return None
+    active = [a for a in head.active_adapters if a in head.lora_A]
+    if len(active) != 1:
+        return None
+    (adapter,) = active
+    if getattr(head, "use_dora", {}).get(adapter) or not isinstance(
+        head.lora_dropout[adapter], nn.Identity
+    ):
+        return None
+    factors = LowRank(
+        head.lora_A[adapter].weight, head.lora_B[adapter].weight, float(head.scaling[adapter])
+    )
+    return base.weight, base.bias, factors
+
+
 def target_logprobs(
     model: nn.Module,
     input_ids_BT: torch.Tensor,
@@ -68,12 +92,17 @@ def target_logprobs(
     if is_value_model(lm):
         head = lm.get_output_embeddings()  # type: ignore[operator]
         return head(hidden_BTH.float()).squeeze(-1), None
-    weight_VH, bias_V = unembedding_weight(model)
+    low_rank = unembedding_low_rank(model)
+    if low_rank is not None:  # LoRA on lm_head: its factors, not a [V, H] W + BA
+        weight_VH, bias_V, lora = low_rank
+    else:
+        (weight_VH, bias_V), lora = unembedding_weight(model), None
     return token_logprobs_from_hidden(
         hidden_BTH,
         weight_VH,
         targets_BT,
         bias_V=bias_V,
+        lora=lora,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
     )
