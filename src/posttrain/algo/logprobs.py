@@ -12,6 +12,7 @@ Inside this module N = B*T is the flattened token dimension.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple, cast
 
 import torch
@@ -124,6 +125,8 @@ def token_logprobs_from_hidden(
     return _unflatten(cast(_Outputs, outputs), targets_BT.shape)
 
 
+# torch.linalg.vecdot, which torch's stubs leave untyped.
+_Binary = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # (logp, entropy or None) as the autograd Functions return them.
 _Outputs = tuple[torch.Tensor, torch.Tensor | None]
 # What _HiddenLogprob saves: hidden_NH, weight_VH, bias_V, a_RH, b_VR (those three may be
@@ -359,7 +362,9 @@ def _chunk_stats(
         else:
             # -sum p (z - lse) = lse - sum p z: one dot product per row, not a log and a
             # product per logit.
-            entropy_C = lse_C - torch.linalg.vecdot(p_CV, logits_CV)
+            vecdot = cast(_Binary, torch.linalg.vecdot)  # pyright: ignore[reportUnknownMemberType]
+            dot_C = vecdot(p_CV, logits_CV)
+            entropy_C = lse_C - dot_C
     return logp_C, lse_C, entropy_C
 
 
