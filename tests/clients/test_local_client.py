@@ -114,6 +114,30 @@ def test_placement_cycle_moves_state_and_records_it(client):
     assert worker.parking.offloaded == {"grads", "optimizer"}
 
 
+def test_without_parking_for_sampling_nothing_moves(tiny_model_dir, tmp_path):
+    """park_for_sampling=False (what "auto" picks on a GPU with room) keeps gradients and
+    moments on the device through sampling; offload() still parks everything."""
+    client = create_training_client(
+        tiny_model_dir, lora_rank=4, storage_dir=tmp_path, park_for_sampling=False
+    )
+    datums = sft_datums(client.get_tokenizer(), ["abc", "de"])
+    prompt, params = ModelInput.from_ints([5, 6]), SamplingParams(max_tokens=2, seed=0)
+    for _ in range(2):
+        client.sample(prompt, 1, params).result()
+        client.forward_backward(datums, "cross_entropy").result()
+        client.optim_step(AdamParams()).result()
+    assert client.dispatch.moves == []
+    assert client.dispatch.transitions[:2] == [("train", "sample"), ("sample", "train")]
+    client.offload().result()
+    assert client.dispatch.moves == [("offload", g) for g in ("optimizer", "grads", "weights")]
+    client.close()
+
+
+def test_auto_parks_for_sampling_on_the_cpu(client):
+    # On the CPU a move is a no-op, so "auto" keeps the path a crowded GPU takes under test.
+    assert client.dispatch.park_for_sampling
+
+
 def test_parked_state_comes_back_exactly(tiny_model_dir, tmp_path):
     """Gradients parked by a sample in mid-accumulation, and everything parked by offload(),
     come back bit-identical: the result equals a run that never moved anything."""

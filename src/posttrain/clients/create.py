@@ -28,6 +28,7 @@ from posttrain.engine.models import (
     load_tokenizer,
     parse_dtype,
 )
+from posttrain.engine.placement import parks_for_sampling
 from posttrain.engine.threads import ComputeThread
 from posttrain.engine.value_head import VALUE_HEAD_MODULE, to_value_model
 from posttrain.engine.worker import Worker, WorkerConfig
@@ -60,10 +61,13 @@ class WorkerSpec:
         """Load the model and wrap it; the same spec gives bit-identical replicas anywhere.
 
         LoRA's random A matrices come from `seed` through a forked generator, so building a
-        worker leaves torch's global random state as it was. A critic's value head trains
-        whole beside the adapters (never a LoRA of its own: it is one row).
+        worker leaves torch's global random state as it was. They are drawn on the CPU and the
+        model moves to its device afterwards: the CUDA generator draws other numbers from the
+        same seed, and a run should start from the same adapters on any device. A critic's
+        value head trains whole beside the adapters (never a LoRA of its own: it is one row).
         """
-        model = load_hf_model(self.base_model, dtype=self.dtype, device=self.device)
+        # from_pretrained builds on the CPU anyway: moving after wrapping costs nothing more.
+        model = load_hf_model(self.base_model, dtype=self.dtype, device="cpu")
         if self.head == "value":
             model = to_value_model(model)
         if self.lora is not None and self.head == "value":
@@ -71,6 +75,7 @@ class WorkerSpec:
             model = apply_lora(model, lora, seed=self.seed, modules_to_save=[VALUE_HEAD_MODULE])
         elif self.lora is not None and self.head == "policy":
             model = apply_lora(model, self.lora, seed=self.seed)
+        model.to(self.device)  # pyright: ignore[reportArgumentType]  # HF types `to` narrowly
         return Worker(
             model,
             self.config,
@@ -102,6 +107,7 @@ def create_training_client(
     micro_batch_tokens: int = ...,
     logprob_chunk_size: int = ...,
     gradient_checkpointing: bool = ...,
+    park_for_sampling: bool | None = ...,
     storage_dir: str | Path | None = ...,
     seed: int = ...,
     head: Head = ...,
@@ -125,6 +131,7 @@ def create_training_client(
     micro_batch_tokens: int = ...,
     logprob_chunk_size: int = ...,
     gradient_checkpointing: bool = ...,
+    park_for_sampling: bool | None = ...,
     storage_dir: str | Path | None = ...,
     seed: int = ...,
     head: Head = ...,
@@ -149,6 +156,7 @@ def create_training_client(
     micro_batch_tokens: int = 8192,
     logprob_chunk_size: int = 1024,
     gradient_checkpointing: bool = False,
+    park_for_sampling: bool | None = None,
     storage_dir: str | Path | None = None,
     seed: int = 0,
     head: Head = "policy",
@@ -172,6 +180,9 @@ def create_training_client(
     client's calls on that thread, shared with other clients, instead of a thread of its own.
     `head="value"` makes a critic (`engine.value_head`): its passes return per-token values.
     `head="reference"` makes a frozen base model (no LoRA) that scores `reference_logprobs`.
+    `park_for_sampling` moves gradients and AdamW moments off the device while sampling, to
+    give the KV cache their room; None decides by size (`placement.parks_for_sampling`: on a
+    GPU, only when they would take more than a quarter of it; Ray workers always park).
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -201,8 +212,10 @@ def create_training_client(
     spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed, head)
     storage = Path(storage_dir) if storage_dir else Path(tempfile.mkdtemp(prefix="posttrain-"))
     if ray is not None:
-        return _ray_client(spec, num_workers, ray, storage)
-    return _local_client(spec, num_workers, storage, compute_thread)
+        client = _ray_client(spec, num_workers, ray, storage)
+        client.dispatch.park_for_sampling = park_for_sampling is not False
+        return client
+    return _local_client(spec, num_workers, storage, compute_thread, park_for_sampling)
 
 
 def _lora_settings(
@@ -218,10 +231,16 @@ def _lora_settings(
 
 
 def _local_client(
-    spec: WorkerSpec, num_workers: int, storage: Path, compute_thread: ComputeThread | None
+    spec: WorkerSpec,
+    num_workers: int,
+    storage: Path,
+    compute_thread: ComputeThread | None,
+    park_for_sampling: bool | None,
 ) -> LocalTrainingClient:
     """Replicas in this process: one built from the spec, the others deep copies of it."""
     first = spec.build()
+    if park_for_sampling is None:
+        park_for_sampling = parks_for_sampling(first.model, torch.device(spec.device))
     workers = [first] + [
         Worker(
             copy.deepcopy(first.model),
@@ -232,7 +251,7 @@ def _local_client(
         for _ in range(num_workers - 1)
     ]
     return LocalTrainingClient(
-        Dispatch(InProcessExecutor(workers)),
+        Dispatch(InProcessExecutor(workers), park_for_sampling=park_for_sampling),
         storage_dir=storage,
         base_model=spec.base_model,
         worker_factory=spec.build,

@@ -55,8 +55,11 @@ def merge_results(results: Sequence[PassResult], shards: Sequence[Sequence[int]]
 class Dispatch:
     """Mesh and pass-through calls over an executor, and placement of the workers' state."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, *, park_for_sampling: bool = True) -> None:
+        """`park_for_sampling=False` keeps gradients and AdamW moments on the device while
+        sampling (`placement.parks_for_sampling` decides for a GPU with room to spare)."""
         self.executor = executor
+        self.park_for_sampling = park_for_sampling
         self.placement: Placement = "train"
         self.resident: set[StateGroup] = set(GROUPS)  # on the device on every worker
         self.unsettled: set[StateGroup] = set()  # a failed move may have left them anywhere
@@ -77,10 +80,13 @@ class Dispatch:
             if placement != self.placement:
                 self.transitions.append((self.placement, placement))
                 self.placement = placement
+            keeps = KEEPS[placement]
+            if placement == "sample" and not self.park_for_sampling:
+                keeps = KEEPS["train"]
             offload = [
                 g
                 for g in reversed(GROUPS)
-                if (g in self.resident or g in self.unsettled) and g not in KEEPS[placement]
+                if (g in self.resident or g in self.unsettled) and g not in keeps
             ]
         reload: list[StateGroup] = [
             g for g in GROUPS if g in NEEDS[operation] and g not in self.resident

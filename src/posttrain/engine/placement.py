@@ -49,6 +49,25 @@ NEEDS: dict[Operation, frozenset[StateGroup]] = {
 }
 
 
+# Parking for sampling pays two copies of the gradients and moments over PCIe per RL step (at
+# 0.5B full fine-tuning, 4 GB of fp32 moments each way) to free room the sampler's KV cache
+# rarely needs on a large GPU. "auto" parks only where that state is a large share of the
+# device: above this fraction of its total memory.
+PARK_FOR_SAMPLING_SHARE = 0.25
+
+
+def parks_for_sampling(model: nn.Module, device: torch.device) -> bool:
+    """Whether sampling should park the gradients and AdamW moments ("auto"): always on the CPU,
+    where a move is a no-op (so CPU runs take the GPU's code path), and on a GPU when they
+    (3x the trainable weights' bytes: one gradient and two moments each) would fill more than
+    PARK_FOR_SAMPLING_SHARE of its memory."""
+    if device.type != "cuda":
+        return True
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return 3 * trainable > PARK_FOR_SAMPLING_SHARE * total
+
+
 def move_module(module: nn.Module, device: torch.device) -> None:
     """Parameters (in place, so optimizer references stay valid), buffers and attached grads."""
     module.to(device)
