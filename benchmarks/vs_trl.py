@@ -1,7 +1,9 @@
 """posttrain's LocalBackend against TRL's GRPOTrainer: GRPO steps on the same model and batch.
 
-Both sides train the same locally built model (`small`: a ~30M-parameter Qwen2; `qwen2.5-0.5b`:
-Qwen2.5-0.5B's architecture, random weights; nothing downloaded) at the same precision and with
+Both sides train the same model (`small`: a ~30M-parameter Qwen2; `qwen2.5-0.5b`:
+Qwen2.5-0.5B's architecture, random weights; both built locally, nothing downloaded; or any
+local model directory with `--model DIR`, e.g. one from `posttrain fetch-model`) on the same
+device (`--device cpu` or `cuda`) at the same precision and with
 the same fine-tuning: full fine-tuning in float32 by default, or LoRA (`--lora-rank`: the same
 rank, alpha, target modules and float32 adapters on both sides, which `--dtype bfloat16`
 requires). No gradient checkpointing. The prompts are reverse-task prompts: 8 prompts x 8 samples,
@@ -16,8 +18,11 @@ between steps, so the two sides alternate in rounds in one process (the order fl
 A B, B A, ...); each side's first step is a warm-up and is not measured.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/vs_trl.py \\
-        [--steps 5] [--rounds 2] [--model-size small] [--dtype float32] [--lora-rank R] \\
-        [--threads 2] [--json]
+        [--steps 5] [--rounds 2] [--model-size small | --model DIR] [--dtype float32] \\
+        [--lora-rank R] [--device cpu] [--no-trl] [--threads 2] [--json]
+
+On a GPU each side also reports its own peak GPU memory and MFU (`gpu_metrics.py` defines
+them); `--no-trl` times posttrain alone (where TRL is not installed, as on gpu-check's machine).
 
 In bfloat16 both sides hold the base weights in bfloat16 (posttrain `dtype="bfloat16"`; TRL's
 model loaded in bfloat16 with `bf16=True`), and PEFT keeps both sides' adapters in float32.
@@ -45,6 +50,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from gpu_metrics import PeakMemory, StepFlops, matmul_parameters, mfu, peak_flops, synchronize
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 from transformers.utils import logging as hf_logging
 
@@ -65,6 +71,10 @@ class BenchConfig:
     """What both sides share."""
 
     model_size: str = "small"
+    model_dir: str | None = None  # a local model directory instead of a built model_size
+    device: str = "cpu"
+    trl: bool = True  # False: posttrain alone
+    park: str = "auto"  # posttrain's parking of training state while sampling: auto | always
     dtype: str = "float32"  # float32 | bfloat16, both sides
     lora_rank: int | None = None  # None: full fine-tuning
     prompts: int = 8
@@ -147,17 +157,32 @@ class PosttrainSide:
     def __init__(self, model_path: Path, config: BenchConfig, workdir: Path) -> None:
         self.config = config
         self.runner = asyncio.Runner()
-        self.backend = LocalBackend(workdir / "posttrain")
+        self.backend = LocalBackend(workdir / "posttrain", device=config.device)
+        # Without the unembedding, as TRL; a LoRA switch, so only given with LoRA.
+        layers = {} if config.lora is None else {"train_unembed": False}
         self.model = TrainableModel(
             name="vs-trl",
             project="bench",
             base_model=str(model_path),
             lora_rank=config.lora_rank,  # None: full fine-tuning
             dtype=config.dtype,  # pyright: ignore[reportArgumentType]
-            train_unembed=False,  # as TRL (only read with LoRA)
             seed=config.seed,
+            **layers,  # pyright: ignore[reportArgumentType]
         )
         self.runner.run(self.model.register(self.backend))
+        if config.park == "always":  # what "auto" does for a model too big for its GPU
+            self.backend.client(self.model).dispatch.park_for_sampling = True
+
+    def torch_model(self) -> torch.nn.Module:
+        executor = self.backend.client(self.model).dispatch.executor
+        return executor.workers[0].model  # type: ignore[attr-defined]
+
+    def matmul_parameters(self) -> int:
+        return matmul_parameters(self.torch_model())
+
+    def trainable_parameters(self) -> tuple[int, int]:
+        params = list(self.torch_model().parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
     def step(self, problems: Sequence[Problem]) -> StepTiming:
         return self.runner.run(self._step(problems))
@@ -178,6 +203,7 @@ class PosttrainSide:
         responses = await sampler.sample_many(prompts, config.group_size, params)
         generation = time.perf_counter() - sample_start
         groups = [build_group(*args) for args in zip(builders, problems, responses, strict=True)]
+        synchronize(config.device)
         await self.backend.train(
             self.model,
             groups,
@@ -191,6 +217,7 @@ class PosttrainSide:
             grad_clip=config.grad_clip,
             save_checkpoint=False,  # TRL does not checkpoint either
         )
+        synchronize(config.device)
         return StepTiming(
             seconds=time.perf_counter() - start,
             generation_seconds=generation,
@@ -321,7 +348,7 @@ class TrlSide:
             bf16=config.dtype == "bfloat16",
             fp16=False,
             gradient_checkpointing=False,
-            use_cpu=True,
+            use_cpu=config.device == "cpu",
             use_vllm=False,
             shuffle_dataset=False,
             seed=config.seed,
@@ -337,8 +364,10 @@ class TrlSide:
         original: Callable = self.trainer._generate_single_turn
 
         def timed(prompt_ids, *args, **kwargs):
+            synchronize(self.config.device)
             start = time.perf_counter()
             completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
+            synchronize(self.config.device)
             self.generations.append(
                 StepTiming(
                     seconds=0.0,
@@ -371,7 +400,7 @@ class TrlSide:
         self.generations.clear()
         start = time.perf_counter()
         self.gate.release.release()
-        end = self._wait_for_gate()
+        end = self._wait_for_gate()  # TRL's loop has synchronized (its loss reads .item())
         (generation,) = self.generations
         return StepTiming(
             seconds=end - start,
@@ -379,6 +408,9 @@ class TrlSide:
             completion_tokens=generation.completion_tokens,
             prompt_tokens=generation.prompt_tokens,
         )
+
+    def matmul_parameters(self) -> int:
+        return matmul_parameters(self.trainer.model)
 
     def trainable_parameters(self) -> tuple[int, int]:
         params = list(self.trainer.model.parameters())
@@ -405,23 +437,50 @@ def trl_reward(completions: list, answer: list[str], **kwargs: object) -> list[f
     return [letter_share(a, c[0]["content"]) for c, a in zip(completions, answer, strict=True)]
 
 
+Side = PosttrainSide | TrlSide
+
+
+def batches_of(problems: list[Problem], config: BenchConfig) -> list[list[Problem]]:
+    return [problems[i : i + config.prompts] for i in range(0, len(problems), config.prompts)]
+
+
+def build_sides(
+    model_path: Path, config: BenchConfig, problems: list[Problem], workdir: Path, meter: PeakMemory
+) -> list[Side]:
+    """Each side built and warmed up (its first steps, not measured) before the next is built,
+    so the meter sees what each holds resident after an optimizer step."""
+    batches = batches_of(problems, config)
+    sides: list[Side] = []
+    makers: list[Callable[[], Side]] = [lambda: PosttrainSide(model_path, config, workdir)]
+    if config.trl:
+        makers.append(lambda: TrlSide(model_path, config, problems, workdir))
+    for make in makers:
+        meter.start_building()
+        side = make()
+        for batch in batches[: config.warmup_steps]:
+            side.step(batch)
+        meter.built(side.name)
+        sides.append(side)
+    return sides
+
+
 def run_rounds(
-    sides: Sequence[PosttrainSide | TrlSide], problems: list[Problem], config: BenchConfig
+    sides: Sequence[Side], problems: list[Problem], config: BenchConfig, meter: PeakMemory
 ) -> dict[str, list[StepTiming]]:
-    """Warm-up steps, then rounds of measured steps, the order flipping every round."""
-    batches = [problems[i : i + config.prompts] for i in range(0, len(problems), config.prompts)]
-    cursor = {side.name: 0 for side in sides}
+    """Rounds of measured steps after the warm-ups, the order flipping every round."""
+    batches = batches_of(problems, config)
+    cursor = {side.name: config.warmup_steps for side in sides}
     timings: dict[str, list[StepTiming]] = {side.name: [] for side in sides}
 
-    def run(side: PosttrainSide | TrlSide, count: int) -> list[StepTiming]:
+    def run(side: Side, count: int) -> list[StepTiming]:
         out = []
         for _ in range(count):
+            meter.start_step()
             out.append(side.step(batches[cursor[side.name]]))
+            meter.end_step(side.name)
             cursor[side.name] += 1
         return out
 
-    for side in sides:
-        run(side, config.warmup_steps)
     for round_index in range(config.rounds):
         order = sides if round_index % 2 == 0 else list(reversed(sides))
         for side in order:
@@ -429,8 +488,13 @@ def run_rounds(
     return timings
 
 
-def summarize(steps: list[StepTiming]) -> dict[str, float]:
+def summarize(
+    steps: list[StepTiming], config: BenchConfig, n: int, peak: float | None
+) -> dict[str, float | None]:
     seconds = [s.seconds for s in steps]
+    step = steps[seconds.index(statistics.median_low(seconds))]  # the median step itself
+    unique = step.prompt_tokens // config.group_size + step.completion_tokens
+    flops = StepFlops.of(n, unique, full_fine_tuning=config.lora is None)
     return {
         "median_step_s": statistics.median(seconds),
         "min_step_s": min(seconds),
@@ -443,21 +507,29 @@ def summarize(steps: list[StepTiming]) -> dict[str, float]:
         "prompt_tokens_per_step": statistics.mean(s.prompt_tokens for s in steps),
         "generation_fraction": statistics.median(s.generation_seconds / s.seconds for s in steps),
         "median_generation_s": statistics.median(s.generation_seconds for s in steps),
+        "matmul_parameters": n,
+        "mfu_step": mfu(flops.sampling + flops.training, step.seconds, peak),
+        "mfu_training": mfu(flops.training, step.seconds - step.generation_seconds, peak),
     }
 
 
-def versions() -> dict[str, str]:
-    names = ["posttrain", "torch", "transformers", "trl", "accelerate", "datasets"]
+def versions(config: BenchConfig) -> dict[str, str]:
+    names = ["posttrain", "torch", "transformers", "peft"]
+    names += ["trl", "accelerate", "datasets"] if config.trl else []
     found = {name: importlib.metadata.version(name) for name in names}
+    if torch.device(config.device).type == "cuda":
+        found["gpu"] = torch.cuda.get_device_name()
+        found["cuda"] = str(torch.version.cuda)
     return {"python": platform.python_version(), **found}
 
 
 def describe(config: BenchConfig, params: tuple[int, int]) -> dict[str, object]:
     return {
         **asdict(config),
-        "model": f"qwen2 {config.model_size} (posttrain.engine.tiny), built locally",
+        "model": config.model_dir
+        or f"qwen2 {config.model_size} (posttrain.engine.tiny), built locally",
         "parameters": params[0],
-        "trainable_parameters_trl": params[1],
+        "trainable_parameters": params[1],
         "completions_per_step": config.prompts * config.group_size,
         "dtype": config.dtype,
         "gradient_checkpointing": False,
@@ -474,6 +546,7 @@ def describe(config: BenchConfig, params: tuple[int, int]) -> dict[str, object]:
         "logging": "off (posttrain: no model.log; TRL report_to='none', logging_strategy='no')",
         "early_stop": "none (posttrain stop=[]; TRL min_new_tokens=new_tokens)",
         "torch_threads": torch.get_num_threads(),
+        "device": config.device,
     }
 
 
@@ -481,6 +554,7 @@ def print_report(report: dict[str, dict]) -> None:
     print("configuration")
     for key, value in {**report["config"], **report["versions"]}.items():
         print(f"  {key:28s} {value}")
+    names = list(report["sides"])
     rows = [
         ("median step (s)", "median_step_s", ".3f"),
         ("min / max step (s)", None, ""),
@@ -489,19 +563,45 @@ def print_report(report: dict[str, dict]) -> None:
         ("completion tokens/step", "completion_tokens_per_step", ".1f"),
         ("prompt tokens/step", "prompt_tokens_per_step", ".1f"),
         ("generation share of step", "generation_fraction", ".2f"),
+        ("peak GPU memory (GiB)", "peak_gpu_gib", ".2f"),
+        ("MFU, whole step", "mfu_step", ".1%"),
+        ("MFU, training phase", "mfu_training", ".1%"),
     ]
-    print(f"\n{'':28s} {'posttrain':>12s} {'trl':>12s}")
+    print("\n" + " " * 28 + "".join(f" {name:>12s}" for name in names))
     for label, key, fmt in rows:
         if key is None:
             cells = [
                 f"{s['min_step_s']:.3f}/{s['max_step_s']:.3f}" for s in report["sides"].values()
             ]
         else:
-            cells = [format(s[key], fmt) for s in report["sides"].values()]
-        print(f"  {label:26s} {cells[0]:>12s} {cells[1]:>12s}")
-    print("\nratios (posttrain / trl)")
+            values = [s.get(key) for s in report["sides"].values()]
+            if all(v is None for v in values):
+                continue  # a GPU figure on the CPU, or an unknown chip's peak
+            cells = ["-" if v is None else format(v, fmt) for v in values]
+        print(f"  {label:26s}" + "".join(f" {cell:>12s}" for cell in cells))
+    if report["ratios"]:
+        print("\nratios (posttrain / trl)")
     for key, value in report["ratios"].items():
         print(f"  {key:28s} {value:.2f}x")
+
+
+def model_directory(config: BenchConfig) -> Path:
+    if config.model_dir is None:
+        return tiny_model_path(size=config.model_size)  # type: ignore[arg-type]
+    path = Path(config.model_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {config.model_dir}: no config.json there (a model directory)")
+    return path
+
+
+def ratios(sides: dict[str, dict[str, float | None]]) -> dict[str, float]:
+    if "trl" not in sides:
+        return {}
+    ours, theirs = sides["posttrain"], sides["trl"]
+    return {
+        key: float(ours[key]) / float(theirs[key])  # type: ignore[arg-type]
+        for key in ("steps_per_s", "completion_tokens_per_s")
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -512,6 +612,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--model-size", default="small", choices=["tiny", "mini", "small", "qwen2.5-0.5b"]
+    )
+    parser.add_argument("--model", metavar="DIR", help="a local model directory (any size)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (both sides)")
+    parser.add_argument("--no-trl", action="store_true", help="time posttrain alone")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--new-tokens", type=int, default=16, help="sampled tokens each")
+    parser.add_argument(
+        "--park",
+        default="auto",
+        choices=["auto", "always"],
+        help="posttrain: park gradients and AdamW moments off the GPU while sampling "
+        "(auto: only when they would fill over a quarter of it)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
@@ -526,40 +639,47 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     args = parse_args(argv)
     config = BenchConfig(
         model_size=args.model_size,
+        model_dir=args.model,
+        device=args.device,
+        trl=not args.no_trl,
+        park=args.park,
+        prompts=args.prompts,
+        group_size=args.group_size,
+        new_tokens=args.new_tokens,
         dtype=args.dtype,
         lora_rank=args.lora_rank,
         steps=args.steps,
         rounds=args.rounds,
         threads=args.threads,
     )
-    import_trl()  # fail before building anything
+    if config.trl:
+        import_trl()  # fail before building anything
     hf_logging.set_verbosity_error()
     # transformers' deprecation notices for arguments TRL passes on (gradient_checkpointing).
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
-    model_path = tiny_model_path(size=config.model_size)  # type: ignore[arg-type]
+    model_path = model_directory(config)
     problems = make_problems(config)
+    meter = PeakMemory(config.device)
+    peak = peak_flops(versions(config).get("gpu", ""), config.dtype)
     with tempfile.TemporaryDirectory(prefix="posttrain-vs-trl-") as tmp:
-        workdir = Path(tmp)
-        ours = PosttrainSide(model_path, config, workdir)
-        theirs = TrlSide(model_path, config, problems, workdir)
+        sides_built = build_sides(model_path, config, problems, Path(tmp), meter)
         try:
-            timings = run_rounds([ours, theirs], problems, config)
+            timings = run_rounds(sides_built, problems, config, meter)
+            counts = {side.name: side.matmul_parameters() for side in sides_built}
+            params = sides_built[-1].trainable_parameters()
         finally:
-            ours.close()
-        theirs.close()
-        params = theirs.trainable_parameters()
-    sides = {name: summarize(steps) for name, steps in timings.items()}
+            for side in sides_built:
+                side.close()
+    sides = {name: summarize(steps, config, counts[name], peak) for name, steps in timings.items()}
+    for name, bytes_ in meter.peaks.items():
+        sides[name]["peak_gpu_gib"] = bytes_ / 2**30
     report = {
         "config": describe(config, params),
-        "versions": versions(),
+        "versions": versions(config),
         "sides": sides,
-        "ratios": {
-            "steps_per_s": sides["posttrain"]["steps_per_s"] / sides["trl"]["steps_per_s"],
-            "completion_tokens_per_s": sides["posttrain"]["completion_tokens_per_s"]
-            / sides["trl"]["completion_tokens_per_s"],
-        },
+        "ratios": ratios(sides),
         "steps": {name: [asdict(s) for s in steps] for name, steps in timings.items()},
     }
     if args.json:
