@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
@@ -17,10 +18,17 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] CUDA GPU found: installing torch==$TORCH_VERSION (CUDA build)"
     "$VPY" -m pip install -q "torch==$TORCH_VERSION"
-  else
+  elif "$VPY" -c "import urllib.request; urllib.request.urlopen('$CPU_INDEX/torch/', timeout=5)" \
+      2>/dev/null; then
     echo "[setup] no CUDA GPU: installing torch==$TORCH_VERSION (CPU build)"
     "$VPY" -m pip install -q "torch==$TORCH_VERSION" \
-      --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+      --index-url "$CPU_INDEX" --extra-index-url https://pypi.org/simple
+  else
+    # Asking an unreachable index costs pip minutes of retries for each of torch's packages.
+    echo "[setup] no CUDA GPU, and $CPU_INDEX does not answer: installing torch==$TORCH_VERSION"
+    echo "[setup] from the configured index (PyPI's Linux wheel is a CUDA build; a local CPU"
+    echo "[setup] wheel in PIP_FIND_LINKS is taken instead where there is one)"
+    "$VPY" -m pip install -q "torch==$TORCH_VERSION"
   fi
 fi
 
