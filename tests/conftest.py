@@ -13,3 +13,22 @@ from posttrain.engine.tiny import make_tiny_model
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen2 model (seed 0) with its tokenizer, built once per test session."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), arch="qwen2", size="tiny", seed=0)
+
+
+@pytest.fixture
+def posttrain_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """$POSTTRAIN_CACHE (converted GGUF files, packaged models) in this test's own folder, never
+    the user's cache."""
+    root = tmp_path / "posttrain-cache"
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the tiny llama model, seed 3, written as an F32 GGUF file; the directory it came from),
+    built once per test session (tests/gguf_files.py)."""
+    from gguf_files import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"
+    return path, write_tiny_gguf(path, seed=3)

@@ -1,12 +1,15 @@
 """Every example in docs/ runs: the python blocks of each page in order in one process (on a
 tiny model, in a temporary directory, against a real `posttrain serve` where a page uses one),
 and the `posttrain` commands of its bash blocks (all but `serve`, which a page's python uses).
+A page that names `tiny.gguf` finds that file (the tiny llama model as GGUF) in its directory,
+and a cache of its own ($POSTTRAIN_CACHE).
 
 A block whose info string names a file (```toml file=job.toml```) is that file's content: it
 is written into the directory before the page's python blocks run, and before its commands."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gguf_files import write_tiny_gguf
 from posttrain.engine.tiny import make_tiny_model
 
 ROOT = Path(__file__).parents[1]
@@ -31,10 +35,15 @@ def blocks(page: Path, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", page.read_text(), flags=re.S)
 
 
-def write_files(page: Path, directory: Path) -> None:
-    """The page's file blocks (```LANG file=NAME```), written into `directory`."""
+def write_files(page: Path, directory: Path) -> dict[str, str]:
+    """The page's file blocks (```LANG file=NAME```), written into `directory`, and a GGUF file
+    where the page names one; returns the environment its examples run in."""
     for name, text in re.findall(r"```\w+ file=(\S+)\n(.*?)```", page.read_text(), flags=re.S):
         (directory / name).write_text(text)
+    if "tiny.gguf" not in page.read_text():
+        return dict(os.environ)
+    write_tiny_gguf(directory / "tiny.gguf")
+    return {**os.environ, "POSTTRAIN_CACHE": str(directory / "cache")}
 
 
 def commands(page: Path) -> list[list[str]]:
@@ -55,7 +64,7 @@ def test_every_page_has_runnable_examples():
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")], ids=lambda p: p.name)
 def test_python_examples_run(page: Path, tmp_path: Path):
     tiny = tmp_path / "tiny"
-    write_files(page, tmp_path)
+    env = write_files(page, tmp_path)
     script = "\n".join(blocks(page, "python")).replace("/tmp/tiny", str(tiny))
     server = None
     if SERVER_URL in script:
@@ -69,6 +78,7 @@ def test_python_examples_run(page: Path, tmp_path: Path):
             capture_output=True,
             text=True,
             timeout=600,
+            env=env,
         )
     finally:
         if server is not None:
@@ -79,7 +89,7 @@ def test_python_examples_run(page: Path, tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=lambda p: p.name)
 def test_commands_run(page: Path, tmp_path: Path):
-    write_files(page, tmp_path)
+    env = write_files(page, tmp_path)
     for args in commands(page):
         args = [str(ROOT / a) if a.startswith("src/") else a for a in args]
         proc = subprocess.run(
@@ -88,5 +98,6 @@ def test_commands_run(page: Path, tmp_path: Path):
             capture_output=True,
             text=True,
             timeout=300,
+            env=env,
         )
         assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])

@@ -1,6 +1,7 @@
 """A base model that cannot be had here is refused up front by `explain`, `doctor`, `train` and
 `register`, with an error naming the path, or naming HF_HUB_OFFLINE for a hub id with no local
 copy. It used to pass `explain` ("preflight: ok"), then `train` spent a minute on hub retries.
+A .gguf file or a packaged model passes, and `explain` and `doctor` say whether it is converted.
 
 No test here touches the network: the hub is off (HF_HUB_OFFLINE=1) and the cache is an empty
 (or hand-made) directory; asking the hub at all fails the test.
@@ -17,6 +18,8 @@ import pytest
 
 from posttrain.backends.local import LocalBackend
 from posttrain.cli.main import main
+from posttrain.clients.create import create_training_client
+from posttrain.engine.gguf_import import cached_gguf
 from posttrain.engine.model_source import HubUnreachableError, check_base_model, is_path_like
 from posttrain.model import TrainableModel
 
@@ -135,3 +138,61 @@ async def test_register_refuses_a_hub_id_with_no_local_copy(tmp_path):
         await model.register(backend)
     assert not (tmp_path / "p" / "models" / "m" / "model.json").exists()
     await backend.close()
+
+
+# A .gguf file or a packaged model (`engine.gguf_import`, `engine.packaged_models`): checked up
+# front too, and `explain` and `doctor` say whether it is converted yet.
+
+
+@pytest.mark.usefixtures("posttrain_cache")
+async def test_a_trainable_model_registers_with_a_gguf_base(tiny_gguf, tmp_path):
+    gguf_path, _ = tiny_gguf
+    backend = LocalBackend(tmp_path / "runs")
+    model = TrainableModel(name="m", project="p", base_model=str(gguf_path), lora_rank=4)
+    await model.register(backend)
+    assert cached_gguf(gguf_path) is not None  # converted on first load, into the cache
+    saved = json.loads((tmp_path / "runs" / "p" / "models" / "m" / "model.json").read_text())
+    assert saved["base_model"] == str(gguf_path)  # the spec as given, not the cache path
+    await backend.close()
+
+
+@pytest.mark.usefixtures("posttrain_cache")
+def test_explain_and_doctor_say_whether_it_is_converted(tiny_gguf, tmp_path, capsys):
+    gguf_path, _ = tiny_gguf
+    config = job(tmp_path, str(gguf_path))
+    assert main(["explain", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["base_model"]["spec"] == str(gguf_path)
+    assert report["base_model"]["cache"].startswith("not converted yet")
+    assert report["plan"]["rl_prompt_tokens_per_step_estimate"] is None  # no tokenizer yet
+    main(["import-model", str(gguf_path), str(tmp_path / "own")])  # leaves the cache empty
+    main(["doctor", "--config", str(config), "--storage", str(tmp_path)])
+    [row] = [x for x in capsys.readouterr().out.splitlines() if "  base model" in x]
+    assert row.startswith("PASS") and "not converted yet" in row
+    create_training_client(gguf_path)  # converts it into the cache
+    entry = cached_gguf(gguf_path)
+    assert main(["explain", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert f"cache = 'cached at {entry}'" in out
+    main(["doctor", "--config", str(config), "--storage", str(tmp_path)])
+    [row] = [x for x in capsys.readouterr().out.splitlines() if "  base model" in x]
+    assert row.startswith("PASS") and f"cached at {entry}" in row
+
+
+@pytest.mark.usefixtures("posttrain_cache")
+def test_explain_refuses_a_file_that_is_not_gguf(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a model")
+    assert main(["explain", str(job(tmp_path, str(fake)))]) == 1
+    assert "does not start with the GGUF magic bytes" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("posttrain_cache")
+def test_a_job_config_names_a_packaged_model(tmp_path, capsys):
+    config = job(tmp_path, "packaged:smollm2-135m-instruct")
+    assert main(["explain", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "not fetched yet" in report["base_model"]["cache"]
+    assert "posttrain fetch-model smollm2-135m-instruct" in report["base_model"]["cache"]
+    assert main(["explain", str(job(tmp_path, "packaged:smollm3"))]) == 2
+    assert "unknown packaged model 'smollm3'" in capsys.readouterr().err

@@ -71,7 +71,7 @@ def test_doctor_passes_on_this_machine(tmp_path, capsys):
     assert code == 0
     assert "PASS  python" in out and "PASS  torch" in out and "PASS  storage writable" in out
     # Every optional dependency is reported with what needs it (the dev venv has them all).
-    for dist in ("ray", "tinker", "fastapi", "uvicorn", "protobuf", "zstandard", "openai"):
+    for dist in ("ray", "tinker", "fastapi", "uvicorn", "protobuf", "zstandard", "openai", "gguf"):
         assert f"optional: {dist}" in out
     assert "(for posttrain serve (zstd bodies))" in out
     assert "server" not in out.split("free disk")[1]  # no server configured: none checked

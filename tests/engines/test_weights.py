@@ -79,4 +79,6 @@ def test_exporter_keeps_the_newest_versions(tiny_model_dir: Path, tmp_path: Path
 
 def test_exporter_needs_a_model_directory(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="not a model directory"):
+        WeightExporter("org/hub-model", tmp_path / "w", lora_rank=None, lora_alpha=None)
+    with pytest.raises(FileNotFoundError, match="nothing' does not exist"):
         WeightExporter(tmp_path / "nothing", tmp_path / "w", lora_rank=None, lora_alpha=None)

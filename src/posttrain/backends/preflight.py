@@ -22,7 +22,7 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
 from posttrain.clients.custom_loss import is_custom_loss
-from posttrain.engine.model_source import HubUnreachableError, check_base_model
+from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.trainer.config import (
     DPOConfig,
     RLConfig,
@@ -459,5 +459,5 @@ async def preflight_register(backend: str, model: TrainableModel) -> None:
     or that the hub confirms (`engine.model_source`): before any model loads or service call."""
     try:
         await asyncio.to_thread(check_base_model, model.base_model)
-    except (FileNotFoundError, HubUnreachableError) as exc:
+    except (FileNotFoundError, HubUnreachableError, ModelSourceError) as exc:
         raise type(exc)(f"{backend} cannot register model {model.name!r}: {exc}") from exc

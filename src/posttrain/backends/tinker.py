@@ -39,6 +39,7 @@ from posttrain.backends.sampling import ModelSampler
 from posttrain.backends.tinker_index import JsonlCheckpoints
 from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
+from posttrain.engine.model_source import resolve_model_source
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.preferences import PreferencePair
 from posttrain.tokenizer import Tokenizer
@@ -336,6 +337,8 @@ def _close_service(service: Any) -> None:
 
 
 def load_tokenizer(base_model: str) -> Tokenizer:
+    """The base model's tokenizer, here: a .gguf or packaged base model is converted locally
+    too (the server converts its own copy)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(base_model)
+    return AutoTokenizer.from_pretrained(resolve_model_source(base_model))

@@ -63,6 +63,9 @@ OPTIONAL = (
         "zstandard", "zstandard", "posttrain serve (zstd bodies)", "pip install 'posttrain[server]'"
     ),
     OptionalDependency("openai", "openai", "TrainableModel.openai_client()", "pip install openai"),
+    OptionalDependency(
+        "gguf", "gguf", ".gguf files and packaged: models", "pip install 'posttrain[gguf]'"
+    ),
 )
 
 
@@ -217,16 +220,24 @@ def configured_server(
 
 
 def check_base_model(spec: str) -> Check:
-    """The config's base model can be had here: a model directory, or a hub id in the local
-    cache or confirmed by the hub within seconds (never downloaded)."""
+    """The config's base model can be had here: a model directory, a hub id in the local
+    cache or confirmed by the hub within seconds, a GGUF file or a known packaged model, and
+    whether those two are converted yet (never downloaded)."""
     from posttrain.engine import model_source
 
     if spec.startswith("tiny:"):
         return Check("base model", "pass", f"{spec} (built by the job)")
     try:
         model_source.check_base_model(spec)
-    except (FileNotFoundError, model_source.HubUnreachableError) as exc:
+    except (
+        FileNotFoundError,
+        model_source.HubUnreachableError,
+        model_source.ModelSourceError,
+    ) as exc:
         return Check("base model", "fail", str(exc))
+    note = model_source.cache_note(spec)
+    if note is not None:
+        return Check("base model", "pass", f"{spec} ({note})")
     if Path(spec).expanduser().exists():
         return Check("base model", "pass", f"{spec} (a model directory)")
     cached = model_source.in_hub_cache(spec)

@@ -91,8 +91,11 @@ def load_tokenizer(config: JobConfig) -> Tokenizer | None:
         return build_tokenizer()
     from transformers import AutoTokenizer
 
+    from posttrain.engine.model_source import cached_model_source
+
     try:
-        return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        source = cached_model_source(spec)  # None: a GGUF or packaged model not converted yet
+        return AutoTokenizer.from_pretrained(source, local_files_only=True) if source else None
     except (OSError, ValueError):
         return None
 
@@ -218,6 +221,17 @@ def _work(config: JobConfig, work: ResolvedTask | ResolvedEnvironment | None) ->
     return {"task": work.record()}
 
 
+def _base_model(spec: str) -> dict[str, object]:
+    """The base model spec, and for a .gguf or packaged model whether it is converted yet."""
+    from posttrain.engine.model_source import ModelSourceError, cache_note
+
+    try:
+        note = cache_note(spec)
+    except (ModelSourceError, OSError):  # preflight reports what is wrong with it
+        note = None
+    return {"spec": spec} if note is None else {"spec": spec, "cache": note}
+
+
 def explain(config: JobConfig) -> dict[str, object]:
     found, problems = job_problems(config)
     work, more = work_problems(config)
@@ -228,6 +242,7 @@ def explain(config: JobConfig) -> dict[str, object]:
     notes = PLAN_NOTES if config.run.environment is None else ENVIRONMENT_PLAN_NOTES
     return {
         "config": _config(config),
+        "base_model": _base_model(config.model.base_model),
         **_work(config, work),
         "backend": _backend(config, info),
         "engine": _engine(config, info),
@@ -253,6 +268,7 @@ def _print_table(title: str, rows: dict[str, object], indent: str = "  ") -> Non
 
 def _print(path: Path, report: dict[str, object]) -> None:
     _print_table(f"config ({path}):", report["config"])  # type: ignore[arg-type]
+    _print_table("base model:", report["base_model"])  # type: ignore[arg-type]
     for what in ("task", "environment"):
         if what in report:
             _print_table(f"{what}:", report[what])  # type: ignore[arg-type]

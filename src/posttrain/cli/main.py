@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.cli import backends_cmd, doctor_cmd, explain_cmd, serve_cmd, tiny_cmd, train_cmd
+from posttrain.cli import (
+    backends_cmd,
+    doctor_cmd,
+    explain_cmd,
+    models_cmd,
+    serve_cmd,
+    tiny_cmd,
+    train_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     train_cmd.add_parsers(subparsers)
     tiny_cmd.add_parser(subparsers)
+    models_cmd.add_parsers(subparsers)
     backends_cmd.add_parser(subparsers)
     doctor_cmd.add_parser(subparsers)
     explain_cmd.add_parser(subparsers)
@@ -23,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands that compute with torch: its thread count is set from the usable cores before they
 # start (`posttrain serve` sets it itself, after its cheap checks). Not at import time:
 # importing posttrain changes nothing.
-COMPUTE_COMMANDS = frozenset({"train", "demo", "make-tiny-model", "explain"})
+COMPUTE_COMMANDS = frozenset(
+    {"train", "demo", "make-tiny-model", "explain", "import-model", "fetch-model"}
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--base-model",
         required=True,
-        help="a local directory, a hub id, or tiny:<arch>:<size>[:<seed>] (built locally)",
+        help="a local directory, a hub id, a .gguf file (converted once into the cache), "
+        "packaged:<name> (see `posttrain fetch-model --list`), or tiny:<arch>:<size>[:<seed>] "
+        "(built locally)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -92,6 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"posttrain serve needs the server extra: pip install 'posttrain[server]' ({err})")
         return 2
+    from posttrain.engine.model_source import resolve_model_source
     from posttrain.engine.threads import configure_torch_threads, thread_report
     from posttrain.jobs.run_dir import resolve_base_model
 
@@ -105,8 +108,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         storage.mkdir(parents=True, exist_ok=True)
-        model_path = str(resolve_base_model(args.base_model, storage))
-    except ValueError as err:
+        # A directory the server loads from: a .gguf or packaged model converted now, once.
+        model_path = resolve_model_source(resolve_base_model(args.base_model, storage))
+    except (ValueError, FileNotFoundError) as err:
         print(f"posttrain serve: {err}", file=sys.stderr)
         return 2
     config = replace(config, model_path=model_path, aliases=(model_path,))

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine import attention
-from posttrain.engine.model_source import is_path_like
+from posttrain.engine.model_source import resolve_model_source
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -48,20 +48,6 @@ def check_trainable_dtype(dtype: str | torch.dtype, lora: bool) -> None:
         )
 
 
-def _check_source(name_or_path: str | Path) -> str:
-    """A local model directory (checked now) or a hub id (left to transformers to fetch; see
-    `model_source.check_base_model` for the up-front check of a hub id)."""
-    text = str(name_or_path)
-    path = Path(text).expanduser()
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: it is not a saved model directory")
-        return str(path)
-    if isinstance(name_or_path, Path) or is_path_like(text):
-        raise FileNotFoundError(f"base model path {text} does not exist")
-    return text  # a hub id such as "Qwen/Qwen3-0.6B"
-
-
 def _disable_dropout(model: torch.nn.Module) -> None:
     """Zero every dropout rate, so training logprobs equal sampling logprobs even in train mode."""
     # Attention layers copy their rate from the config into a float attribute at construction
@@ -78,14 +64,15 @@ def _disable_dropout(model: torch.nn.Module) -> None:
 def load_hf_model(
     name_or_path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> PreTrainedModel:
-    """A transformers causal LM from a local directory or hub id, on `device`, in `dtype`.
+    """A transformers causal LM from a local directory, hub id, .gguf file or packaged model
+    (`model_source.resolve_model_source`), on `device`, in `dtype`.
 
     Dropout is zeroed and the model is in eval mode. Attention is SDPA: on CPU it matches or beats
     eager attention on the 30M-parameter `small` tiny model and never materialises a [T, T] matrix.
     A bf16/fp16 model trains its attention in float32 on the CPU (`engine.attention`: faster
     there, and more accurate).
     """
-    source = _check_source(name_or_path)
+    source = resolve_model_source(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=parse_dtype(dtype), attn_implementation=attention.register()
     )
@@ -96,7 +83,7 @@ def load_hf_model(
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved with a model; one without a pad token pads with EOS."""
-    tokenizer = AutoTokenizer.from_pretrained(_check_source(name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(name_or_path))
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

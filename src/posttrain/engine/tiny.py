@@ -12,7 +12,6 @@ without re-rendering.
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import tempfile
 import threading
@@ -30,6 +29,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+
+from posttrain.engine.model_source import cache_root
 
 Arch = Literal["qwen2", "llama"]
 Size = Literal["tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b"]
@@ -269,9 +270,7 @@ def make_tiny_model(
 
 def default_cache_dir() -> Path:
     """`$POSTTRAIN_CACHE/tiny-models`, else `~/.cache/posttrain/tiny-models`."""
-    root = os.environ.get("POSTTRAIN_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "posttrain"
-    return base / "tiny-models"
+    return cache_root() / "tiny-models"
 
 
 def tiny_model_path(

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from posttrain.engine.model_source import resolve_model_source
 from posttrain.engines.protocol import WeightSnapshot
 
 _PEFT_PREFIX = "base_model.model."
@@ -96,7 +97,7 @@ class WeightExporter:
         lora_alpha: float | None,
         keep: int = 2,
     ) -> None:
-        self.base_dir = Path(base_model)
+        self.base_dir = Path(resolve_model_source(base_model))
         if not (self.base_dir / "config.json").is_file():
             raise FileNotFoundError(
                 f"base_model {str(base_model)!r} is not a model directory; an engine with its own "

@@ -27,7 +27,7 @@ from posttrain.backends.schema import (
     constructor_parameters,
 )
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
-from posttrain.engine.model_source import HubUnreachableError, check_base_model
+from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.engines.config import InferenceConfig
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.config import REDACTED, JobConfig, is_secret
@@ -245,13 +245,14 @@ def _task_problem(exc: JobTaskError) -> JobProblem:
 
 
 def base_model_problems(spec: str) -> list[JobProblem]:
-    """`[model] base_model` can be had here: an existing directory, or a hub id that is cached
-    or that the hub confirms within seconds (a `tiny:` spec is built by the job itself)."""
+    """`[model] base_model` can be had here: an existing directory, a hub id that is cached
+    or that the hub confirms within seconds, a GGUF file or a known packaged model (a `tiny:`
+    spec is built by the job itself)."""
     if spec.startswith("tiny:"):
         return []
     try:
         check_base_model(spec)
-    except (FileNotFoundError, HubUnreachableError) as exc:
+    except (FileNotFoundError, HubUnreachableError, ModelSourceError) as exc:
         return [JobProblem("model", "[model] base_model", str(exc))]
     return []
 

