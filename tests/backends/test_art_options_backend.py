@@ -7,8 +7,8 @@ import logging
 
 import pytest
 import torch
-from local_groups import synthetic_groups, weights_of
 
+from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
 from posttrain.clients import custom_loss as registry
 from posttrain.clients.custom_loss import builtin_as_custom, register_loss

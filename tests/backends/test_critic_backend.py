@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from local_groups import synthetic_groups
 
+from local_groups import synthetic_groups
 from posttrain.backends.capabilities import LOCAL
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.preflight import PreflightError, preflight_rl

@@ -5,10 +5,10 @@ two shards: measured below 1e-7 relative on the weights; 2e-6 allowed)."""
 from __future__ import annotations
 
 import pytest
-from local_groups import synthetic_groups
 from test_critic_backend import GAE, new_model, weights
 from test_ray_backend import REL_TOL, TEST_RAY, assert_same_metrics, rel_error
 
+from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.ray import RayBackend
 from posttrain.engine.ray_session import ray_session

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from backend_kinds import MakeBackend, tiny
-from local_groups import synthetic_groups
 
+from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.options import LocalRLOptions
 from posttrain.backends.preflight import PreflightError

@@ -8,8 +8,8 @@ steps' metrics and the trained weights are equal bit for bit.
 from __future__ import annotations
 
 import torch
-from local_groups import synthetic_groups
 
+from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
 from posttrain.model import TrainableModel
 from posttrain.preferences import PreferencePair

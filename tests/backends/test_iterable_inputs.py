@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from local_groups import synthetic_groups, weights_of
 
+from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
 from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, SFTConfig

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from local_groups import synthetic_groups, weights_of
 from peft import PeftModel
 
+from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.preflight import PreflightError
 from posttrain.engine.models import load_hf_model

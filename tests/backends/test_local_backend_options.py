@@ -11,10 +11,10 @@ import statistics
 
 import pytest
 import torch
-from local_groups import synthetic_groups, weights_of
 from matplotlib.image import imread
 from peft import PeftModel
 
+from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
 from posttrain.engine.models import load_hf_model
 from posttrain.model import TrainableModel

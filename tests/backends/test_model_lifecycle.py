@@ -30,9 +30,9 @@ from backend_kinds import (
     state_of,
     tiny,
 )
-from local_groups import synthetic_groups
 from serve_helpers import ServerProcess  # pyright: ignore[reportMissingImports]
 
+from local_groups import synthetic_groups
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.resume import DamagedCheckpointError
 from posttrain.engine.checkpoint import MANIFEST, is_complete_checkpoint

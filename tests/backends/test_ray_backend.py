@@ -17,8 +17,8 @@ import json
 
 import pytest
 import torch
-from local_groups import synthetic_groups
 
+from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.options import LocalRLOptions, option_names
 from posttrain.backends.protocol import TrainableBackend

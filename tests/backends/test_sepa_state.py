@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 from backend_kinds import MakeBackend, tiny
-from local_groups import synthetic_groups
 
+from local_groups import synthetic_groups
 from posttrain.model import TrainableModel
 from posttrain.trainer.token_advantages import SEPA_STATE_KEY
 
