@@ -13,3 +13,10 @@ from posttrain.engine.tiny import make_tiny_model
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen2 model (seed 0) with its tokenizer, built once per test session."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), arch="qwen2", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny qwen2 model with its unembedding tied to the input embedding, as SmolLM2 and
+    Qwen2.5-0.5B publish theirs (the test sizes untie it)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tied-model"), size="tiny", tied=True)

@@ -95,7 +95,7 @@ def create_training_client(
     lora_alpha: float | None = ...,
     train_attn: bool = ...,
     train_mlp: bool = ...,
-    train_unembed: bool = ...,
+    train_unembed: bool | None = ...,
     device: str = ...,
     dtype: str = ...,
     num_workers: int = ...,
@@ -118,7 +118,7 @@ def create_training_client(
     lora_alpha: float | None = ...,
     train_attn: bool = ...,
     train_mlp: bool = ...,
-    train_unembed: bool = ...,
+    train_unembed: bool | None = ...,
     device: str = ...,
     dtype: str = ...,
     num_workers: int = ...,
@@ -142,7 +142,7 @@ def create_training_client(
     lora_alpha: float | None = None,
     train_attn: bool = True,
     train_mlp: bool = True,
-    train_unembed: bool = True,
+    train_unembed: bool | None = None,
     device: str = AUTO,
     dtype: str = "float32",
     num_workers: int = 1,
@@ -162,7 +162,8 @@ def create_training_client(
     a client over `num_workers` data-parallel replicas.
 
     `lora_rank=None` trains all weights, in float32 only; `dtype="bfloat16"` is for LoRA on a
-    bf16 base (float32 adapters). `gradient_checkpointing=True` recomputes each decoder
+    bf16 base (float32 adapters). `train_unembed=None` adapts the unembedding unless the model
+    ties it to the input embedding; True adapts a tied one too (`engine.models.LoraSettings`). `gradient_checkpointing=True` recomputes each decoder
     layer in backward: less memory, about a third more compute, the same gradients. Replicas start bit-identical. `device="auto"` is
     CUDA where this machine has it, else the CPU; an explicit "cuda" without CUDA is an error.
     With `executor="ray"` the result is a `RayTrainingClient`: `address=None` starts a local
@@ -206,7 +207,7 @@ def create_training_client(
 
 
 def _lora_settings(
-    rank: int | None, alpha: float | None, attn: bool, mlp: bool, unembed: bool
+    rank: int | None, alpha: float | None, attn: bool, mlp: bool, unembed: bool | None
 ) -> LoraSettings | None:
     """None (full fine-tuning) without a rank; alpha defaults per `LoraSettings.default_alpha`."""
     if rank is None:
