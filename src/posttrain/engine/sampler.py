@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 from posttrain.engine.entropy import sampling_entropies
-from posttrain.engine.kv_cache import preallocated_cache
+from posttrain.engine.kv_cache import cache_keyword, preallocated_cache
 from posttrain.engine.logprob_pass import target_logprobs
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
@@ -188,7 +188,7 @@ class Sampler:
             input_ids=ids_PL,
             attention_mask=mask_PL if padded else None,
             position_ids=pos_PL,
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
             # The last position as an index, not `logits_to_keep=1`: HF slices [:, -1:], a
             # non-contiguous [P, 1, H] view that torch's linear runs as a bmm on a copy of
@@ -222,7 +222,7 @@ class Sampler:
             input_ids=tokens_A[:, None],
             attention_mask=mask,
             position_ids=(batch.pos_A + step)[:, None],
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
         )
         return out.logits[:, -1].float()
