@@ -15,6 +15,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), arch="qwen2", size="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny qwen2 model with its unembedding tied to the input embedding, as SmolLM2 and
+    Qwen2.5-0.5B publish theirs (the test sizes untie it)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tied-model"), size="tiny", tied=True)
+
+
 @pytest.fixture
 def posttrain_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """$POSTTRAIN_CACHE (converted GGUF files, packaged models) in this test's own folder, never

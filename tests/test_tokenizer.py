@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from posttrain.engine.models import load_tokenizer
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.engine.models import load_hf_model, load_tokenizer
+from posttrain.engine.sampler import Sampler
+from posttrain.engine.tiny import CHAT_TEMPLATE, build_tokenizer
 from posttrain.rollout import TrajectoryBuilder, TurnClosing, assistant_closing
-from posttrain.tokenizer import Tokenizer, as_tokenizer, eos_token, eos_token_id
+from posttrain.server.openai_schema import eos_texts
+from posttrain.tokenizer import Tokenizer, as_tokenizer, end_of_turn_id, eos_token, eos_token_id
 from posttrain.types import SampledSequence
 
 
@@ -87,3 +89,28 @@ def test_a_wrong_tokenizer_is_named_with_what_it_lacks():
         r"decode; give a transformers tokenizer",
     ):
         as_tokenizer("gpt2")
+
+
+def test_the_end_of_turn_token_is_the_templates_special_closing_token(tiny_model_dir: Path):
+    """`end_of_turn_id`: the sampler stops there as at EOS. posttrain's tiny template ends a
+    turn with its EOS (257); one that ends it with `<|pad|>` (258, as a Qwen2.5 base model ends
+    turns with `<|im_end|>` beside its EOS `<|endoftext|>`) makes the sampler stop at both."""
+    assert end_of_turn_id(LetterTokenizer()) == LetterTokenizer.END
+    tiny = build_tokenizer()
+    assert end_of_turn_id(tiny) == 257
+    tiny.chat_template = CHAT_TEMPLATE.replace("+ eos_token", "+ '<|pad|>'")
+    assert end_of_turn_id(tiny) == 258
+    assert Sampler(load_hf_model(tiny_model_dir), tiny).eos_ids == [257, 258]
+    tiny.chat_template = CHAT_TEMPLATE.replace("+ eos_token", "+ '\\n'")  # no special token
+    assert end_of_turn_id(tiny) is None
+    tiny.chat_template = None
+    assert end_of_turn_id(tiny) is None  # no template at all
+
+
+def test_openai_stop_strings_join_the_end_of_turn_too():
+    """With stop strings the server's sampler stops at them, EOS and the end of turn (an explicit
+    `stop` replaces the sampler's default set), each as the text the sampler matches."""
+    tiny = build_tokenizer()
+    assert eos_texts(tiny) == ("<|eos|>",)
+    tiny.chat_template = CHAT_TEMPLATE.replace("+ eos_token", "+ '<|pad|>'")
+    assert eos_texts(tiny) == ("<|eos|>", "<|pad|>")

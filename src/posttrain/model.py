@@ -69,9 +69,11 @@ class TrainableModel:
     lora_rank: int | None = 8
     lora_alpha: float | None = None
     # Which layers LoRA adapts (Tinker's LoraConfig flags): attention, MLP, unembedding.
+    # train_unembed None: the unembedding where it is untied; True: a tied one too (the shared
+    # embedding matrix; see docs/backends.md, "LoRA").
     train_attn: bool = True
     train_mlp: bool = True
-    train_unembed: bool = True
+    train_unembed: bool | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
     run_state: RunState = field(default_factory=dict)
@@ -115,15 +117,16 @@ class TrainableModel:
     def _check_lora_layers(self) -> None:
         flags = {k: getattr(self, k) for k in ("train_attn", "train_mlp", "train_unembed")}
         for key, value in flags.items():
-            if not isinstance(value, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
-                raise ValueError(f"TrainableModel.{key} must be a bool, got {value!r}")
-        if self.lora_rank is None and not all(flags.values()):
+            if not isinstance(value, bool) and not (key == "train_unembed" and value is None):
+                kind = "a bool or None" if key == "train_unembed" else "a bool"
+                raise ValueError(f"TrainableModel.{key} must be {kind}, got {value!r}")
+        off = [k for k, v in flags.items() if v is False]
+        if self.lora_rank is None and off:
             raise ValueError(
-                f"TrainableModel: {[k for k, v in flags.items() if not v]} = False choose LoRA "
-                "layers, but lora_rank is None (full fine-tuning trains every weight); "
-                "give a lora_rank or leave them True"
+                f"TrainableModel: {off} = False choose LoRA layers, but lora_rank is None (full "
+                "fine-tuning trains every weight); give a lora_rank or leave them as they are"
             )
-        if self.lora_rank is not None and not any(flags.values()):
+        if self.lora_rank is not None and len(off) == len(flags):
             raise ValueError(
                 "TrainableModel: LoRA needs at least one of train_attn, train_mlp, "
                 "train_unembed to be True"

@@ -11,32 +11,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 # The gather functions live in posttrain.gather (one implementation, two names); re-exported.
 from posttrain.gather import gather_groups, gather_trajectory_groups  # noqa: F401
-from posttrain.tokenizer import Tokenizer, eos_token_id
+
+# Chat rendering and the turn closing live with the tokenizer (the sampler stops on the end of
+# turn too); re-exported here, where the rollout code has always found them.
+from posttrain.tokenizer import (
+    ChatMessage,
+    Tokenizer,
+    TurnClosing,
+    assistant_closing,
+    render_chat,
+)
 from posttrain.types import JSONScalar, SampledSequence, TokenSegment, Trajectory
 
 log = logging.getLogger(__name__)
 Message = Mapping[str, str]
-# A chat message as a chat template takes it: role and content, and for tool use an assistant's
-# `tool_calls` or a tool result's `tool_call_id` and `name`.
-ChatMessage = Mapping[str, object]
-
-
-@dataclass(frozen=True)
-class TurnClosing:
-    """What a chat template puts after an assistant message's content, cut after the
-    end-of-turn token a sampler stops on: `through_end` is trained with the content (Llama 2's
-    " </s>", posttrain's tiny `<|eos|>`), `after_end` is context between turns (Qwen's "\\n")."""
-
-    through_end: tuple[int, ...]
-    after_end: tuple[int, ...]
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return self.through_end + self.after_end
 
 
 class TrajectoryBuilder:
@@ -174,56 +165,6 @@ class TrajectoryBuilder:
             metadata=dict(metadata or {}),
             messages=tuple(self.messages),
         )
-
-
-def render_chat(
-    tokenizer: Tokenizer,
-    messages: Sequence[ChatMessage],
-    generation_prompt: bool,
-    *,
-    tools: Sequence[Mapping[str, object]] | None = None,
-) -> list[int]:
-    """The chat template's token ids for `messages` (with `tools`, if any)."""
-    out = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tools=[dict(t) for t in tools] if tools is not None else None,
-        add_generation_prompt=generation_prompt,
-        tokenize=True,
-        return_dict=False,
-    )
-    if not isinstance(out, list):
-        raise TypeError(
-            f"apply_chat_template(tokenize=True, return_dict=False) returned a "
-            f"{type(out).__name__}; posttrain needs the list of token ids"
-        )
-    return [int(t) for t in out]
-
-
-def assistant_closing(tokenizer: Tokenizer) -> TurnClosing:
-    """The tokens a chat template puts after an assistant message's content, cut after the
-    end-of-turn token.
-
-    Found as the common ending of two renderings that differ only in a one-letter content:
-    `<|eos|>` for posttrain's tiny template, `<|im_end|>`, `\\n` for Qwen's, " ", `</s>` for
-    Llama 2's. The end-of-turn token is the first of them that is a special token of the
-    tokenizer (its EOS among them); without one, the first token, as a sampler that stops on a
-    plain token would.
-    """
-    renders = [
-        render_chat(
-            tokenizer,
-            [{"role": "user", "content": "x"}, {"role": "assistant", "content": c}],
-            False,
-        )
-        for c in ("a", "b")
-    ]
-    common = 0
-    while common < min(map(len, renders)) and renders[0][-1 - common] == renders[1][-1 - common]:
-        common += 1
-    closing = tuple(renders[0][len(renders[0]) - common :])
-    special = {*tokenizer.all_special_ids, eos_token_id(tokenizer)}
-    end = next((i for i, t in enumerate(closing) if t in special), 0)
-    return TurnClosing(closing[: end + 1], closing[end + 1 :])
 
 
 def missing_closing(sequence: SampledSequence, closing: TurnClosing) -> tuple[int, ...]:

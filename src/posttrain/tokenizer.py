@@ -9,12 +9,27 @@ BatchEncoding by its flags, hence `object` here and a check where it is called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
 from typing_extensions import get_protocol_members
 
-__all__ = ["Tokenizer", "as_tokenizer", "eos_token", "eos_token_id"]
+__all__ = [
+    "ChatMessage",
+    "Tokenizer",
+    "TurnClosing",
+    "as_tokenizer",
+    "assistant_closing",
+    "end_of_turn_id",
+    "eos_token",
+    "eos_token_id",
+    "render_chat",
+]
+
+# A chat message as a chat template takes it: role and content, and for tool use an assistant's
+# `tool_calls` or a tool result's `tool_call_id` and `name`.
+ChatMessage = Mapping[str, object]
 
 
 class Tokenizer(Protocol):
@@ -76,3 +91,83 @@ def as_tokenizer(value: object) -> Tokenizer:
 
 def _is_tokenizer(value: object) -> TypeGuard[Tokenizer]:
     return all(hasattr(value, m) for m in _MEMBERS)
+
+
+@dataclass(frozen=True)
+class TurnClosing:
+    """What a chat template puts after an assistant message's content, cut after the
+    end-of-turn token a sampler stops on: `through_end` is trained with the content (Llama 2's
+    " </s>", posttrain's tiny `<|eos|>`), `after_end` is context between turns (Qwen's "\\n")."""
+
+    through_end: tuple[int, ...]
+    after_end: tuple[int, ...]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.through_end + self.after_end
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[ChatMessage],
+    generation_prompt: bool,
+    *,
+    tools: Sequence[Mapping[str, object]] | None = None,
+) -> list[int]:
+    """The chat template's token ids for `messages` (with `tools`, if any)."""
+    out = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tools=[dict(t) for t in tools] if tools is not None else None,
+        add_generation_prompt=generation_prompt,
+        tokenize=True,
+        return_dict=False,
+    )
+    if not isinstance(out, list):
+        raise TypeError(
+            f"apply_chat_template(tokenize=True, return_dict=False) returned a "
+            f"{type(out).__name__}; posttrain needs the list of token ids"
+        )
+    return [int(t) for t in out]
+
+
+def assistant_closing(tokenizer: Tokenizer) -> TurnClosing:
+    """The tokens a chat template puts after an assistant message's content, cut after the
+    end-of-turn token.
+
+    Found as the common ending of two renderings that differ only in a one-letter content:
+    `<|eos|>` for posttrain's tiny template, `<|im_end|>`, `\\n` for Qwen's, " ", `</s>` for
+    Llama 2's. The end-of-turn token is the first of them that is a special token of the
+    tokenizer (its EOS among them); without one, the first token, as a sampler that stops on a
+    plain token would.
+    """
+    renders = [
+        render_chat(
+            tokenizer,
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": c}],
+            False,
+        )
+        for c in ("a", "b")
+    ]
+    common = 0
+    while common < min(map(len, renders)) and renders[0][-1 - common] == renders[1][-1 - common]:
+        common += 1
+    closing = tuple(renders[0][len(renders[0]) - common :])
+    special = {*tokenizer.all_special_ids, eos_token_id(tokenizer)}
+    end = next((i for i, t in enumerate(closing) if t in special), 0)
+    return TurnClosing(closing[: end + 1], closing[end + 1 :])
+
+
+def end_of_turn_id(tokenizer: Tokenizer) -> int | None:
+    """The special token that ends an assistant turn in the tokenizer's chat template
+    (`<|im_end|>` for ChatML), or None without a template or without a special token there.
+
+    Often the EOS, but not always: Qwen2.5's base models end a turn with `<|im_end|>` and name
+    `<|endoftext|>` their EOS, so a sampler that stops at EOS alone writes past the answer.
+    """
+    try:
+        closing = assistant_closing(tokenizer)
+    except (ValueError, TypeError):  # no chat template, or one that cannot render this chat
+        return None
+    special = {*tokenizer.all_special_ids, eos_token_id(tokenizer)}
+    end = closing.through_end[-1:]
+    return end[0] if end and end[0] in special else None

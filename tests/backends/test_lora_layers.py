@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.tinker import wire_train_unembed
 from posttrain.engine.models import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
 from posttrain.model import TrainableModel
 
@@ -43,6 +44,27 @@ async def test_local_backend_adapts_the_chosen_layers(tiny_model_dir, tmp_path):
         await backend.close()
 
 
+async def test_a_tied_unembedding_is_adapted_only_when_asked(tied_model_dir, tmp_path):
+    """train_unembed None (the default) leaves a tied model's shared matrix alone; True adapts
+    it, through the embedding's adapter that lm_head shares (`engine.models.apply_lora`)."""
+    for flags, expected in [({}, {"attn", "mlp"}), ({"train_unembed": True}, {"attn", "mlp"})]:
+        backend = LocalBackend(tmp_path / str(len(flags)))
+        m = model(tied_model_dir, **flags)
+        await m.register(backend)
+        names = backend.client(m).dispatch.executor.workers[0].trainable_parameters()  # type: ignore[attr-defined]
+        assert adapted(names) == expected, flags
+        assert any("embed_tokens.lora_embedding" in n for n in names) == bool(flags)
+        await backend.close()
+
+
+def test_tinker_backend_resolves_the_default_before_the_wire(tiny_model_dir, tied_model_dir):
+    """Tinker's wire takes a bool (True by default): None becomes what LocalBackend adapts."""
+    assert wire_train_unembed(model(tiny_model_dir)) is True
+    assert wire_train_unembed(model(tied_model_dir)) is False
+    assert wire_train_unembed(model(tied_model_dir, train_unembed=True)) is True
+    assert wire_train_unembed(model(tiny_model_dir, train_unembed=False)) is False
+
+
 def test_bad_layer_choices_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="at least one of train_attn"):
         model(tiny_model_dir, train_attn=False, train_mlp=False, train_unembed=False)
@@ -50,6 +72,8 @@ def test_bad_layer_choices_are_refused(tiny_model_dir):
         TrainableModel(name="m", project="p", base_model="x", lora_rank=None, train_mlp=False)
     with pytest.raises(ValueError, match="train_mlp must be a bool"):
         model(tiny_model_dir, train_mlp="no")
+    with pytest.raises(ValueError, match="train_unembed must be a bool or None"):
+        model(tiny_model_dir, train_unembed="no")
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from posttrain.engine import atomic_replace, checkpoint
@@ -27,7 +28,7 @@ from posttrain.engine.checkpoint import (
 from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
 from posttrain.engine.optim import create_adamw_optimizer
 
-# Every target kind, the unembedding included (PEFT then also saves lm_head's base weight).
+# Every target kind, the unembedding included (the test model's own, untied).
 LORA = LoraSettings(rank=4, alpha=8, train_attn=True, train_mlp=True, train_unembed=True)
 
 
@@ -144,10 +145,13 @@ def test_adapter_is_what_peft_writes_and_loads_with_plain_peft(
 ) -> None:
     model, _ = lora_model
     path = save_weights(tmp_path / "sampler", model)
-    with pytest.warns(UserWarning, match="save_embedding_layers"):  # lm_head is a LoRA target
-        model.save_pretrained(tmp_path / "peft")
+    # PEFT's own writing, less the base weight of the targeted lm_head that its default adds.
+    model.save_pretrained(tmp_path / "peft", save_embedding_layers=False)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (path / name).read_bytes() == (tmp_path / "peft" / name).read_bytes(), name
+    saved = load_file(path / "adapter_model.safetensors")
+    assert any(".lm_head.lora_A." in key for key in saved)  # the untied unembedding's adapter
+    assert all("lora_" in key for key in saved), sorted(saved)  # and no base weight
 
     base = load_hf_model(tiny_model_dir)
     ids_BT = torch.randint(0, 256, (2, 10))

@@ -5,8 +5,10 @@ gloo group in this process. Two ranks (parity with one process, uneven pieces ga
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import WorkerSpec
 from posttrain.engine.executor import LoadRequest, PassShard, SaveRequest
 from posttrain.engine.fsdp import ShardedWorker
+from posttrain.engine.logprob_pass import causal_lm
+from posttrain.engine.models import LoraSettings
 from posttrain.engine.ray_actor import WorkerHost, store_directory
 from posttrain.engine.worker import WorkerConfig
 from posttrain.types import AdamParams, Datum, ModelInput
@@ -32,20 +36,29 @@ def datum(length: int, seed: int) -> Datum:
     )
 
 
+@contextlib.contextmanager
+def sharded_host(spec: WorkerSpec) -> Iterator[WorkerHost]:
+    """The only rank of a gloo group in this process, sharding `spec`'s worker with FSDP2."""
+    made = WorkerHost(0, 1, spec.build, 1, True, "fsdp2", spec.on_cpu().build)
+    made.build()
+    rendezvous = made.create_store()
+    made.join_group(rendezvous, "gloo", 30.0)
+    try:
+        yield made
+    finally:
+        dist.destroy_process_group()
+        directory = store_directory(rendezvous)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture
 def host(tiny_model_dir) -> Iterator[WorkerHost]:
     spec = WorkerSpec(
         str(tiny_model_dir), None, "cpu", "float32", WorkerConfig(micro_batch_tokens=16), seed=0
     )
-    made = WorkerHost(0, 1, spec.build, 1, True, "fsdp2", spec.on_cpu().build)
-    made.build()
-    rendezvous = made.create_store()
-    made.join_group(rendezvous, "gloo", 30.0)
-    yield made
-    dist.destroy_process_group()
-    directory = store_directory(rendezvous)
-    if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
+    with sharded_host(spec) as made:
+        yield made
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -96,3 +109,37 @@ def test_the_checkpoint_replica_is_on_the_cpu_and_keeps_no_moments(host, tmp_pat
     for name, want in moments.items():
         got = whole(host.worker.optimizer.state[params[name]]["exp_avg"])
         assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(rank=4, train_unembed=True)])
+def test_a_tied_embedding_stays_tied_and_replicated(tied_model_dir, tmp_path, lora):
+    """Sharded, the embedding tied to the unembedding would get new parameters while the
+    unembedding kept the old ones: full fine-tuning then trained two matrices (logprobs 0.29 off
+    a plain worker's after one step) and its save missed lm_head.weight; a tied LoRA read its
+    factors as shards. Kept replicated, a step is the plain worker's and the state round-trips."""
+    spec = WorkerSpec(
+        str(tied_model_dir), lora, "cpu", "float32", WorkerConfig(micro_batch_tokens=64), seed=0
+    )
+    with sharded_host(spec) as made:
+        lm: Any = causal_lm(made.worker.model)
+        assert lm.lm_head.weight is lm.model.embed_tokens.weight
+        plain = spec.build()
+        config = LossConfig.from_mapping({})
+        data = [datum(6, 0), datum(4, 1)]
+        for _ in range(2):
+            got = made.forward_backward(PassShard(data, "cross_entropy", config))
+            want = plain.forward_backward(data, "cross_entropy", config)
+            for a, b in zip(got.logprobs, want.logprobs, strict=True):  # type: ignore[union-attr]
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+            made.optim_step(AdamParams(learning_rate=1e-2))
+            plain.optim_step(AdamParams(learning_rate=1e-2))
+        before = {n: whole(p) for n, p in made.worker.trainable_parameters().items()}
+        path = made.save_state(SaveRequest(tmp_path / "ckpt", True, {}))
+        assert path is not None
+        with torch.no_grad():
+            for param in made.worker.trainable_parameters().values():
+                param.zero_()
+        made.load_state(LoadRequest(path, True))
+        for name, param in made.worker.trainable_parameters().items():
+            assert torch.equal(whole(param), before[name]), name
+        assert lm.lm_head.weight is lm.model.embed_tokens.weight

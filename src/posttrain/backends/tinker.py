@@ -281,7 +281,7 @@ class TinkerClients:
                 seed=model.seed,
                 train_mlp=model.train_mlp,
                 train_attn=model.train_attn,
-                train_unembed=model.train_unembed,
+                train_unembed=await asyncio.to_thread(wire_train_unembed, model),
             )
         else:
             training = await self.service().create_training_client_from_state_with_optimizer(
@@ -334,6 +334,18 @@ def _close_service(service: Any) -> None:
     close = getattr(service, "close", None)
     if close is not None:
         close("success").result()
+
+
+def wire_train_unembed(model: TrainableModel) -> bool:
+    """`train_unembed` as the Tinker wire takes it, a bool: None (the unembedding unless tied to
+    the input embedding) is resolved from the base model's config, so that this backend adapts
+    the layers LocalBackend does."""
+    if model.train_unembed is not None:
+        return model.train_unembed
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model.base_model).get_text_config()
+    return not bool(getattr(config, "tie_word_embeddings", False))
 
 
 def load_tokenizer(base_model: str) -> Tokenizer:

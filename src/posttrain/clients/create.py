@@ -100,7 +100,7 @@ def create_training_client(
     lora_alpha: float | None = ...,
     train_attn: bool = ...,
     train_mlp: bool = ...,
-    train_unembed: bool = ...,
+    train_unembed: bool | None = ...,
     device: str = ...,
     dtype: str = ...,
     num_workers: int = ...,
@@ -124,7 +124,7 @@ def create_training_client(
     lora_alpha: float | None = ...,
     train_attn: bool = ...,
     train_mlp: bool = ...,
-    train_unembed: bool = ...,
+    train_unembed: bool | None = ...,
     device: str = ...,
     dtype: str = ...,
     num_workers: int = ...,
@@ -149,7 +149,7 @@ def create_training_client(
     lora_alpha: float | None = None,
     train_attn: bool = True,
     train_mlp: bool = True,
-    train_unembed: bool = True,
+    train_unembed: bool | None = None,
     device: str = AUTO,
     dtype: str = "float32",
     num_workers: int = 1,
@@ -170,8 +170,10 @@ def create_training_client(
     a client over `num_workers` data-parallel replicas.
 
     `lora_rank=None` trains all weights, in float32 only; `dtype="bfloat16"` is for LoRA on a
-    bf16 base (float32 adapters). `gradient_checkpointing=True` recomputes each decoder
-    layer in backward: less memory, about a third more compute, the same gradients. Replicas start bit-identical. `device="auto"` is
+    bf16 base (float32 adapters). `train_unembed=None` adapts the unembedding unless the model
+    ties it to the input embedding; True adapts a tied one too (`engine.models.LoraSettings`).
+    `gradient_checkpointing=True` recomputes each decoder layer in backward: less memory, about
+    a third more compute, the same gradients. Replicas start bit-identical. `device="auto"` is
     CUDA where this machine has it, else the CPU; an explicit "cuda" without CUDA is an error.
     With `executor="ray"` the result is a `RayTrainingClient`: `address=None` starts a local
     Ray, otherwise joins that cluster; `resources_per_worker` (e.g. {"CPU": 1, "GPU": 1}) and
@@ -219,7 +221,7 @@ def create_training_client(
 
 
 def _lora_settings(
-    rank: int | None, alpha: float | None, attn: bool, mlp: bool, unembed: bool
+    rank: int | None, alpha: float | None, attn: bool, mlp: bool, unembed: bool | None
 ) -> LoraSettings | None:
     """None (full fine-tuning) without a rank; alpha defaults per `LoraSettings.default_alpha`."""
     if rank is None:

@@ -4,7 +4,8 @@ Layout. Each decoder layer, and the decoder around them (embeddings, final norm)
 `fully_shard` unit: a rank holds 1/world of those weights, of their gradients and of their
 AdamW moments, and all-gathers one unit at a time in forward and backward. The unembedding
 stays replicated: the logprob pass reads its weight directly (in chunks) instead of calling the
-module, so FSDP has no hook to gather it. Its gradient is summed with the DDP all-reduce.
+module, so FSDP has no hook to gather it. Its gradient is summed with the DDP all-reduce. An
+input embedding tied to it stays replicated with it (`tied_embedding_parameters`).
 
 Sum semantics. FSDP averages gradients by default; a divide factor of 1 with force-sum
 reduction makes its reduce-scatter a plain SUM (gloo has no PREMUL_SUM), so the update equals
@@ -43,6 +44,7 @@ from posttrain.engine.dispatch import merge_results
 from posttrain.engine.executor import PassShard, TensorKind
 from posttrain.engine.fsdp_checkpoint import ShardedCheckpoints
 from posttrain.engine.logprob_pass import causal_lm
+from posttrain.engine.models import ties_embeddings
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.rank_calls import collective
 from posttrain.engine.shared_prefix import plan_micro_batches
@@ -72,8 +74,12 @@ class ShardedWorker:
             )
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.units: list[FSDPModule] = []
+        kept = tied_embedding_parameters(worker.model)
         for module in [*layers, decoder]:
-            unit = cast(FSDPModule, fully_shard(module, mesh=mesh, reshard_after_forward=True))
+            unit = cast(
+                FSDPModule,
+                fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=kept),
+            )
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
             self.units.append(unit)
@@ -156,6 +162,18 @@ class ShardedWorker:
         if all(p.grad is None for p in params):
             return self.worker.optim_step(adam)
         return clip_and_step(self.worker, adam, self.grad_norm())
+
+
+def tied_embedding_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The input embedding's parameters (its LoRA factors included) when the unembedding is
+    tied to it: they stay replicated with it. Sharded, `fully_shard` would give the embedding
+    new parameters and leave the unembedding, which the logprob pass reads directly, on the
+    old ones: the tie silently undone (full fine-tuning trained two matrices, and saving
+    missed `lm_head.weight`), a tied LoRA's factors read as shards."""
+    lm = causal_lm(model)
+    if not ties_embeddings(lm):
+        return set()
+    return set(lm.get_input_embeddings().parameters())  # type: ignore[operator]
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

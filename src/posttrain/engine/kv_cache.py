@@ -1,4 +1,5 @@
-"""A KV cache for sampling that writes in place into growing buffers.
+"""KV caches: a sampling cache that writes in place into growing buffers, and the keyword by
+which a model's forward takes one.
 
 transformers' DynamicCache concatenates (copies) the whole cache at every decoding step; this
 layer writes each step's keys and values into spare positions instead.
@@ -6,12 +7,43 @@ layer writes each step's keys and values into spare positions instead.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Literal
+
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 # Spare positions the KV cache reserves beyond the prompt at first (it doubles when full).
 _CACHE_STEP = 256
+
+
+CacheKeyword = Literal["cache", "past_key_values"]
+
+
+def cache_keyword(module: nn.Module) -> CacheKeyword:
+    """The keyword by which `module`'s forward (a transformers model, or a PEFT wrapper of
+    one) takes and returns its KV cache.
+
+    transformers 5.2x renamed `past_key_values` to `cache` (5.24 warns at every call that still
+    passes the old name; 5.40 removes it), and 5.17 knows only `past_key_values`. Asked of the
+    forward's signature, because a model whose forward takes `**kwargs` drops a keyword it does
+    not know without a word: the cache would silently go unused.
+    """
+    get_base = getattr(module, "get_base_model", None)
+    base = get_base() if callable(get_base) else module
+    return _keyword_of(type(base))
+
+
+@functools.cache
+def _keyword_of(cls: type) -> CacheKeyword:
+    parameters = inspect.signature(cls.forward).parameters  # pyright: ignore[reportAttributeAccessIssue]
+    if "cache" in parameters:
+        return "cache"
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    raise TypeError(f"{cls.__name__}.forward takes no KV cache (neither cache nor past_key_values)")
 
 
 def preallocated_cache(model: nn.Module, max_length: int) -> DynamicCache:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -89,11 +93,29 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def ties_embeddings(model: nn.Module) -> bool:
+    """Whether the model's output projection is its input embedding: one shared Parameter
+    (`tie_word_embeddings`, as SmolLM2, Qwen2.5-0.5B and Llama-3.2-1B publish it)."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    get_input = getattr(model, "get_input_embeddings", None)
+    if not (callable(get_output) and callable(get_input)):
+        return False
+    output, embedding = get_output(), get_input()
+    weight = getattr(output, "weight", None)
+    return weight is not None and weight is getattr(embedding, "weight", None)
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     """LoRA (Hu et al. 2021: W = W0 + (alpha / rank) B A) with Tinker's train_* switches.
 
     Defaults are Tinker's: rank 32 and alpha 32, so the adapter scale alpha / rank is 1.
+
+    `train_unembed`: True adapts the unembedding; on a model that ties it to the input
+    embedding that is one LoRA on the shared matrix, which both the embedding lookup and the
+    output projection then see (`apply_lora`). None, the default, adapts the unembedding where
+    it is a matrix of its own and leaves a tied one as it is, so that the adapter holds no
+    embedding-sized factor and PEFT's own merge reproduces it (docs/backends.md, "LoRA").
     """
 
     rank: int = 32
@@ -101,7 +123,7 @@ class LoraSettings:
     dropout: float = 0.0
     train_attn: bool = True
     train_mlp: bool = True
-    train_unembed: bool = True
+    train_unembed: bool | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -110,7 +132,7 @@ class LoraSettings:
             raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if not (self.train_attn or self.train_mlp or self.train_unembed):
+        if not (self.train_attn or self.train_mlp or self.train_unembed is not False):
             raise ValueError("LoRA needs at least one of train_attn, train_mlp, train_unembed")
 
     @staticmethod
@@ -118,14 +140,18 @@ class LoraSettings:
         """32 up to rank 32 (Tinker's fixed alpha), else `rank`, so alpha / rank stays <= 1."""
         return 32.0 if rank <= 32 else float(rank)
 
-    def target_modules(self) -> list[str]:
+    def adapts_unembedding(self, tied: bool) -> bool:
+        """Whether the unembedding gets an adapter, on a model that ties it (`tied`) or not."""
+        return (not tied) if self.train_unembed is None else self.train_unembed
+
+    def target_modules(self, tied: bool = False) -> list[str]:
         """The linear layers LoRA wraps: attention, MLP and unembedding per the flags."""
         modules: list[str] = []
         if self.train_attn:
             modules += ATTN_MODULES
         if self.train_mlp:
             modules += MLP_MODULES
-        if self.train_unembed:
+        if self.adapts_unembedding(tied):
             modules += UNEMBED_MODULES
         return modules
 
@@ -145,24 +171,107 @@ def apply_lora(
     relative) still changes them. The random A matrices
     come from torch's global generator, or from `seed` without touching that generator (nor
     any GPU's: a model on the CPU never initialises CUDA).
+
+    On a tied model with `train_unembed=True` the adapter is PEFT's `ensure_weight_tying` one:
+    a LoRA on the input embedding whose factors the output projection uses transposed
+    (`_share_tied_factors`).
     """
+    tied = ties_embeddings(model)
+    targets = settings.target_modules(tied)
+    if not targets:
+        raise ValueError(
+            "LoRA would adapt no layer: train_attn and train_mlp are False and this model ties "
+            "its unembedding to the input embedding, which train_unembed=None leaves alone; "
+            "set train_unembed=True to adapt the shared embedding matrix, or train_attn / "
+            "train_mlp"
+        )
+    tie_adapter = tied and settings.adapts_unembedding(tied)
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,  # pyright: ignore[reportArgumentType]  # peft annotates int
         lora_dropout=settings.dropout,
-        target_modules=settings.target_modules(),
+        target_modules=targets,
         bias="none",
         task_type="CAUSAL_LM",
         modules_to_save=modules_to_save,
+        ensure_weight_tying=tie_adapter,
     )
     if seed is None:
+        wrapped = _get_peft_model(model, config)
+    else:
+        # peft draws A from the default generator of the device it builds A on: the CPU, or the
+        # model's own GPU(s). Fork and seed only those; reading or seeding any other GPU's
+        # generator (torch.manual_seed seeds them all) would initialise CUDA for a CPU run.
+        devices = sorted(
+            {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"}
+        )
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.random.default_generator.manual_seed(seed)
+            for index in devices:
+                torch.cuda.default_generators[index].manual_seed(seed)
+            wrapped = _get_peft_model(model, config)
+    if tie_adapter:
+        _share_tied_factors(wrapped)
+    return wrapped
+
+
+def _get_peft_model(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
+    with warnings.catch_warnings():
+        # PEFT reads transformers' renamed `is_gradient_checkpointing`; nothing a caller can
+        # change, and transformers repeats it for every adapter built.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
         return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[return-value]
-    # peft draws A from the default generator of the device it builds A on: the CPU, or the
-    # model's own GPU(s). Fork and seed only those; reading or seeding any other GPU's
-    # generator (torch.manual_seed seeds them all) would initialise CUDA for a CPU run.
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        torch.random.default_generator.manual_seed(seed)
-        for index in devices:
-            torch.cuda.default_generators[index].manual_seed(seed)
-        return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[return-value]
+
+
+class _TransposedFactor(nn.Module):
+    """A LoRA factor of the tied output projection: the transpose of the embedding adapter's
+    factor, read from that one Parameter at every use."""
+
+    def __init__(self, embedding: nn.Module, table: str, adapter: str) -> None:
+        super().__init__()
+        # A plain attribute, not a submodule: the Parameter belongs to the embedding alone.
+        object.__setattr__(self, "embedding", embedding)
+        self.table = table
+        self.adapter = adapter
+
+    @property
+    def weight(self) -> torch.Tensor:
+        tables: nn.ParameterDict = getattr(self.__dict__["embedding"], self.table)
+        return tables[self.adapter].t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        # Saved as PEFT saves its own tied factors (a copy beside the embedding's), so that
+        # `PeftModel.from_pretrained` finds every key it expects.
+        weight = self.weight
+        destination[prefix + "weight"] = weight if keep_vars else weight.detach()
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        pass  # the values arrive with the embedding's own keys
+
+
+def _share_tied_factors(model: PeftModel) -> None:
+    """Make the tied output projection use the embedding adapter's Parameters themselves.
+
+    PEFT 0.21's `ensure_weight_tying` gives lm_head's LoRA two Parameters of its own that only
+    share storage with the embedding's (B^T, A^T): each gets its own gradient and AdamW moments,
+    so two optimizer updates would land on one tensor. As views of the embedding's factors
+    there is one Parameter per factor, whose gradient sums both uses.
+    """
+    lm = cast(PreTrainedModel, model.get_base_model())
+    head: Any = lm.get_output_embeddings()
+    embedding = lm.get_input_embeddings()
+    for adapter in model.peft_config:
+        if adapter not in getattr(head, "lora_A", {}) or adapter not in getattr(
+            embedding, "lora_embedding_A", {}
+        ):
+            raise ValueError(
+                f"PEFT did not tie the unembedding's LoRA to the embedding's for adapter "
+                f"{adapter!r}; use train_unembed=None (the tied matrix stays as it is)"
+            )
+        head.lora_A[adapter] = _TransposedFactor(embedding, "lora_embedding_B", adapter)
+        head.lora_B[adapter] = _TransposedFactor(embedding, "lora_embedding_A", adapter)

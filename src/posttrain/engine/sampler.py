@@ -17,8 +17,9 @@ Seeds. Sequence j of prompt i draws from its own generator seeded by (seed, i, j
 step (inverse-CDF sampling), so a seeded sequence depends neither on the other prompts in the
 batch (nor their lengths) nor on num_samples. `seed=None` draws a fresh seed.
 
-Stops. `SamplingParams.stop=None` stops at EOS; an explicit `stop` replaces EOS (`[]` never stops
-early). The returned tokens include the EOS / stop token, or the tokens that completed a stop
+Stops. `SamplingParams.stop=None` stops at EOS, or at the chat template's end-of-turn token where
+that is another token (`tokenizer.end_of_turn_id`: a Qwen2.5 base model's `<|im_end|>` beside its
+EOS `<|endoftext|>`); an explicit `stop` replaces them (`[]` never stops early). The returned tokens include the EOS / stop token, or the tokens that completed a stop
 string (searched in the generated text only, special tokens as text). A sequence ends with
 stop_reason "length" after `max_tokens`, or when the model's positions run out (`max_tokens=None`
 samples up to that point).
@@ -38,8 +39,9 @@ from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 from posttrain.engine.entropy import sampling_entropies
-from posttrain.engine.kv_cache import preallocated_cache
+from posttrain.engine.kv_cache import cache_keyword, preallocated_cache
 from posttrain.engine.logprob_pass import target_logprobs
+from posttrain.tokenizer import end_of_turn_id
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
 # Uniforms drawn per generator at a time. Fixed, so a seed always yields the same stream.
@@ -63,7 +65,7 @@ class Sampler:
         self.max_positions = int(max_positions or config.max_position_embeddings)
         if self.max_positions < 2:
             raise ValueError(f"max_positions must be >= 2, got {self.max_positions}")
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = _stop_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if isinstance(pad, int) else (self.eos_ids or [0])[0]
 
@@ -188,7 +190,7 @@ class Sampler:
             input_ids=ids_PL,
             attention_mask=mask_PL if padded else None,
             position_ids=pos_PL,
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
             # The last position as an index, not `logits_to_keep=1`: HF slices [:, -1:], a
             # non-contiguous [P, 1, H] view that torch's linear runs as a bmm on a copy of
@@ -222,7 +224,7 @@ class Sampler:
             input_ids=tokens_A[:, None],
             attention_mask=mask,
             position_ids=(batch.pos_A + step)[:, None],
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
         )
         return out.logits[:, -1].float()
@@ -428,9 +430,11 @@ def _sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
-def _eos_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (int or list)."""
-    ids: set[int] = set()
+def _stop_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (int or list), and the chat
+    template's end-of-turn token."""
+    end_of_turn = end_of_turn_id(tokenizer)
+    ids: set[int] = set() if end_of_turn is None else {end_of_turn}
     generation_config = getattr(model, "generation_config", None)
     for value in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
         if isinstance(value, int):

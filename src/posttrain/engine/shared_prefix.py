@@ -25,6 +25,8 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from posttrain.engine.kv_cache import cache_keyword
+
 
 @dataclass(frozen=True)
 class PrefixGroup:
@@ -212,12 +214,13 @@ def _shared_pass(
         < torch.tensor([g.length for g in shared], device=device)[:, None]
     ).long()
     padded = bool((prefix_mask_GP == 0).any())
+    keyword = cache_keyword(decoder)
     out = decoder(
         input_ids=input_ids_BT[firsts, :prefix_len],
         attention_mask=prefix_mask_GP if padded else None,
         use_cache=True,
     )
-    prefix_GPH, cache = out.last_hidden_state, out.past_key_values
+    prefix_GPH, cache = out.last_hidden_state, getattr(out, keyword)
     members = [(gi, r) for gi, g in enumerate(shared) for r in g.rows]
     owner = torch.tensor([gi for gi, _ in members], device=device)
     counts = [len(g.rows) for g in shared]
@@ -239,7 +242,7 @@ def _shared_pass(
         input_ids=ids_RS,
         attention_mask=mask if bool((mask == 0).any()) else None,
         position_ids=positions_RS,
-        past_key_values=cache,
+        **{keyword: cache},
     ).last_hidden_state
     return [
         (row, torch.cat([prefix_GPH[gi, : starts[i]], suffix_RSH[i, : own[i]]]))

@@ -198,11 +198,15 @@ def resolve_arch(arch: Arch | None, size: Size) -> Arch:
     return public.arch
 
 
-def build_config(arch: Arch | None = None, size: Size = "tiny") -> PretrainedConfig:
+def build_config(
+    arch: Arch | None = None, size: Size = "tiny", *, tied: bool | None = None
+) -> PretrainedConfig:
     """The transformers config for an (arch, size) pair, with the tokenizer's special ids.
 
     `qwen2.5-0.5b` and `llama3.2-1b` are the published configs of Qwen2.5-0.5B and
     Llama-3.2-1B (vocabulary, shapes, rope, tied embeddings); the other sizes are test models.
+    `tied` ties the unembedding to the input embedding (None: as published for a real size,
+    untied for a test size).
     """
     if size not in _SHAPES and size not in _PUBLIC:
         raise ValueError(f"size must be one of {sorted([*_SHAPES, *_PUBLIC])}, got {size!r}")
@@ -229,7 +233,7 @@ def build_config(arch: Arch | None = None, size: Size = "tiny") -> PretrainedCon
         pad_token_id=256 + SPECIAL_TOKENS.index(PAD_TOKEN),
         # Test sizes untie the unembedding (trainable apart, a LoRA target); real sizes tie it
         # as published.
-        tie_word_embeddings=public is not None,
+        tie_word_embeddings=(public is not None) if tied is None else tied,
         rms_norm_eps=public.rms_norm_eps if public else 1e-6,
         initializer_range=0.02,
         **extra,
@@ -237,7 +241,12 @@ def build_config(arch: Arch | None = None, size: Size = "tiny") -> PretrainedCon
 
 
 def make_tiny_model(
-    path: str | Path, *, arch: Arch | None = None, size: Size = "tiny", seed: int = 0
+    path: str | Path,
+    *,
+    arch: Arch | None = None,
+    size: Size = "tiny",
+    seed: int = 0,
+    tied: bool | None = None,
 ) -> Path:
     """Write a randomly initialised causal LM and its tokenizer to `path`; same seed, same bits.
 
@@ -245,10 +254,12 @@ def make_tiny_model(
     small 29,778,432 (qwen2) / 29,768,192 (llama); qwen2.5-0.5b 494,032,768;
     llama3.2-1b 1,235,814,400. `arch=None` is qwen2 for the test sizes and the published
     architecture for a real size. Real sizes are saved in bfloat16, as published (about 1 and
-    2.5 GB); the test sizes in float32. The directory loads with
-    `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+    2.5 GB); the test sizes in float32. `tied=True` ties a test size's unembedding to its
+    input embedding as real models do (one matrix: a tiny model's count drops by 64 x 260).
+    The directory loads with `AutoModelForCausalLM.from_pretrained` and
+    `AutoTokenizer.from_pretrained`.
     """
-    config = build_config(arch, size)
+    config = build_config(arch, size, tied=tied)
     tokenizer = build_tokenizer(config.vocab_size)
     tokenizer.model_max_length = config.max_position_embeddings
     dtype = torch.bfloat16 if size in _PUBLIC else torch.float32

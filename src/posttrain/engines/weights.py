@@ -5,10 +5,12 @@ for full fine-tuning). `WeightExporter` lays them over the base model's weights,
 LoRA pair as W = W0 + (alpha / rank) * B @ A, and writes a Hugging Face model directory
 (`model.safetensors`, `config.json`, tokenizer files) that vLLM or posttrain's sampler load
 as-is. vLLM's own LoRA is not used: on a CPU it is slower than posttrain's sampler, and it
-cannot put an adapter on Qwen2's `lm_head`, which posttrain's default LoRA trains.
+cannot put an adapter on an `lm_head`, which posttrain's default LoRA trains where it is untied.
 
-The embedding and unembedding are written untied (`tie_word_embeddings = false`): a LoRA on
-`lm_head` makes them differ even when the base model ties them.
+A base model that ties its unembedding to the input embedding is written tied, its one matrix
+under the embedding's name: a LoRA on that shared matrix (`train_unembed=True`) is merged into
+the embedding, which both uses read. Only an adapter on such a model's `lm_head` alone (an
+older posttrain's) unties them.
 """
 
 from __future__ import annotations
@@ -28,8 +30,18 @@ from posttrain.engines.protocol import WeightSnapshot
 
 _PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<layer>.+)\.lora_(?P<which>[AB])\.[^.]+\.weight$")
-_KEEP = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-         "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+# An embedding's LoRA (a tied model's unembedding adapter): A is [rank, vocab], B [hidden, rank].
+_EMBEDDING_LORA = re.compile(r"^(?P<layer>.+)\.lora_embedding_(?P<which>[AB])\.[^.]+$")
+_KEEP = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def load_base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -59,8 +71,14 @@ def merge_trainable(
     for name, tensor in trainable.items():
         plain = name.removeprefix(_PEFT_PREFIX)
         match = _LORA.match(plain)
+        embedding = _EMBEDDING_LORA.match(plain)
         if match is not None:
             pairs.setdefault(match["layer"], {})[match["which"]] = tensor
+        elif embedding is not None:
+            # W0 + s (B A)^T for the [vocab, hidden] table: the same pair as a linear layer's,
+            # its factors transposed and swapped.
+            which = "B" if embedding["which"] == "A" else "A"
+            pairs.setdefault(embedding["layer"], {})[which] = tensor.t()
         else:
             merged[plain.replace(".base_layer.", ".")] = tensor
     if pairs and lora_scale is None:
@@ -70,8 +88,6 @@ def merge_trainable(
         a, b = pair["A"].float(), pair["B"].float()
         w0 = merged[key]
         merged[f"{layer}.weight"] = (w0.float() + float(lora_scale or 0.0) * (b @ a)).to(w0.dtype)
-    if "lm_head.weight" not in merged and "model.embed_tokens.weight" in merged:  # was tied
-        merged["lm_head.weight"] = merged["model.embed_tokens.weight"]  # written untied
     return {k: v.contiguous() for k, v in merged.items()}
 
 
@@ -125,9 +141,10 @@ class WeightExporter:
         for name in _KEEP:
             if (self.base_dir / name).is_file():
                 shutil.copy2(self.base_dir / name, tmp / name)
-        config = json.loads((tmp / "config.json").read_text())
-        config["tie_word_embeddings"] = False
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if self.tied and "lm_head.weight" in merged:  # an adapter of lm_head alone
+            config = json.loads((tmp / "config.json").read_text())
+            config["tie_word_embeddings"] = False
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

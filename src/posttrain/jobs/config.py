@@ -109,10 +109,11 @@ class ModelConfig:
     lora_rank: int = 0  # 0 trains every weight; >= 1 trains LoRA adapters of that rank
     lora_alpha: float | None = None  # None: the LoRA default for the rank
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # Which layers get LoRA adapters (Tinker's LoraConfig flags; at least one stays True).
+    # Which layers get LoRA adapters (Tinker's LoraConfig flags; not all false). Unset
+    # train_unembed adapts the unembedding unless the model ties it to the input embedding.
     train_attn: bool = True
     train_mlp: bool = True
-    train_unembed: bool = True
+    train_unembed: bool | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -127,9 +128,9 @@ class ModelConfig:
                 known_model(self.base_model.removeprefix(PACKAGED_PREFIX))
             except ValueError as exc:
                 raise ValueError(f"[model] base_model={self.base_model!r}: {exc}") from None
-        layers = {"train_attn": self.train_attn, "train_mlp": self.train_mlp}
-        layers["train_unembed"] = self.train_unembed
-        off = [key for key, on in layers.items() if not on]
+        layers: dict[str, bool | None] = {"train_attn": self.train_attn}
+        layers |= {"train_mlp": self.train_mlp, "train_unembed": self.train_unembed}
+        off = [key for key, on in layers.items() if on is False]
         if off and self.lora_rank == 0:
             raise ValueError(
                 f"[model] {', '.join(off)} = false choose LoRA layers, but lora_rank = 0 trains "

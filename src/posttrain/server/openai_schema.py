@@ -20,7 +20,7 @@ from posttrain.server.tinker_schema import (
     TokenId,
     unencodable_text,
 )
-from posttrain.tokenizer import Tokenizer, eos_token
+from posttrain.tokenizer import Tokenizer, end_of_turn_id, eos_token
 from posttrain.types import SampledSequence, SamplingParams
 
 MAX_N = 128
@@ -238,8 +238,13 @@ def sampling_params(
 
 
 def eos_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
-    eos = eos_token(tokenizer)
-    return (eos,) if eos else ()
+    """The texts of what the sampler stops on by default: EOS and the chat template's end of
+    turn, where that is another token."""
+    texts = [eos] if (eos := eos_token(tokenizer)) else []
+    end = end_of_turn_id(tokenizer)
+    if end is not None:
+        texts.append(str(tokenizer.decode([end], skip_special_tokens=False)))
+    return tuple(dict.fromkeys(texts))
 
 
 def user_stops(request: _SamplingFields) -> tuple[str, ...]:
