@@ -1,8 +1,10 @@
-"""The real-model tests: a pretrained model directory (SmolLM2-135M-Instruct: Llama
-architecture, tied embeddings, a ChatML template whose end of turn `<|im_end|>` is its EOS).
+"""The real-model tests: SmolLM2-135M-Instruct (Llama architecture, tied embeddings, a ChatML
+template whose end of turn `<|im_end|>` is its EOS), fetched from the package index as a user
+would (`posttrain fetch-model`, cached in $POSTTRAIN_CACHE, else ~/.cache/posttrain).
 
-They run where POSTTRAIN_REAL_MODEL_DIR names that directory and are skipped elsewhere; all are
-`slow`. Each module loads what it needs once (module-scoped fixtures)."""
+All are `slow`. Without the package index they are skipped, unless POSTTRAIN_REQUIRE_REAL_MODEL=1
+(CI sets it: there a failed download fails). POSTTRAIN_REAL_MODEL_DIR names a model directory
+to use instead of fetching. Each module loads what it needs once (module-scoped fixtures)."""
 
 from __future__ import annotations
 
@@ -10,17 +12,24 @@ import os
 from pathlib import Path
 
 import pytest
+from real_model import NAME, unreachable
+
+from posttrain.engine.model_source import ModelSourceError
+from posttrain.engine.packaged_models import fetch_model
 
 ENV = "POSTTRAIN_REAL_MODEL_DIR"
 
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    """The real model's directory, from $POSTTRAIN_REAL_MODEL_DIR; the test is skipped without."""
+    """The real model's directory: $POSTTRAIN_REAL_MODEL_DIR, else the packaged model."""
     value = os.environ.get(ENV)
-    if not value:
-        pytest.skip(f"{ENV} is not set: the real-model tests need a model directory")
-    path = Path(value)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{ENV}={value} is not a model directory (no config.json)")
-    return path
+    if value:
+        path = Path(value)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{ENV}={value} is not a model directory (no config.json)")
+        return path
+    try:
+        return fetch_model(NAME)
+    except ModelSourceError as exc:
+        unreachable(exc)

