@@ -39,14 +39,16 @@ async def run(args: argparse.Namespace, ahead: int, root: Path) -> float:
         inference.update(devices="cpu,cpu")
     backend = posttrain.LocalBackend(root / f"n{ahead}-{time.time_ns()}", inference=inference)
     model = posttrain.TrainableModel(
-        name="m", project="b", base_model=str(tiny_model_path(size="small")), lora_rank=8, seed=0
+        name="m", project="b", base_model=str(tiny_model_path(size=args.size)), lora_rank=8, seed=0
     )
     await model.register(backend)
     sampler = backend.sampling_client(model)
 
     async def sample(k: int) -> list[TrajectoryGroup]:
         builders = [posttrain.TrajectoryBuilder(sampler.tokenizer) for _ in WORDS]
-        prompts = [b.prompt({"role": "user", "content": w}) for b, w in zip(builders, WORDS, strict=True)]
+        prompts = [
+            b.prompt({"role": "user", "content": w}) for b, w in zip(builders, WORDS, strict=True)
+        ]
         params = SamplingParams(max_tokens=32, seed=k, stop=[])
         responses = await sampler.sample_many(prompts, 8, params)
         groups = []
@@ -62,8 +64,14 @@ async def run(args: argparse.Namespace, ahead: int, root: Path) -> float:
     times = []
     try:
         began = time.perf_counter()
-        steps = rl_steps(backend, model, sample, steps=args.steps, max_off_policy_steps=ahead,
-                         options=lambda k: {"learning_rate": 1e-3, "save_checkpoint": False})
+        steps = rl_steps(
+            backend,
+            model,
+            sample,
+            steps=args.steps,
+            max_off_policy_steps=ahead,
+            options=lambda k: {"learning_rate": 1e-3, "save_checkpoint": False},
+        )
         async with aclosing(steps) as trained_steps:
             async for _ in trained_steps:
                 now = time.perf_counter()
@@ -80,24 +88,31 @@ async def main() -> None:
     parser.add_argument("--vllm-python", default=os.environ.get("POSTTRAIN_VLLM_PYTHON"))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--size", default="small", choices=["tiny", "mini", "small"], help="the tiny model's size"
+    )
     parser.add_argument("--trainer-threads", type=int, default=1)
     parser.add_argument("--engine-threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.trainer_threads)
     print(
         f"engine {args.engine}: trainer {args.trainer_threads} thread(s), engine "
-        f"{args.engine_threads}; small model, LoRA 8, 8x8x32; load average {os.getloadavg()[0]:.1f}"
+        f"{args.engine_threads}; {args.size} model, LoRA 8, 8x8x32; load average {os.getloadavg()[0]:.1f}"
     )
     root = Path(tempfile.mkdtemp(prefix="posttrain-async-"))
     seconds: dict[int, list[float]] = {0: [], 1: []}
     for round_index in range(args.rounds):
         for ahead in (0, 1) if round_index % 2 == 0 else (1, 0):
             seconds[ahead].append(await run(args, ahead, root))
-            print(f"  round {round_index + 1}, max_off_policy_steps={ahead}: "
-                  f"{seconds[ahead][-1]:.2f} s a step")
+            print(
+                f"  round {round_index + 1}, max_off_policy_steps={ahead}: "
+                f"{seconds[ahead][-1]:.2f} s a step"
+            )
     sync, overlap = statistics.median(seconds[0]), statistics.median(seconds[1])
-    print(f"synchronous {sync:.2f} s a step, asynchronous (1 step ahead) {overlap:.2f} s: "
-          f"{sync / overlap:.2f}x the steps/s; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"synchronous {sync:.2f} s a step, asynchronous (1 step ahead) {overlap:.2f} s: "
+        f"{sync / overlap:.2f}x the steps/s; load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -200,10 +200,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--peak-size", type=int, default=2048, help="n of the n x n x n peak products"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = build_variants(args)
-    peaks = Peaks()
+    peaks = Peaks(args.peak_size)
     first = next(iter(variants.values()))
     n, trained = linear_weights(first.worker.model)
     per_token = 4 * n + 2 * trained

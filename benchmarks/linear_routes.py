@@ -109,12 +109,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--peak-size", type=int, default=2048, help="n of the n x n x n peak products"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shapes, counts = layer_shapes(args.size), layer_counts(args.size)
     print(f"{args.size}, {args.tokens} tokens, {torch.get_num_threads()} threads")
     weighted = {"mkl": 0.0, "onednn": 0.0}
-    peaks = Peaks(repeats=2)
+    peaks = Peaks(args.peak_size, repeats=2)
     for name, (fan_in, fan_out) in shapes.items():
         flops = 2 * args.tokens * fan_in * fan_out
         paths = products(args.tokens, fan_in, fan_out)

@@ -62,9 +62,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--size", default="small", choices=["tiny", "mini", "small"], help="the tiny model's size"
+    )
     args = parser.parse_args()
 
-    path = tiny_model_path(size="small")
+    path = tiny_model_path(size=args.size)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     sampler = Sampler(model, tokenizer)
@@ -85,7 +88,7 @@ def main() -> None:
             rates[name].append(tokens / (time.perf_counter() - start))
     batch = args.prompts * args.samples
     print(
-        f"small model, {batch} sequences x {args.new_tokens} new tokens, temperature 1.0, "
+        f"{args.size} model, {batch} sequences x {args.new_tokens} new tokens, temperature 1.0, "
         f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds"
     )
     for name, values in rates.items():

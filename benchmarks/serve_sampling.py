@@ -73,7 +73,7 @@ async def run(args: argparse.Namespace, url: str, base_model: Path) -> None:
     local.close()
 
     print(
-        f"small model (30M), fp32, {args.threads} torch threads per side; {args.requests} "
+        f"{args.size} model, fp32, {args.threads} torch threads per side; {args.requests} "
         f"requests per round of 1 prompt (24 tokens) x {args.samples} samples x up to "
         f"{args.new_tokens} new tokens; {args.rounds} alternating rounds, medians"
     )
@@ -88,10 +88,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--size", default="small", choices=["tiny", "mini", "small"], help="the tiny model's size"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base_model = tiny_model_path(size="small")
+    base_model = tiny_model_path(size=args.size)
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:
         storage = Path(tmp) / "storage"
         storage.mkdir()

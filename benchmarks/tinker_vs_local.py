@@ -95,7 +95,7 @@ async def run(args: argparse.Namespace, url: str, base_model: Path, root: Path) 
 
     tokens = args.groups * args.group_size * (args.prompt_tokens + args.completion_tokens)
     print(
-        f"small model (30M), LoRA rank {args.lora_rank}, fp32, {args.threads} torch threads per "
+        f"{args.size} model, LoRA rank {args.lora_rank}, fp32, {args.threads} torch threads per "
         f"side; RL batch {args.groups} groups x {args.group_size} x ({args.prompt_tokens} prompt "
         f"+ {args.completion_tokens} completion tokens) = {tokens} tokens, ppo; "
         f"{args.rounds} alternating rounds, medians"
@@ -117,11 +117,14 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--completion-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--size", default="small", choices=["tiny", "mini", "small"], help="the tiny model's size"
+    )
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base_model = tiny_model_path(size="small")
+    base_model = tiny_model_path(size=args.size)
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:
         root = Path(tmp)
         (root / "storage").mkdir()

