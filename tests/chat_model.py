@@ -2,11 +2,19 @@
 
 A freshly initialised tiny model samples arbitrary bytes; decoded, an invalid UTF-8 byte
 becomes U+FFFD, which the next request's chat template renders as other tokens, so a second
-turn's prompt would not extend the first (rightly refused). A few dozen full fine-tuning
-steps on two kinds of conversations make the model answer in lowercase letters, and answer
-"add" (given the tool) with a Hermes tool call, greedily:
+turn's prompt would not extend the first (rightly refused). 200 full fine-tuning steps on two
+kinds of conversations make the model answer in lowercase letters, and answer "add" (given
+the tool) with a Hermes tool call, greedily:
 
     <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>
+
+Greedy decoding is only as stable as the gap between the best token and the next. The model
+used to be trained for 150 steps at lr 1e-2: too fast for 16 examples a step, the run was
+chaotic, and on an AVX-512 host it ended with the tool call's first token 0.2 logits ahead of
+EOS and its arguments wrong, while other hosts got it right. At lr 3e-3 every token of both
+replies leads by 5.3 logits or more (seeds 0 and 1), against rounding differences between hosts
+of 1e-5; `make_chat_model` checks a 1-logit lead, so a host where training went elsewhere
+fails there, naming the cause.
 
 The chat template renders tools, tool calls and tool results (as Qwen's does, shortened).
 """
@@ -66,7 +74,10 @@ def conversations(rng: random.Random, tokenizer: object) -> list[int]:
     )
 
 
-def make_chat_model(directory: Path, steps: int = 150) -> Path:
+MIN_LEAD = 1.0  # logits: the check of the module docstring
+
+
+def make_chat_model(directory: Path, steps: int = 200) -> Path:
     """The tiny model (seed 0) fine-tuned as above, saved with its tokenizer in `directory`."""
     source = make_tiny_model(directory.parent / f"{directory.name}-base")
     model = AutoModelForCausalLM.from_pretrained(source)
@@ -74,7 +85,7 @@ def make_chat_model(directory: Path, steps: int = 150) -> Path:
     tokenizer.chat_template = TOOL_TEMPLATE
     torch.manual_seed(0)
     rng = random.Random(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     eos = tokenizer.eos_token_id
     for _ in range(steps):
         batch = [conversations(rng, tokenizer) for _ in range(16)]
@@ -87,6 +98,44 @@ def make_chat_model(directory: Path, steps: int = 150) -> Path:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    lead = greedy_lead(model, tokenizer)
+    if lead < MIN_LEAD:
+        raise RuntimeError(
+            f"the chat model's tool-call conversation leads by only {lead:.2f} logits at some "
+            f"token (< {MIN_LEAD}): greedy answers would depend on rounding; train it longer"
+        )
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def greedy_lead(model: torch.nn.Module, tokenizer: object) -> float:
+    """The smallest lead of the right token over the next best, over every token of the two
+    assistant replies of the tool-call conversation (teacher-forced: one forward pass)."""
+    call = {"id": "c", "type": "function", "function": ADD_CALL}
+    messages = [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "five"},
+    ]
+    render = tokenizer.apply_chat_template  # type: ignore[attr-defined]
+    ids = render(messages, tools=[ADD_TOOL], tokenize=True, return_dict=False)
+    eos = tokenizer.eos_token_id  # type: ignore[attr-defined]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    leads = []
+    for turn in (1, 3):
+        prompt = render(
+            messages[:turn],
+            tools=[ADD_TOOL],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for pos in range(len(prompt), ids.index(eos, len(prompt)) + 1):
+            row = logits[pos - 1].clone()
+            right = float(row[ids[pos]])
+            row[ids[pos]] = float("-inf")
+            leads.append(right - float(row.max()))
+    return min(leads)
