@@ -13,6 +13,12 @@ from posttrain.clients.create import create_training_client
 from posttrain.types import AdamParams, ModelInput, SamplingParams
 
 
+def cuda_tensors() -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The live CUDA tensors' shapes and dtypes: what an assertion names when memory stays."""
+    found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    return [(tuple(t.shape), t.dtype) for t in found][:20]
+
+
 def settled_allocation() -> int:
     gc.collect()
     torch.cuda.synchronize()
@@ -46,7 +52,7 @@ def test_offload_and_reload_return_memory_to_its_baseline(tiny_model_dir, tmp_pa
     )
     assert training > baseline
     # Nothing of the client's stays on the device: weights, gradients and moments all left.
-    assert offloaded == baseline, (baseline, training, offloaded)
+    assert offloaded == baseline, (baseline, training, offloaded, cuda_tensors())
 
     # The next call reloads what it needs and trains on: the parked gradients included.
     client.optim_step(AdamParams(learning_rate=1e-3)).result()
@@ -58,7 +64,7 @@ def test_offload_and_reload_return_memory_to_its_baseline(tiny_model_dir, tmp_pa
     del client
     closed = settled_allocation()
     report(f"gpu memory after close {'lora' if rank else 'full'}", closed_bytes=closed)
-    assert closed == baseline  # closing the client frees it all
+    assert closed == baseline, (baseline, closed, cuda_tensors())  # close frees it all
 
 
 def test_a_small_model_keeps_its_training_state_on_the_gpu_while_sampling(tiny_model_dir, tmp_path):
