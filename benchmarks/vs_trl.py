@@ -54,6 +54,7 @@ from gpu_metrics import PeakMemory, StepFlops, matmul_parameters, mfu, peak_flop
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 from transformers.utils import logging as hf_logging
 
+import posttrain
 from posttrain.backends.local import LocalBackend
 from posttrain.engine.models import LoraSettings
 from posttrain.engine.tiny import tiny_model_path
@@ -513,10 +514,21 @@ def summarize(
     }
 
 
+def installed_version(name: str) -> str:
+    """The installed distribution's version; posttrain run from a source tree (PYTHONPATH=src,
+    as scripts/gpu-check does) has no metadata, so it reports the package's own version."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        if name == "posttrain":
+            return f"{posttrain.__version__} (source tree)"
+        return "not installed"
+
+
 def versions(config: BenchConfig) -> dict[str, str]:
     names = ["posttrain", "torch", "transformers", "peft"]
     names += ["trl", "accelerate", "datasets"] if config.trl else []
-    found = {name: importlib.metadata.version(name) for name in names}
+    found = {name: installed_version(name) for name in names}
     if torch.device(config.device).type == "cuda":
         found["gpu"] = torch.cuda.get_device_name()
         found["cuda"] = str(torch.version.cuda)
