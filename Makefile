@@ -3,7 +3,7 @@
 
 setup: .venv/.installed
 
-.venv/.installed: pyproject.toml scripts/setup.sh
+.venv/.installed: pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (when missing) and installs posttrain with its dev tools.
+# Creates .venv (when missing) and installs posttrain with its dev tools, at the versions in
+# constraints.txt (scripts/lock.sh writes it; CONSTRAINTS=none resolves afresh instead).
 # Where no CUDA GPU is present, torch comes from the CPU wheel index (a plain `pip install torch`
 # would pull a multi-GB CUDA build).
 set -euo pipefail
@@ -7,12 +8,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 CPU_INDEX=https://download.pytorch.org/whl/cpu
+VENV=${VENV:-.venv}
+CONSTRAINTS=${CONSTRAINTS:-constraints.txt}
 
-if [ ! -x .venv/bin/python ]; then
-  echo "[setup] creating .venv with $($PY --version)"
-  "$PY" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
 fi
-VPY=.venv/bin/python
+VPY=$VENV/bin/python
 
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -32,6 +35,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   fi
 fi
 
-echo "[setup] installing posttrain[${EXTRAS:-dev}]"
-"$VPY" -m pip install -q -e ".[${EXTRAS:-dev}]"
+PINS=()
+if [ "$CONSTRAINTS" != none ]; then
+  PINS=(-c "$CONSTRAINTS")
+fi
+echo "[setup] installing posttrain[${EXTRAS:-dev}] (constraints: $CONSTRAINTS)"
+"$VPY" -m pip install -q -e ".[${EXTRAS:-dev}]" "${PINS[@]}"
 echo "[setup] done: $("$VPY" -c 'import torch, posttrain; print("torch", torch.__version__, "| posttrain", posttrain.__version__)')"
