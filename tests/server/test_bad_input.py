@@ -78,8 +78,11 @@ def test_api_keys(server: ServerProcess) -> None:
     # OpenAI clients send the key as a bearer token.
     bearer = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{server.url}/healthz", headers=bearer).status_code == 200
-    with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").get_server_capabilities()
+    with (
+        tinker.ServiceClient(base_url=server.url, api_key="tml-wrong") as wrong,
+        pytest.raises(tinker.AuthenticationError),
+    ):
+        wrong.get_server_capabilities()
 
 
 def test_malformed_bodies(server: ServerProcess) -> None:
@@ -180,8 +183,10 @@ def test_another_keys_checkpoints_are_refused(
             assert detail(mine) == detail(absent).replace(
                 "tinker://session-none:train:0/weights/nothing", path
             )
-    other = tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY)
-    with pytest.raises(tinker.NotFoundError):
+    with (
+        tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY) as other,
+        pytest.raises(tinker.NotFoundError),
+    ):
         other.create_training_client_from_state(weights).result()
     # The owner still loads both.
     assert service.create_training_client_from_state(weights).result().model_id

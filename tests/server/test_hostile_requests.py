@@ -156,7 +156,13 @@ def test_a_zstd_bomb_is_refused_within_the_body_limit(
 def test_errors_name_the_clients_checkpoints_not_server_paths(
     server: ServerProcess, tiny_model_dir: Path
 ) -> None:
-    service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    with tinker.ServiceClient(base_url=server.url, api_key=KEY) as service:
+        check_errors_name_the_clients_paths(server, service, tiny_model_dir)
+
+
+def check_errors_name_the_clients_paths(
+    server: ServerProcess, service: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
     tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
     state = tc.save_state("damaged").result().path
     sampler = tc.save_weights_for_sampler("gone").result().path
@@ -173,4 +179,3 @@ def test_errors_name_the_clients_checkpoints_not_server_paths(
         message = str(error)
         assert path in message, message
         assert str(server.storage) not in message and str(server.storage.resolve()) not in message
-    service.close("success").result()

@@ -37,8 +37,8 @@ def post(url: str, path: str, body: dict) -> dict:
 def test_restart_keeps_futures_and_checkpoints(tiny_model_dir: Path, tmp_path: Path) -> None:
     storage = tmp_path / "storage"
     first = start_server(tiny_model_dir, storage)
+    service = tinker.ServiceClient(base_url=first.url, api_key=KEY)
     try:
-        service = tinker.ServiceClient(base_url=first.url, api_key=KEY)
         # A fixed LoRA seed: with a random one, 3 AdamW steps at 1e-2 once raised the loss
         # (28.7 -> 36.2), an unlucky start rather than a resume fault.
         tc = service.create_lora_training_client(
@@ -55,6 +55,10 @@ def test_restart_keeps_futures_and_checkpoints(tiny_model_dir: Path, tmp_path: P
         assert done_answer == {"metrics": done_answer["metrics"], "type": "optim_step"}
     finally:
         first.kill()
+        # Not waited for: the SDK retries the session's finish request against the dead server
+        # for minutes, then stops the session's heartbeats, which would otherwise retry it for
+        # the rest of the test run.
+        service.close("interrupted")
 
     second = start_server(tiny_model_dir, storage)
     try:
@@ -81,5 +85,6 @@ def test_restart_keeps_futures_and_checkpoints(tiny_model_dir: Path, tmp_path: P
         stale = post(second.url, "optim_step", {"model_id": tc.model_id, "seq_id": 8})
         answer = post(second.url, "retrieve_future", {"request_id": stale["request_id"]})
         assert answer["category"] == "user" and "not loaded" in answer["error"]
+        service.close("success").result()
     finally:
         second.stop()
