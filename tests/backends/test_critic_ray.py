@@ -14,6 +14,16 @@ from posttrain.backends.ray import RayBackend
 from posttrain.engine.ray_session import ray_session
 from posttrain.model import TrainableModel
 
+# The first step differs from LocalBackend's only in the order FSDP2 sums the ranks' gradients:
+# REL_TOL. Later steps start from weights that AdamW's first update set to w - lr * sign(g) per
+# element (its bias-corrected m / sqrt(v) is g / |g|), so an element whose gradient sums to
+# within rounding of zero moves by +-lr depending on that order: a last-bit difference becomes
+# an lr-sized one. Measured on a 2-core AVX2 host: critic/grad_norm 3.1e-8 apart at step 1,
+# 6.0e-7 at step 2 (20x), the critic's weights 3.3e-7; on an AVX-512 host the step-2 gap was
+# 2.8e-6, past REL_TOL. 2e-5 bounds the amplified gap with room and still catches a wrong
+# reduction (a doubled or a missing rank's gradient moves grad_norm by tens of percent).
+AMPLIFIED_TOL = 2e-5
+
 
 @pytest.mark.slow
 async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
@@ -37,11 +47,11 @@ async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
         await model.register(backend)
         for s, reference in enumerate(expected_results):
             result = await backend.train(model, synthetic_groups(s, groups=2, size=3), **GAE)  # type: ignore[arg-type]
-            assert_same_metrics(result, reference)
+            assert_same_metrics(result, reference, rel=REL_TOL if s == 0 else AMPLIFIED_TOL)
         critic = backend.critic_client(model)
         assert critic is not None
         gathered = critic.executor.full_tensors("weights")[0]
-        assert rel_error(weights(local.critic_client(expected)), gathered) < REL_TOL  # type: ignore[arg-type]
+        assert rel_error(weights(local.critic_client(expected)), gathered) < AMPLIFIED_TOL  # type: ignore[arg-type]
         await backend.close()
     await local.close()
 

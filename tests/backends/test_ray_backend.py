@@ -69,11 +69,11 @@ async def three_steps(
     return results
 
 
-def assert_same_metrics(got: TrainResult, expected: TrainResult) -> None:
+def assert_same_metrics(got: TrainResult, expected: TrainResult, rel: float = REL_TOL) -> None:
     assert got.step == expected.step
     assert got.metrics.keys() == expected.metrics.keys()
     for key, value in expected.metrics.items():
-        assert got.metrics[key] == pytest.approx(value, rel=REL_TOL, abs=1e-6), key
+        assert got.metrics[key] == pytest.approx(value, rel=rel, abs=1e-6), key
 
 
 @pytest.mark.slow
