@@ -9,7 +9,10 @@ trainable weights out of the trainer, merged into whole weights, written to /dev
 by vLLM.
 
     OMP_NUM_THREADS=2 python benchmarks/engines.py --vllm-python .venv-vllm/bin/python \
-        [--rounds 4] [--lora-rank 8] [--size small] [--dtype float32]
+        [--rounds 4] [--lora-rank 8] [--size small | --model DIR] [--dtype float32]
+
+`--model DIR` runs any local model directory instead (a real one: `posttrain fetch-model
+smollm2-135m-instruct` prints its directory).
 
 `--dtype` is both engines' precision: the trainer's weights (with LoRA adapters in float32),
 and so posttrain's sampler, and vLLM's `[inference] dtype`.
@@ -61,12 +64,14 @@ async def main() -> None:
     parser.add_argument(
         "--size", default="small", choices=["tiny", "mini", "small", "qwen2.5-0.5b"]
     )
+    parser.add_argument("--model", help="a local model directory (instead of --size)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    model_dir = tiny_model_path(size=args.size)
+    model_dir = args.model or tiny_model_path(size=args.size)
     threads = torch.get_num_threads()
     load = os.getloadavg()[0]
-    print(f"model: {args.size}, {args.dtype}, threads {threads}, load average {load:.1f}")
+    shown = args.model or args.size
+    print(f"model: {shown}, {args.dtype}, threads {threads}, load average {load:.1f}")
     root = Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
     backends, models, samplers = {}, {}, {}
     for name, inference in {
