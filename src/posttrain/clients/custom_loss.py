@@ -24,9 +24,9 @@ from typing import NewType, cast
 
 import torch
 
-from posttrain.algo.loss_metrics import summarize_values
-from posttrain.algo.losses import LOSSES, LossBatch, LossConfig, get_loss
-from posttrain.engine.batching import pad_datums
+from posttrain.algo.loss_metrics import counted_values, summarize_values
+from posttrain.algo.losses import LOSSES, LossConfig, get_loss
+from posttrain.clients.token_metrics import run_builtin
 from posttrain.types import Datum, ForwardBackwardOutput
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, Mapping[str, float]]]
@@ -78,17 +78,13 @@ def custom_loss(name: str) -> CustomLossFn:
 def builtin_as_custom(name: str, config: LossConfig) -> CustomLossFn:
     """Loss `name` of `algo.losses` as a custom loss: the same value and logprob gradient, so
     posttrain's own loss code runs where only logprobs come back (a remote service)."""
-    fn = get_loss(name)
+    get_loss(name)  # an unknown name fails here, not at the first step
 
     def loss(
         data: list[Datum], logprobs: list[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        padded = pad_datums(data)
-        logp_BT = torch.nn.utils.rnn.pad_sequence(logprobs, batch_first=True)
-        out = fn(LossBatch(logp_BT, padded.inputs, padded.pad_mask_BT), config)
-        mask = out.mask_BT if out.mask_BT is not None else padded.pad_mask_BT.bool()
-        values = {key: value[mask] for key, value in out.per_token.items()}
-        return out.loss, summarize_values(values)
+        out, mask_BT = run_builtin(name, config, data, logprobs)
+        return out.loss, summarize_values(counted_values(out, mask_BT))
 
     return loss
 
