@@ -245,7 +245,9 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     split = InferenceConfig(devices="cpu,cpu", threads=2)
     engine = _report(JobConfig(inference=split))["engine"]
     assert engine["where"] == "a worker process on cpu (training on cpu), 2 thread(s)"
-    fixed = InferenceConfig(engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET")
+    fixed = InferenceConfig(
+        engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET", sync="none"
+    )
     report = _report(JobConfig(inference=fixed))
     engine = report["engine"]
     assert (
@@ -257,9 +259,9 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     assert engine["weight_sync_per_step"].startswith("none: it samples a fixed policy")
     assert "SECRET" not in json.dumps(report)
     assert report["config"]["inference"]["api_key"] == "***"
-    reload = dataclasses.replace(fixed, sync="reload")
-    engine = _report(JobConfig(inference=reload))["engine"]
-    assert engine["capabilities"]["weight_sync"] == "full"
+    for sync in ("reload", "auto"):  # auto: the server takes weights, or register refuses it
+        engine = _report(JobConfig(inference=dataclasses.replace(fixed, sync=sync)))["engine"]
+        assert engine["capabilities"]["weight_sync"] == "full"
 
 
 def test_explain_says_when_the_backend_cannot_take_an_engine():

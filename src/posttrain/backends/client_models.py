@@ -340,11 +340,12 @@ class ModelClients(Generic[ClientT]):
     ) -> TrainResult:
         """Run the updates of `step`, checkpoint it, then (only then) advance the model's step."""
         path: str | None = None
+        engine = self._engines[id(model)]
         try:
             metrics = await run()
             if self.after_update is not None:
                 await self.after_update(model, step)
-            await self._engines[id(model)].sync(step)
+            await engine.sync(step)
             if save:
                 # The critic first: a policy checkpoint of `step` then implies its critic's.
                 await self._save_critic(model, step)
@@ -356,7 +357,8 @@ class ModelClients(Generic[ClientT]):
             await self._restore(model, exc)
             raise
         model.set_step(step)
-        return TrainResult(step=step, metrics=metrics.as_dict(), checkpoint_path=path)
+        result = metrics.as_dict() | engine.policy_gap(step)
+        return TrainResult(step=step, metrics=result, checkpoint_path=path)
 
     async def _save_critic(self, model: TrainableModel, step: int) -> None:
         critic = self._critics.get(id(model))
