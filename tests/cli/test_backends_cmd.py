@@ -149,7 +149,7 @@ def test_engines_json_matches_the_schema_and_the_engines(tmp_path, capsys, monke
     assert main(["backends", "--json", *(a for p in plugins for a in ("--plugin", p))]) == 0
     data = json.loads(capsys.readouterr().out)
     jsonschema.validate(data, SCHEMA)
-    assert data["schema_version"] == SCHEMA["properties"]["schema_version"]["const"] == 5
+    assert data["schema_version"] == SCHEMA["properties"]["schema_version"]["const"] == 6
     accepts = {b["name"]: b["accepts_inference"] for b in data["backends"]}
     assert accepts == {"local": True, "ray": True, "tinker": False} | dict(
         zip(plugins, [True, False], strict=True)

@@ -170,3 +170,24 @@ def test_custom_loss_on_ray_dp2_matches_the_local_builtin(tiny_model_dir, tmp_pa
         finally:
             local.close()
             remote.close()
+
+
+def test_unknown_loss_lists_only_the_losses_the_call_runs():
+    """RL's loss message lists policy losses, not DPO's pair losses; TinkerBackend's lists only
+    what its protocol carries, and says where dro and gspo run."""
+    import posttrain.trainer.dpo  # noqa: F401  # registers dpo_sigmoid and dpo_ipo
+    from posttrain.backends.tinker import resolve_tinker_rl
+
+    with pytest.raises(ValueError) as local:
+        from_options(RLConfig, {"loss": "nonsense"})
+    assert "'dro'" in str(local.value) and "dpo_" not in str(local.value)
+    with pytest.raises(ValueError, match="a loss of preference pairs, which train_dpo runs"):
+        from_options(RLConfig, {"loss": "dpo_sigmoid"})
+    with pytest.raises(ValueError) as remote:
+        resolve_tinker_rl({"loss": "nonsense"})
+    message = str(remote.value)
+    assert "expected one of 'ppo', 'cispo', 'importance_sampling', or a custom" in message
+    assert "dro" not in message and "gspo" not in message and "dpo_" not in message
+    with pytest.raises(ValueError, match=r"'gspo' is not carried by the Tinker protocol.*Ray"):
+        resolve_tinker_rl({"loss": "gspo"})
+    assert resolve_tinker_rl({"ppo": True}).policy_loss == "ppo"

@@ -353,6 +353,16 @@ def preflight_rl(
     away from their default) and values outside its choices are refused too.
     """
     problems = conflicts(config)
+    critic: list[PreflightProblem] = []
+    if config.advantages.estimator == "gae" and not capabilities.supports_critic:
+        critic.append(
+            PreflightProblem(
+                "advantage_estimator",
+                f"'gae' needs a learned critic (a value model trained beside the policy), which "
+                f"{backend} does not have (supports_critic=false); use LocalBackend or "
+                "RayBackend, or a group estimator such as 'grpo'",
+            )
+        )
     if options is not None:
         # `loss` is judged by the loss the call runs (`ppo=False` means cispo), not its field;
         # a backend that takes `loss` gets `ppo` folded into it, so `ppo` is not judged again.
@@ -360,7 +370,9 @@ def preflight_rl(
         defaults = {**option_defaults(type(config)), "loss": RLConfig().policy_loss}
         if any(o.name == "loss" for o in options):
             del values["ppo"], defaults["ppo"]
-        problems += unsupported_options(backend, "train", values, defaults, options)
+        unsupported = unsupported_options(backend, "train", values, defaults, options)
+        # 'gae' outside the declared choices: the critic's problem says why, once.
+        problems += [p for p in unsupported if not (critic and p.option == "advantage_estimator")]
     if config.loss.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
             PreflightProblem(
@@ -369,15 +381,7 @@ def preflight_rl(
                 "set kl_penalty_coef=0 or use a backend with supports_kl_reference",
             )
         )
-    if config.advantages.estimator == "gae" and not capabilities.supports_critic:
-        problems.append(
-            PreflightProblem(
-                "advantage_estimator",
-                f"'gae' needs a learned critic (a value model trained beside the policy), which "
-                f"{backend} does not have (supports_critic=false); use LocalBackend or "
-                "RayBackend, or a group estimator such as 'grpo'",
-            )
-        )
+    problems += critic
     problem = token_data_problem(backend, capabilities, config)
     if problem is not None:
         problems.append(problem)
@@ -452,6 +456,25 @@ def preflight_dpo(
         )
     if problems:
         raise PreflightError(backend, problems)
+
+
+def model_problems(
+    backend: str, capabilities: Capabilities, lora_rank: int | None
+) -> list[PreflightProblem]:
+    """What refuses a model of this `lora_rank` (None or 0, the TOML spelling: full
+    fine-tuning) at register, known without the model: for `posttrain explain` and job
+    preflight as for register itself."""
+    if not lora_rank and not capabilities.supports_full_finetuning:
+        having = ", ".join(backends_with("supports_full_finetuning")) or "none installed here"
+        return [
+            PreflightProblem(
+                "lora_rank",
+                f"{backend} trains LoRA adapters only (supports_full_finetuning=false): give "
+                f"the model a lora_rank (e.g. lora_rank=8; in a job, [model] lora_rank = 8), or "
+                f"fine-tune every weight on a backend that can ({having})",
+            )
+        ]
+    return []
 
 
 async def preflight_register(backend: str, model: TrainableModel) -> None:

@@ -35,13 +35,18 @@ LossName = NewType("LossName", str)
 ENTRY_POINT_GROUP = "posttrain.losses"
 
 _registered: dict[str, CustomLossFn] = {}
+# Losses of preference pairs (DPO's): they read datums `train_dpo` builds, so `train(loss=)`
+# neither offers nor takes them.
+_pair_losses: set[str] = set()
 
 
-def register_loss(name: str, fn: CustomLossFn) -> LossName:
-    """Make `fn` the loss named `name` (a built-in loss's name is refused)."""
+def register_loss(name: str, fn: CustomLossFn, *, pairs: bool = False) -> LossName:
+    """Make `fn` the loss named `name` (a built-in loss's name is refused); `pairs=True`: a
+    loss of preference pairs, not a policy loss."""
     if name in LOSSES:
         raise ValueError(f"loss name {name!r} is a built-in loss of posttrain.algo.losses")
     _registered[name] = fn
+    (_pair_losses.add if pairs else _pair_losses.discard)(name)
     return LossName(name)
 
 
@@ -56,6 +61,16 @@ def custom_loss_names() -> list[str]:
 
 def is_custom_loss(name: object) -> bool:
     return isinstance(name, str) and (name in _registered or name in _entry_points())
+
+
+def is_pair_loss(name: object) -> bool:
+    """A registered loss of preference pairs (`train_dpo`'s), not a policy loss."""
+    return name in _pair_losses
+
+
+def policy_loss_names() -> list[str]:
+    """The custom losses `train(loss=)` takes: all but the pair losses."""
+    return [name for name in custom_loss_names() if name not in _pair_losses]
 
 
 def custom_loss(name: str) -> CustomLossFn:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
-from posttrain.engines.config import InferenceConfig
+from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.engines.live import LiveEngine
 from posttrain.engines.process import ProcessEngine
 from posttrain.engines.protocol import EngineCapabilities, SamplingEngine, WeightSnapshot
@@ -187,6 +187,9 @@ def _start_process(
     config: InferenceConfig, snapshot: WeightSnapshot, log_dir: Path
 ) -> ProcessEngine:
     """The vLLM or split-pytorch worker process, on the weights of `snapshot`."""
+    problem = vllm_head_problem(config, json.loads((snapshot.path / "config.json").read_text()))
+    if problem is not None:  # else vLLM starts (10-30 s) and fails at the first sample
+        raise ValueError(f"[inference] {problem}")
     devices = config.split_devices()
     device = devices[0] if devices else "cpu"
     options = {

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Literal
 
 from posttrain.backends.engine_options import trainer_device
-from posttrain.backends.preflight import PreflightError, preflight_dpo, preflight_rl, preflight_sft
+from posttrain.backends.preflight import (
+    PreflightError,
+    model_problems,
+    preflight_dpo,
+    preflight_rl,
+    preflight_sft,
+)
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
 from posttrain.backends.schema import (
@@ -28,7 +34,7 @@ from posttrain.backends.schema import (
 )
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
-from posttrain.engines.config import InferenceConfig
+from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.config import REDACTED, JobConfig, is_secret
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
@@ -167,18 +173,22 @@ def job_problems(
     would get. `path` is where the backend keeps its models, `[run] output_dir` unless given.
     The backend is None when its name does not resolve."""
     spec = config.run.backend
-    model_problems = base_model_problems(config.model.base_model) if base_model else []
+    base = base_model_problems(config.model.base_model) if base_model else []
     try:
         info = describe(spec, config.backend)  # hooks that take the backend options get them
         factory = load(spec) if info.importable else None
     except (ValueError, ImportError) as exc:
-        return None, [*model_problems, JobProblem("backend", "[run] backend", str(exc))]
+        return None, [*base, JobProblem("backend", "[run] backend", str(exc))]
     if factory is None:
         install = f"; install it with pip install 'posttrain[{info.extra}]'" if info.extra else ""
         message = f"{spec!r} cannot be imported: {info.import_error}{install}"
         problem = JobProblem("backend", "[run] backend", message)
-        return JobBackend(info, None, None), [*model_problems, problem]
-    problems = model_problems
+        return JobBackend(info, None, None), [*base, problem]
+    problems = base
+    problems += [
+        JobProblem("model", f"[model] {p.option}", p.message)
+        for p in model_problems(info.label, info.capabilities, config.model.lora_rank)
+    ]
     try:
         kwargs = constructor_kwargs(
             config, factory, path or Path(config.run.output_dir), info.constructor
@@ -295,6 +305,9 @@ def _inference_problems(
         )
     if info.source == "builtin" and inference.devices is not None:
         problems += _split_device_problems(info, inference, kwargs.get("device", AUTO))
+    problem = engine_model_problem(config)
+    if problem is not None:
+        problems.append(JobProblem("model", "[inference] engine", problem))
     if inference.engine == "openai" and inference.sync in ("auto", "none") and config.rl.steps:
         problems.append(
             JobProblem(
@@ -307,6 +320,37 @@ def _inference_problems(
             )
         )
     return problems
+
+
+def engine_model_problem(config: JobConfig) -> str | None:
+    """Why the job's sampling engine cannot run its base model (`vllm_head_problem`), when the
+    model's config can be read here without a download; else None (register checks again)."""
+    if config.inference.engine != "vllm":
+        return None
+    found = base_model_config(config.model.base_model)
+    return vllm_head_problem(config.inference, found) if found is not None else None
+
+
+def base_model_config(spec: str) -> dict[str, object] | None:
+    """The base model's transformers config as a dict: built for a `tiny:` spec, read from a
+    directory or the local cache otherwise; None when that needs a download or conversion."""
+    if spec.startswith("tiny:"):
+        from posttrain.engine.tiny import build_config
+        from posttrain.jobs.config import parse_tiny_spec
+
+        arch, size, _ = parse_tiny_spec(spec)
+        return build_config(arch, size).to_dict()  # type: ignore[arg-type]  # checked by the parse
+    from transformers import AutoConfig
+
+    from posttrain.engine.model_source import cached_model_source
+
+    try:
+        source = cached_model_source(spec)
+        return (
+            AutoConfig.from_pretrained(source, local_files_only=True).to_dict() if source else None
+        )
+    except (OSError, ValueError):
+        return None
 
 
 def _split_device_problems(
