@@ -208,7 +208,8 @@ class TrainableModel:
         logprobs: each choice then becomes a Trajectory on exact tokens
         (`Trajectory(messages_and_choices=[..., choice])`). A request's own `extra_body` wins.
         Calls in the same event loop share one client (making one costs milliseconds, and
-        rollouts often ask for it once each); its connections belong to that loop.
+        rollouts often ask for it once each); its connections belong to that loop. One that
+        user code closed (`async with client:`, a cleanup) is replaced, never handed out.
         """
         endpoint = self.openai_endpoint()
         key = f"{endpoint.base_url} {endpoint.api_key}"
@@ -217,7 +218,7 @@ class TrainableModel:
         except RuntimeError:
             loop = None
         cached = self._openai_clients.get(loop) if loop is not None else None
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key and not cached[1].is_closed():
             return cached[1]
         client = token_id_client_class()(base_url=endpoint.base_url, api_key=endpoint.api_key)
         if loop is not None:
