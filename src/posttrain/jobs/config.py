@@ -449,8 +449,9 @@ def _check_environment_tables(run: Mapping[str, object], data: Mapping[str, obje
             if key in rl:
                 raise ValueError(
                     f"[rl] {key} has no effect on a verifiers environment, whose agent has its "
-                    "own limits: set them in [environment], e.g. agent = { max_turns = 4, "
-                    "max_total_tokens = 512 }"
+                    "own limits: set them in [environment] under the agent's seat, e.g. "
+                    "agent = { max_turns = 4, max_total_tokens = 512 } (the seat's name is the "
+                    "env's: agent in a single-agent env, player in TextArena's)"
                 )
     clash = [f"[run] task = {run['task']!r}"] if "task" in run else []
     clash += [f"[{table}]" for table in ("task", "data") if table in data]
