@@ -4,13 +4,17 @@ logged and checkpointed; and its errors (bad lines, unknown keys)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from posttrain.cli.explain_cmd import explain
+from posttrain.jobs.backend import job_problems
 from posttrain.jobs.config import JobConfig, parse_config
 from posttrain.jobs.dpo_data import load_preference_pairs
-from posttrain.jobs.train_job import run_job
+from posttrain.jobs.train_job import dpo_options, run_job
 
 LINES = [
     {"prompt": "abc", "chosen": "cba", "rejected": "abc"},
@@ -73,3 +77,23 @@ def test_dpo_table_errors(tmp_path):
         _config(tmp_path, tmp_path / "p.jsonl", loss="hinge")
     with pytest.raises(ValueError, match=r"\[dpo\] needs data"):
         parse_config({"dpo": {"beta": 0.1}})
+
+
+def test_a_dpo_value_written_reaches_the_backend_or_is_refused(tmp_path):
+    """`reference = "base"` is DPOConfig's default, but TinkerBackend's reference is the
+    policy at the start of the call: written, it must reach train_dpo or be refused, never be
+    dropped as "the default"."""
+    config = _config(tmp_path, tmp_path / "p.jsonl", reference="base")
+    assert config.dpo is not None and config.dpo.written >= {"reference", "batch_size"}
+    assert dpo_options(config.dpo) == {"reference": "base", "learning_rate": 1e-2, "batch_size": 2}
+    unwritten = _config(tmp_path, tmp_path / "p.jsonl")
+    assert unwritten.dpo is not None and "reference" not in dpo_options(unwritten.dpo)
+    lora = replace(config.model, lora_rank=8)
+    tinker = replace(config, run=replace(config.run, backend="tinker"), model=lora)
+    _, problems = job_problems(tinker, base_model=False)
+    assert [(p.call, p.option) for p in problems] == [("train_dpo", "reference")]
+    assert "TinkerBackend.train_dpo() does not take this option (set to 'base')" in str(problems[0])
+    quiet = replace(unwritten, run=tinker.run, model=lora)
+    assert job_problems(quiet, base_model=False)[1] == []
+    shown: Any = explain(tinker)["config"]
+    assert shown["dpo"]["written"] == ["batch_size", "learning_rate", "reference"]

@@ -10,7 +10,7 @@ carry them; and, before `register` loads anything, that the model's base model c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 _RL_DEFAULTS = option_defaults(RLConfig)
 _SFT_DEFAULTS = option_defaults(SFTConfig)
 _DPO_DEFAULTS = option_defaults(DPOConfig)
+_WRITTEN = object()  # equal to no value: what a written option's default is taken to be
 
 # Options known to give the tokens of one sequence different advantages (the static check).
 TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] = (
@@ -445,14 +446,22 @@ def preflight_sft(
 
 
 def preflight_dpo(
-    backend: str, config: DPOConfig, *, options: Sequence[OptionSchema] | None = None
+    backend: str,
+    config: DPOConfig,
+    *,
+    options: Sequence[OptionSchema] | None = None,
+    written: Collection[str] = (),
 ) -> None:
     """Raise PreflightError for `train_dpo` options `backend` does not declare (set away from
-    their default) or values outside its choices, as preflight_sft does for SFT."""
+    their default, or `written` by the caller at any value) or values outside its choices, as
+    preflight_sft does for SFT."""
     problems: list[PreflightProblem] = []
     if options is not None:
+        # A value the user wrote counts as set: a backend that lacks the option would run its
+        # own value, which need not be the default (TinkerBackend's reference is 'initial').
+        defaults = {**_DPO_DEFAULTS, **{key: _WRITTEN for key in written}}
         problems += unsupported_options(
-            backend, "train_dpo", option_values(config), _DPO_DEFAULTS, options
+            backend, "train_dpo", option_values(config), defaults, options
         )
     if problems:
         raise PreflightError(backend, problems)

@@ -80,6 +80,8 @@ def _jsonable(value: object) -> object:
         return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
         return [_jsonable(v) for v in value]
+    if isinstance(value, frozenset | set):
+        return sorted(map(str, value))  # pyright: ignore[reportUnknownArgumentType]
     if isinstance(value, Path):
         return str(value)
     return value

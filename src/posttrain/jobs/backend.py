@@ -213,10 +213,10 @@ def job_problems(
             ),
         )
     if config.dpo is not None:
-        dpo = config.dpo.trainer
+        dpo, written = config.dpo.trainer, config.dpo.written
         problems += _preflight(
             "train_dpo",
-            lambda: preflight_dpo(info.label, dpo, options=info.train_dpo_options),
+            lambda: preflight_dpo(info.label, dpo, options=info.train_dpo_options, written=written),
         )
     return JobBackend(info, factory, kwargs), problems
 

@@ -28,9 +28,9 @@ import difflib
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Literal, get_args, get_type_hints
+from typing import Literal, cast, get_args, get_type_hints
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.model_source import PACKAGED_PREFIX
@@ -167,6 +167,9 @@ class DPOJobConfig:
 
     data: str = ""  # relative to the config file
     trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
+    # The train_dpo options the table sets: each reaches train_dpo, or preflight refuses it,
+    # even at its default (TinkerBackend's reference is 'initial' whatever the default says).
+    written: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -393,7 +396,11 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
     dataset = _build(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
     inference = _inference(dict(data.get("inference") or {}))  # type: ignore[call-overload]
-    dpo = _build(DPOJobConfig, dict(data["dpo"]), "dpo") if "dpo" in data else None  # type: ignore[call-overload]
+    dpo = None
+    if "dpo" in data:
+        table: dict[str, object] = dict(data["dpo"])  # type: ignore[call-overload]
+        dpo = cast(DPOJobConfig, _build(DPOJobConfig, table, "dpo"))
+        dpo = replace(dpo, written=frozenset(table) & set(option_fields(DPOConfig)))
     return JobConfig(**built, **free, data=dataset, dpo=dpo, inference=inference, source=source)  # type: ignore[arg-type]
 
 
