@@ -21,7 +21,7 @@ from posttrain.algo.token_transforms import NEEDS_PLANNING, TOKEN_TRANSFORMS, To
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
-from posttrain.clients.custom_loss import is_custom_loss
+from posttrain.clients.custom_loss import custom_loss, is_custom_loss, is_pair_loss
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.trainer.config import (
     DPOConfig,
@@ -132,7 +132,7 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
     problems += token_flow_conflicts(config)
     problems += distill_conflicts(config)
     if is_custom_loss(config.policy_loss):
-        return problems + custom_loss_conflicts(config)
+        return problems + custom_loss_problems(config)
     unused = unused_options(config.policy_loss, loss)
     for name, applies in unused:
         readers = " or ".join(f"loss={reader!r}" for reader in applies)
@@ -147,13 +147,19 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
     return problems
 
 
-def custom_loss_conflicts(config: RLConfig) -> list[PreflightProblem]:
-    """A custom loss reads none of the loss options: each set is refused, by name."""
-    return [
+def custom_loss_problems(config: RLConfig) -> list[PreflightProblem]:
+    """A custom loss must load (an entry point, a dotted path's import) and reads none of the
+    loss options: each set is refused, by name."""
+    problems = [
         PreflightProblem(name, f"has no effect on the custom loss {config.policy_loss!r}")
         for name, value in option_values(config.loss).items()
         if name != "allow_training_without_logprobs" and value != _RL_DEFAULTS[name]
     ]
+    try:
+        custom_loss(config.policy_loss)
+    except (ImportError, ValueError, TypeError) as exc:  # its import, or not a function
+        problems.append(PreflightProblem("loss", str(exc)))
+    return problems
 
 
 def token_flow_conflicts(config: RLConfig) -> list[PreflightProblem]:
@@ -312,6 +318,7 @@ def unsupported_options(
             declared[name].choices is not None
             and value not in declared[name].choices  # type: ignore[operator]
             and value != defaults[name]  # None for an optional Literal: not among its choices
+            and not takes_custom_loss(declared[name], value)
         ):
             problems.append(
                 PreflightProblem(
@@ -321,6 +328,14 @@ def unsupported_options(
                 )
             )
     return problems
+
+
+def takes_custom_loss(option: OptionSchema, value: object) -> bool:
+    """A custom policy loss (registered, an entry point, a dotted path) given to an option
+    whose type admits a `LossName`: it runs through forward_backward_custom on any backend,
+    so the option's choices (its built-in losses) do not bound it."""
+    admits = "LossName" in option.type.split(" | ")
+    return admits and is_custom_loss(value) and not is_pair_loss(value)
 
 
 def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[PreflightProblem]:

@@ -11,7 +11,7 @@ refused before the backward pass, so nothing is accumulated.
 
 Named losses: `register_loss(name, fn)`, or an entry point in the group `posttrain.losses`
 (`my_loss = "mypkg.losses:my_loss"`), make `train(loss=LossName("my_loss"))` run `fn` through
-`forward_backward_custom` on every backend.
+`forward_backward_custom` on every backend; so does a dotted path, `loss="mypkg.losses:my_loss"`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import NewType, cast
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from posttrain.algo.loss_metrics import counted_values, summarize_values
 from posttrain.algo.losses import LOSSES, LossConfig, get_loss
 from posttrain.clients.token_metrics import run_builtin
+from posttrain.tasks.imports import DOTTED_PATH, import_object
 from posttrain.types import Datum, ForwardBackwardOutput
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, Mapping[str, float]]]
@@ -60,7 +62,11 @@ def custom_loss_names() -> list[str]:
 
 
 def is_custom_loss(name: object) -> bool:
-    return isinstance(name, str) and (name in _registered or name in _entry_points())
+    """Registered, an entry point, or a dotted path ("pkg.module:function", imported on first
+    use, as rewards and tasks are)."""
+    return isinstance(name, str) and (
+        name in _registered or name in _entry_points() or DOTTED_PATH.match(name) is not None
+    )
 
 
 def is_pair_loss(name: object) -> bool:
@@ -73,8 +79,15 @@ def policy_loss_names() -> list[str]:
     return [name for name in custom_loss_names() if name not in _pair_losses]
 
 
-def custom_loss(name: str) -> CustomLossFn:
-    """The loss registered as `name`, loading its entry point the first time."""
+def custom_loss(name: str, *, search: Path | None = None) -> CustomLossFn:
+    """The loss registered as `name`, loading its entry point or importing its dotted path
+    the first time (`search`: a directory to import from after `sys.path`, a job's config
+    directory)."""
+    if name not in _registered and DOTTED_PATH.match(name) and name not in _entry_points():
+        loaded = import_object(name, "loss", search=search)
+        if not callable(loaded):
+            raise TypeError(f"loss {name!r} is not a function: {type(loaded).__name__}")
+        _registered[name] = cast(CustomLossFn, loaded)  # its result is checked at each call
     if name not in _registered:
         found = _entry_points().get(name)
         if found is None:

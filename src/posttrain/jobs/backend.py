@@ -9,6 +9,7 @@ The job calls `Factory(path=<[run] output_dir>, keep_checkpoints=<[run] keep_che
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 from collections.abc import Callable, Sequence
@@ -32,12 +33,14 @@ from posttrain.backends.schema import (
     constructor_hints,
     constructor_parameters,
 )
+from posttrain.clients.custom_loss import custom_loss
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.config import REDACTED, JobConfig, is_secret
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
+from posttrain.tasks.imports import DOTTED_PATH
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values
 
@@ -199,6 +202,7 @@ def job_problems(
     problems += _device_problems(info, kwargs or {})
     problems += _inference_problems(info, config, factory, kwargs or {})
     problems += _needs(info, config, resume)
+    _load_custom_loss(config)
     problems += _preflight(
         "train",
         lambda: preflight_rl(
@@ -394,6 +398,16 @@ def _needs(info: BackendInfo, config: JobConfig, resume: bool) -> list[JobProble
             )
         )
     return problems
+
+
+def _load_custom_loss(config: JobConfig) -> None:
+    """Import a dotted-path `[rl] loss` from beside the config file too, as tasks and rewards
+    are. One that fails is preflight's to report: the config's directory stays on sys.path
+    (`import_object`), so its retry meets the same error."""
+    loss = config.rl.trainer.policy_loss
+    if DOTTED_PATH.match(loss):
+        with contextlib.suppress(ImportError, ValueError, TypeError):
+            custom_loss(loss, search=config.base_dir)
 
 
 def _preflight(call: Call, check: Callable[[], None]) -> list[JobProblem]:

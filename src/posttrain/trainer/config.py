@@ -161,9 +161,9 @@ def loss_name_problem(
     close = difflib.get_close_matches(name, names, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return (
-        f"option loss={name!r} is invalid: expected one of {', '.join(map(repr, names))}, or a "
+        f"option loss={name!r} is invalid: expected one of {', '.join(map(repr, names))}, a "
         f"custom loss registered with register_loss or the 'posttrain.losses' entry point "
-        f"group{hint}"
+        f"group, or a dotted path 'package.module:function'{hint}"
     )
 
 
