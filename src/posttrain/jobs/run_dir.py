@@ -11,6 +11,7 @@ from pathlib import Path
 from posttrain.engine.checkpoint import step_directories
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig, parse_tiny_spec, redact_secrets
+from posttrain.jobs.job_task import file_digest
 from posttrain.model import RunState
 from posttrain.trainer.config import option_values
 from posttrain.trainer.token_advantages import TRAINER_RUN_STATE_KEYS
@@ -30,6 +31,8 @@ LATER_TABLES = ("inference",)
 RESOLVED_KEY = "resolved_task"
 # ... or of the resolved environment (`ResolvedEnvironment.record()`): spec, kind, target.
 RESOLVED_ENVIRONMENT_KEY = "resolved_environment"
+# job.json's record of `[dpo]` (`dpo_record`), null for a job without one.
+DPO_KEY = "dpo"
 
 
 def locate_run(config: JobConfig, resume: str | Path | None) -> tuple[Path, str, str]:
@@ -113,12 +116,14 @@ def prepare_run_dir(
         saved = json.loads((run_dir / JOB_FILE).read_text())
         changed = config_changes(saved, config_record(config))
         changed += data_changes(saved.get(RESOLVED_KEY), task)
+        changed += dpo_changes(saved, dpo_record(config))
         if changed:
             raise ValueError(
                 f"cannot resume {run_dir} with a different config (only [rl] steps, [eval] and "
                 "where the run lives may change): " + "; ".join(changed)
             )
         return run_dir
+    record[DPO_KEY] = dpo_record(config)
     if task is not None:
         record[RESOLVED_KEY] = dict(task)
     if environment is not None:
@@ -150,6 +155,44 @@ def data_changes(saved: object, task: Mapping[str, object] | None) -> list[str]:
         for key in before
         if before[key] != now.get(key)
     ]
+
+
+def dpo_record(config: JobConfig) -> dict[str, object] | None:
+    """`[dpo]` as job.json keeps it: `data`, its train_dpo options, and `data_sha256`, the
+    sha256 of the data file (None if it is missing: the DPO phase then says so)."""
+    if config.dpo is None:
+        return None
+    path = config.dpo_path()
+    digest = file_digest(path) if path is not None and path.is_file() else None
+    return {"data": config.dpo.data, **option_values(config.dpo.trainer), "data_sha256": digest}
+
+
+def dpo_changes(saved: Mapping[str, object], now: dict[str, object] | None) -> list[str]:
+    """How `[dpo]` differs from the run's: its presence, an option, or its data file's bytes
+    (its path may change). A job.json from before [dpo] was recorded has no DPO_KEY."""
+    if DPO_KEY not in saved:
+        return []
+    before = saved[DPO_KEY]
+    if before is None or now is None:
+        if before == now:
+            return []
+        return [
+            f"[dpo]: {'not ' if before is None else ''}in the run's {JOB_FILE}, "
+            f"{'not ' if now is None else ''}in the config now"
+        ]
+    assert isinstance(before, dict)
+    changed = [
+        f"[dpo] {key}: {before.get(key)!r} in the run, {now.get(key)!r} now"
+        for key in sorted({*before, *now} - {"data", "data_sha256"})
+        if before.get(key) != now.get(key)
+    ]
+    then, digest = before.get("data_sha256"), now["data_sha256"]
+    if then != digest:
+        changed.append(
+            f"[dpo] data: the file changed since the run started (sha256 {str(then)[:12]}... "
+            f"then, {str(digest)[:12]}... now); resuming would train on other pairs"
+        )
+    return changed
 
 
 def resolve_base_model(spec: str, run_dir: Path) -> Path | str:
