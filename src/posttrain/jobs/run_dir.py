@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from posttrain.backends.tinker_index import INDEX as TINKER_INDEX
+from posttrain.backends.tinker_index import parse
 from posttrain.engine.checkpoint import step_directories
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig, parse_tiny_spec, redact_secrets
@@ -128,11 +130,10 @@ def prepare_run_dir(
         record[RESOLVED_KEY] = dict(task)
     if environment is not None:
         record[RESOLVED_ENVIRONMENT_KEY] = dict(environment)
-    # Any step directory, complete or damaged: a damaged one is a run's too, not a fresh start.
-    checkpoints = step_directories(run_dir / "checkpoints")
-    if checkpoints:
+    held = held_checkpoint(run_dir)
+    if held is not None:
         raise ValueError(
-            f"{run_dir} already holds a run (checkpoint {checkpoints[-1].name}); continue it with "
+            f"{run_dir} already holds a run ({held}); continue it with "
             f"`posttrain train CONFIG --resume {run_dir}`, or set another [run] name"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,6 +141,23 @@ def prepare_run_dir(
         (run_dir / stale).unlink(missing_ok=True)
     (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return run_dir
+
+
+def held_checkpoint(run_dir: Path) -> str | None:
+    """The run's latest checkpoint, in words, if `run_dir` holds one: a step directory
+    (LocalBackend, RayBackend; complete or damaged: a damaged one is a run's too, not a fresh
+    start), or a line of TinkerBackend's index of checkpoints on its service."""
+    steps = step_directories(run_dir / "checkpoints")
+    if steps:
+        return f"checkpoint {steps[-1].name}"
+    index = run_dir / TINKER_INDEX
+    lines = index.read_text(encoding="utf-8").splitlines() if index.is_file() else []
+    records = [line for line in lines if line.strip()]
+    if records:
+        found = parse(records[-1])
+        step = f"step {found.step}" if found is not None else "a record"
+        return f"{TINKER_INDEX} names the checkpoint of {step}"
+    return None
 
 
 def data_changes(saved: object, task: Mapping[str, object] | None) -> list[str]:
