@@ -209,10 +209,12 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
 
 
 def _config(config: JobConfig) -> object:
-    """The resolved config as it may be shown: secrets (in [backend], [inference]) redacted."""
+    """The resolved config as it may be shown: secrets (in [backend], [inference], [teacher])
+    redacted."""
     shown = _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend)))
-    if isinstance(shown, dict) and isinstance(shown.get("inference"), dict):
-        shown["inference"] = redact_secrets(shown["inference"])
+    for table in ("inference", "teacher"):
+        if isinstance(shown, dict) and isinstance(shown.get(table), dict):
+            shown[table] = redact_secrets(shown[table])
     return shown
 
 

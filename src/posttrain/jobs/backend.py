@@ -38,11 +38,12 @@ from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.environments.resolve import ResolvedEnvironment
-from posttrain.jobs.config import REDACTED, JobConfig, is_secret
+from posttrain.jobs.config import REDACTED, JobConfig, TeacherConfig, is_secret
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
+from posttrain.jobs.teacher import is_checkpoint, planned_teacher
 from posttrain.tasks.imports import DOTTED_PATH
 from posttrain.tasks.resolve import ResolvedTask
-from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values
+from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values, with_options
 
 # Constructor arguments the job fills in itself, and where their value comes from.
 JOB_SUPPLIED = {
@@ -177,6 +178,8 @@ def job_problems(
     The backend is None when its name does not resolve."""
     spec = config.run.backend
     base = base_model_problems(config.model.base_model) if base_model else []
+    if base_model and config.teacher is not None:
+        base += teacher_problems(config.teacher)
     try:
         info = describe(spec, config.backend)  # hooks that take the backend options get them
         factory = load(spec) if info.importable else None
@@ -203,11 +206,10 @@ def job_problems(
     problems += _inference_problems(info, config, factory, kwargs or {})
     problems += _needs(info, config, resume)
     _load_custom_loss(config)
+    rl = planned_rl_options(config)
     problems += _preflight(
         "train",
-        lambda: preflight_rl(
-            info.label, info.capabilities, config.rl.trainer, options=info.train_options
-        ),
+        lambda: preflight_rl(info.label, info.capabilities, rl, options=info.train_options),
     )
     if config.sft.enabled:
         problems += _preflight(
@@ -256,6 +258,25 @@ def work_problems(
 def _task_problem(exc: JobTaskError) -> JobProblem:
     where = f" (config {exc.source})" if exc.source is not None else ""
     return JobProblem("task", exc.option, f"{exc.detail}{where}")
+
+
+def planned_rl_options(config: JobConfig) -> RLConfig:
+    """`[rl]`'s train options as preflight judges them: with `[teacher]`, a teacher (named,
+    not loaded), so the distillation options are judged as the job will run them."""
+    if config.teacher is None:
+        return config.rl.trainer
+    return with_options(config.rl.trainer, teacher=planned_teacher(config.teacher))
+
+
+def teacher_problems(teacher: TeacherConfig) -> list[JobProblem]:
+    """`[teacher] model` can be had here, as `[model] base_model` (a run's checkpoint is a
+    directory); a server's teacher is found when the job starts."""
+    if teacher.model is None or is_checkpoint(teacher.model):
+        return []
+    return [
+        JobProblem("model", "[teacher] model", p.message)
+        for p in base_model_problems(teacher.model)
+    ]
 
 
 def base_model_problems(spec: str) -> list[JobProblem]:

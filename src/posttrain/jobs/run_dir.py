@@ -24,9 +24,11 @@ RESUMABLE_CHANGES = frozenset(
     {"run.output_dir", "run.name", "run.project", "run.keep_checkpoints", "rl.steps"}
     | {f"inference.{key}" for key in ("devices", "threads", "python", "kv_cache_mb")}
     | {f"inference.{key}" for key in ("url", "api_key", "start_timeout_s")}
+    | {"teacher.url", "teacher.api_key"}  # where the same teacher is served
 )
 JOB_FILE = "job.json"
-OPTIONAL_TABLES = ("task", "data", "environment")  # in job.json only when the config has them
+# In job.json only when the config has them.
+OPTIONAL_TABLES = ("task", "data", "environment", "teacher")
 # Tables posttrain added after runs began: a run's job.json without one ran at its defaults.
 LATER_TABLES = ("inference",)
 # job.json's record of the resolved task (`ResolvedTask.record()`): spec, kind, target, ...
@@ -69,6 +71,8 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         record["data"] = asdict(config.data)
     if config.environment:
         record["environment"] = dict(config.environment)
+    if config.teacher is not None:
+        record["teacher"] = redact_secrets(asdict(config.teacher))
     return record
 
 
@@ -213,16 +217,16 @@ def dpo_changes(saved: Mapping[str, object], now: dict[str, object] | None) -> l
     return changed
 
 
-def resolve_base_model(spec: str, run_dir: Path) -> Path | str:
-    """`tiny:<arch>:<size>[:<init seed, default 0>]` is built once into the run directory; anything else is a
-    local directory or a hub id, passed on as is."""
+def resolve_base_model(spec: str, run_dir: Path, *, into: str = "base_model") -> Path | str:
+    """`tiny:<arch>:<size>[:<init seed, default 0>]` is built once into the run directory (as
+    `into`); anything else is a local directory or a hub id, passed on as is."""
     if not spec.startswith("tiny:"):
         return spec
     arch, size, seed = parse_tiny_spec(spec)
-    path = run_dir / "base_model"
+    path = run_dir / into
     if not path.is_dir():
         # Built aside and renamed, so a crash never leaves a half-written base model behind.
-        partial = run_dir / "base_model.partial"
+        partial = run_dir / f"{into}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         make_tiny_model(partial, arch=arch, size=size, seed=seed or 0)  # type: ignore[arg-type]
         partial.rename(path)

@@ -53,6 +53,7 @@ from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind
 from posttrain.jobs.rollouts import SampledStep
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
+from posttrain.jobs.teacher import build_teacher
 from posttrain.jobs.work import JobWork, job_work, policy_version
 from posttrain.model import TrainableModel
 from posttrain.trainer.config import option_defaults, option_values, with_options
@@ -154,6 +155,13 @@ async def run_job(
     backend = create_backend(found)
     try:
         await model.register(backend, resume_step=resume_step)
+        if config.teacher is not None:
+            teacher = await asyncio.to_thread(
+                build_teacher, config.teacher, run_dir, seed=config.run.seed
+            )
+            echo(f"teacher: {teacher.name}")
+            trainer = with_options(config.rl.trainer, teacher=teacher)
+            config = replace(config, rl=replace(config.rl, trainer=trainer))
         run = _Run(
             config=config,
             work=job_work(config, resolved, model),
