@@ -21,7 +21,12 @@ from posttrain.blocks import (
     load_hf_model,
     parse_dtype,
 )
-from posttrain.clients.protocol import TrainingClient
+from posttrain.clients.protocol import (
+    BatchSampler,
+    CustomLossClient,
+    ExportsWeights,
+    TrainingClient,
+)
 from posttrain.types import AdamParams, Datum, ModelInput
 
 FP32 = 1e-6  # float32 log-softmax of a handful of values: ~1e-7 relative rounding
@@ -174,6 +179,36 @@ def test_create_pytorch_backend_on_a_gpu(tiny_model_dir, tmp_path):
     try:
         client.forward_backward(_datums(), "cross_entropy").result()
         assert client.optim_step().result().metrics is not None
+    finally:
+        client.close()
+
+
+def test_the_scheduled_client_has_every_method_of_the_client_it_wraps(tiny_model_dir):
+    """Everything the wrapped LocalTrainingClient offers is reachable on the wrapper, and the
+    protocols' methods are typed there: pyright checks the two assignments below."""
+    client = create_pytorch_backend(tiny_model_dir, device_type="cpu", learning_rate=1e-3)
+    training: TrainingClient = client
+    custom: CustomLossClient = client
+    try:
+        inner = client.client
+        public = [n for n in dir(inner) if not n.startswith("_") and callable(getattr(inner, n))]
+        missing = [n for n in public if not callable(getattr(client, n, None))]
+        assert not missing and "save_weights_and_get_sampling_client" in public
+        assert isinstance(training, BatchSampler) and isinstance(client, ExportsWeights)
+
+        def summed(data: list[Datum], logprobs: list[torch.Tensor]):
+            return -torch.cat(logprobs).sum(), {"n:sum": float(len(logprobs))}
+
+        out = custom.forward_backward_custom(_datums(), summed).result()
+        assert out.metrics["n:sum"] == 2.0
+        client.optim_step().result()
+        sampler = client.save_weights_and_get_sampling_client().result()
+        # The snapshot samples the stepped weights: the wrapped client's own logprobs (the
+        # first token has none).
+        prompt = ModelInput.from_ints([5, 6, 7])
+        assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(
+            client.compute_logprobs(prompt).result()[1:], rel=FP32
+        )
     finally:
         client.close()
 

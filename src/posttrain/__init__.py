@@ -22,6 +22,7 @@ _EXPORTS = {
     "ModelInput": "posttrain.types",
     # models and backends
     "TrainableModel": "posttrain.model",
+    "Model": "posttrain.model",
     "TrainableBackend": "posttrain.backends.protocol",
     "LocalBackend": "posttrain.backends.local",
     "RayBackend": "posttrain.backends.ray",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from posttrain.gather import gather_groups as gather_groups
     from posttrain.gather import gather_trajectory_groups as gather_trajectory_groups
     from posttrain.jobs.sft_data import load_sft_dataset as load_sft_dataset
+    from posttrain.model import Model as Model
     from posttrain.model import TrainableModel as TrainableModel
     from posttrain.rollout import TrajectoryBuilder as TrajectoryBuilder
     from posttrain.tasks.dataset import DatasetTask as DatasetTask

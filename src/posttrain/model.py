@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
 
 from posttrain.logging_sinks import (
     Sink,
@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 Split = Literal["train", "val", "test"]
 # What a model keeps in `run_state`: JSON saved with every checkpoint.
 RunState: TypeAlias = dict[str, JSONScalar | list[JSONScalar] | dict[str, JSONScalar]]
+# openai_client()'s client per event loop (its connections belong to that loop), with the
+# endpoint it was made for.
+LoopClients: TypeAlias = (
+    "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[str, AsyncOpenAI]]"
+)
 
 
 @dataclass(frozen=True)
@@ -51,8 +56,86 @@ class ServesOpenAI(Protocol):
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint: ...
 
 
+@runtime_checkable
+class DeletesCheckpoints(Protocol):
+    """A backend that keeps a model's checkpoints by step and can delete them."""
+
+    def checkpoint_steps(self, model: TrainableModel) -> list[int]:
+        """The steps of the model's complete checkpoints, oldest first."""
+        ...
+
+    async def delete_checkpoints(self, model: TrainableModel, keep: set[int]) -> list[int]:
+        """Delete the model's checkpoints of every step not in `keep`; the deleted steps."""
+        ...
+
+
+class ModelLog:
+    """history.jsonl, the trajectory files and the metric sinks of a registered model: what
+    `log` writes and `history` reads, for TrainableModel and Model alike."""
+
+    # Trajectory files record each trajectory's token segments (a trained model's are exact;
+    # an inference-only model's server need not return token ids).
+    logs_tokens: ClassVar[bool] = True
+    _sinks: list[Sink]
+
+    @property
+    def directory(self) -> Path:
+        raise NotImplementedError
+
+    @property
+    def step(self) -> int:
+        raise NotImplementedError
+
+    async def log(
+        self,
+        groups: Sequence[TrajectoryGroup] | None = None,
+        *,
+        split: Split = "train",
+        metrics: Mapping[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Append reward statistics and `metrics` to history.jsonl and save the trajectories."""
+        step = self.step if step is None else step
+        row: dict[str, float] = {}
+        if groups:
+            rewards = [t.reward for g in groups for t in g.trajectories]
+            row["reward"] = statistics.fmean(rewards)
+            failed = sum(len(g.exceptions) for g in groups)
+            if failed:  # rollouts dropped by gather_trajectory_groups within max_exceptions
+                row["exceptions"] = float(failed)
+            row["reward_std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+            row["num_trajectories"] = float(len(rewards))
+            for key in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
+                values = [
+                    t.metrics[key] for g in groups for t in g.trajectories if key in t.metrics
+                ]
+                row[key] = statistics.fmean(values)
+            self._write_trajectories(groups, split, step)
+        row.update({k: float(v) for k, v in (metrics or {}).items()})
+        record = {"step": step, "split": split, **{k: _json_float(v) for k, v in row.items()}}
+        with open(self.directory / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for sink in self._sinks:
+            sink.write(split, step, row)
+        return row
+
+    def _write_trajectories(self, groups: Sequence[TrajectoryGroup], split: str, step: int) -> None:
+        folder = self.directory / "trajectories" / split
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{step:05d}.jsonl", "w") as f:
+            for gi, group in enumerate(groups):
+                for trajectory in group.trajectories:
+                    f.write(json.dumps(trajectory_record(trajectory, gi, self.logs_tokens)) + "\n")
+
+    def history(self) -> list[dict[str, object]]:
+        path = self.directory / "history.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 @dataclass
-class TrainableModel:
+class TrainableModel(ModelLog):
     """A model to post-train. `base_model` is a local directory or a hub id.
 
     `lora_rank=None` or `lora_rank=0` (the TOML spelling) trains every weight (full
@@ -83,16 +166,12 @@ class TrainableModel:
     _step: int = field(default=0, init=False, repr=False)
     _resume_step: int | None = field(default=None, init=False, repr=False)
     _sinks: list[Sink] = field(default_factory=list, init=False, repr=False)
-    # openai_client()'s client per event loop (its connections belong to that loop).
-    _openai_clients: weakref.WeakKeyDictionary[
-        asyncio.AbstractEventLoop, tuple[str, AsyncOpenAI]
-    ] = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
+    _openai_clients: LoopClients = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
-        for key in ("name", "project"):
-            value = getattr(self, key)
-            if not value or "/" in value or value in {".", ".."}:
-                raise ValueError(f"TrainableModel.{key} must be a plain name, got {value!r}")
+        check_names(self)
         if self.lora_rank == 0:  # the job's TOML spells full fine-tuning 0: one meaning
             self.lora_rank = None
         if self.lora_rank is not None and self.lora_rank < 1:
@@ -208,21 +287,10 @@ class TrainableModel:
         logprobs: each choice then becomes a Trajectory on exact tokens
         (`Trajectory(messages_and_choices=[..., choice])`). A request's own `extra_body` wins.
         Calls in the same event loop share one client (making one costs milliseconds, and
-        rollouts often ask for it once each); its connections belong to that loop.
+        rollouts often ask for it once each); its connections belong to that loop. One that
+        user code closed (`async with client:`, a cleanup) is replaced, never handed out.
         """
-        endpoint = self.openai_endpoint()
-        key = f"{endpoint.base_url} {endpoint.api_key}"
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        cached = self._openai_clients.get(loop) if loop is not None else None
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        client = token_id_client_class()(base_url=endpoint.base_url, api_key=endpoint.api_key)
-        if loop is not None:
-            self._openai_clients[loop] = (key, client)
-        return client
+        return loop_client(self._openai_clients, self.openai_endpoint(), token_id_client_class())
 
     async def get_step(self) -> int:
         """ART's name for `model.step`: the number of training steps taken."""
@@ -263,52 +331,135 @@ class TrainableModel:
         )
         return {k: getattr(self, k) for k in keys}
 
-    async def log(
-        self,
-        groups: Sequence[TrajectoryGroup] | None = None,
-        *,
-        split: Split = "train",
-        metrics: Mapping[str, float] | None = None,
-        step: int | None = None,
-    ) -> dict[str, float]:
-        """Append reward statistics and `metrics` to history.jsonl and save the trajectories."""
-        step = self.step if step is None else step
-        row: dict[str, float] = {}
-        if groups:
-            rewards = [t.reward for g in groups for t in g.trajectories]
-            row["reward"] = statistics.fmean(rewards)
-            failed = sum(len(g.exceptions) for g in groups)
-            if failed:  # rollouts dropped by gather_trajectory_groups within max_exceptions
-                row["exceptions"] = float(failed)
-            row["reward_std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
-            row["num_trajectories"] = float(len(rewards))
-            for key in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
-                values = [
-                    t.metrics[key] for g in groups for t in g.trajectories if key in t.metrics
-                ]
-                row[key] = statistics.fmean(values)
-            self._write_trajectories(groups, split, step)
-        row.update({k: float(v) for k, v in (metrics or {}).items()})
-        record = {"step": step, "split": split, **{k: _json_float(v) for k, v in row.items()}}
-        with open(self.directory / "history.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        for sink in self._sinks:
-            sink.write(split, step, row)
-        return row
-
-    def _write_trajectories(self, groups: Sequence[TrajectoryGroup], split: str, step: int) -> None:
-        folder = self.directory / "trajectories" / split
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{step:05d}.jsonl", "w") as f:
-            for gi, group in enumerate(groups):
-                for trajectory in group.trajectories:
-                    f.write(json.dumps(trajectory_record(trajectory, gi)) + "\n")
-
-    def history(self) -> list[dict[str, object]]:
-        path = self.directory / "history.jsonl"
-        if not path.exists():
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        """ART's name: delete every checkpoint but the latest and the best, the one whose step
+        has the highest mean of `best_checkpoint_metric` ("<split>/<key>" of history.jsonl,
+        as `log` writes it; ties go to the later step) among the steps that still have a
+        checkpoint. Returns the deleted steps. A metric that `log` never wrote for a
+        checkpointed step is an error naming those it did, and nothing is deleted."""
+        backend = self.backend
+        if not isinstance(backend, DeletesCheckpoints):
+            raise NotImplementedError(
+                f"{type(backend).__name__} cannot delete checkpoints of model {self.name!r}"
+            )
+        steps = backend.checkpoint_steps(self)
+        if not steps:
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        best = best_step(self.history(), best_checkpoint_metric, steps)
+        return await backend.delete_checkpoints(self, keep={steps[-1], best})
+
+
+@dataclass
+class Model(ModelLog):
+    """A model that is not trained (ART's `art.Model`): a baseline, a judge or a teacher served
+    behind an OpenAI-compatible URL, e.g. `Model(name="gpt-4.1", project="p",
+    inference_base_url="https://api.openai.com/v1", inference_api_key=...)`. Rollout code
+    written for a TrainableModel runs on it: `openai_client()`, `get_inference_name()`,
+    `openai_endpoint()`. Registered with a backend, `log` writes its history.jsonl and
+    trajectories beside the trained models' (`<path>/<project>/models/<name>`), so runs
+    compare; its trajectory files hold messages, not tokens (a server need not return them).
+    """
+
+    name: str
+    project: str
+    config: object = None
+    inference_api_key: str | None = None
+    inference_base_url: str | None = None
+    inference_model_name: str | None = None  # what requests send as `model=`; None: `name`
+    logs_tokens: ClassVar[bool] = False
+    _dir: Path | None = field(default=None, init=False, repr=False)
+    _sinks: list[Sink] = field(default_factory=list, init=False, repr=False)
+    _openai_clients: LoopClients = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        check_names(self)
+
+    @property
+    def trainable(self) -> bool:
+        return False
+
+    @property
+    def step(self) -> int:
+        return 0  # never trained
+
+    async def get_step(self) -> int:
+        return 0
+
+    async def register(self, backend: object) -> None:
+        """Log beside the backend's models: `<path>/<project>/models/<name>` (nothing loads)."""
+        path = getattr(backend, "path", None)
+        if not isinstance(path, str | Path):
+            raise TypeError(
+                f"{type(backend).__name__} has no path to keep model {self.name!r}'s logs in"
+            )
+        directory = Path(path) / self.project / "models" / self.name
+        directory.mkdir(parents=True, exist_ok=True)
+        self._dir = directory
+
+    @property
+    def directory(self) -> Path:
+        if self._dir is None:
+            raise RuntimeError(
+                f"model {self.name!r} is not registered; call `await model.register(backend)` "
+                "first to log it"
+            )
+        return self._dir
+
+    def openai_endpoint(self) -> OpenAIEndpoint:
+        if self.inference_base_url is None or self.inference_api_key is None:
+            raise ValueError(
+                f"model {self.name!r} is not trained: give it inference_base_url and "
+                "inference_api_key (the OpenAI-compatible server it is sampled from)"
+            )
+        return OpenAIEndpoint(
+            self.inference_base_url, self.inference_api_key, self.get_inference_name()
+        )
+
+    def openai_client(self) -> AsyncOpenAI:
+        """An `openai.AsyncOpenAI` for the server, one per event loop, as TrainableModel's
+        (a closed one is replaced); it sends requests as they are, with no posttrain fields."""
+        try:
+            from openai import AsyncOpenAI
+        except ImportError as exc:
+            raise ImportError(
+                "model.openai_client() needs the openai SDK: pip install openai"
+            ) from exc
+        return loop_client(self._openai_clients, self.openai_endpoint(), AsyncOpenAI)
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The `model=` to send: `inference_model_name`, else `name`."""
+        return self.inference_model_name or self.name
+
+
+def check_names(model: TrainableModel | Model) -> None:
+    """`name` and `project` name directories: plain names only."""
+    for key in ("name", "project"):
+        value = getattr(model, key)
+        if not value or "/" in value or value in {".", ".."}:
+            raise ValueError(f"{type(model).__name__}.{key} must be a plain name, got {value!r}")
+
+
+def loop_client(
+    cache: LoopClients,
+    endpoint: OpenAIEndpoint,
+    make: type[AsyncOpenAI],
+) -> AsyncOpenAI:
+    """The client of this event loop for `endpoint`: the cached one unless it was closed or
+    the endpoint moved, else a new one (its connections belong to the loop)."""
+    key = f"{endpoint.base_url} {endpoint.api_key}"
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    cached = cache.get(loop) if loop is not None else None
+    if cached is not None and cached[0] == key and not cached[1].is_closed():
+        return cached[1]
+    client = make(base_url=endpoint.base_url, api_key=endpoint.api_key)
+    if loop is not None:
+        cache[loop] = (key, client)
+    return client
 
 
 # Request fields every completion from openai_client() carries (vLLM's extension).
@@ -344,20 +495,45 @@ def _json_float(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, object]:
-    return {
+def best_step(history: Sequence[Mapping[str, object]], metric: str, steps: Sequence[int]) -> int:
+    """Of `steps`, the one with the highest mean of `metric` ("<split>/<key>") over its
+    history rows; the later on a tie. ValueError if no row of those steps has it."""
+    split, _, key = metric.partition("/")
+    values: dict[int, list[float]] = {}
+    for row in history:
+        value, step = row.get(key), row.get("step")
+        if row.get("split") == split and isinstance(value, int | float) and step in steps:
+            values.setdefault(int(step), []).append(float(value))  # pyright: ignore[reportArgumentType]
+    if not values:
+        logged = sorted(
+            {f"{r.get('split')}/{k}" for r in history for k in r if k not in ("step", "split")}
+        )
+        raise ValueError(
+            f"best_checkpoint_metric={metric!r}: no history row of a step with a checkpoint "
+            f"({list(steps)}) has it, so nothing was deleted; metrics logged: "
+            f"{logged or 'none'} (model.log(groups, split=...) writes '<split>/reward')"
+        )
+    return max(values, key=lambda step: (statistics.fmean(values[step]), step))
+
+
+def trajectory_record(trajectory: Trajectory, group: int, tokens: bool = True) -> dict[str, object]:
+    """A trajectory as a line of a trajectory file; `tokens=False` leaves out its segments
+    (an inference-only model's choices need not carry token ids)."""
+    record: dict[str, object] = {
         "group": group,
         "reward": trajectory.reward,
         "metrics": dict(trajectory.metrics),
         "metadata": dict(trajectory.metadata),
         "messages": [dict(m) for m in trajectory.messages],
         **({"tools": [dict(t) for t in trajectory.tools]} if trajectory.tools else {}),
-        "segments": [
+    }
+    if tokens:
+        record["segments"] = [
             {
                 "tokens": list(s.tokens),
                 "trainable": s.trainable,
                 "logprobs": list(s.logprobs) if s.logprobs else None,
             }
             for s in trajectory.segments
-        ],
-    }
+        ]
+    return record

@@ -52,7 +52,7 @@ def test_each_kind_matches_the_naive_per_token_loop(kind):
 
 
 def test_shannon_entropy_without_entropies_names_what_is_missing():
-    with pytest.raises(ValueError, match="shannon_entropy' needs per-token entropies"):
+    with pytest.raises(ValueError, match=r"per-token entropies.*SamplingParams\(entropies=True\)"):
         token_uncertainty("shannon_entropy", shannon_entropy, [-1.0], None)
 
 

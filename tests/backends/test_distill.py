@@ -14,6 +14,7 @@ in test_dpo.py: 1e-5 relative on losses.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from pathlib import Path
 
 import pytest
@@ -228,13 +229,18 @@ async def test_a_teacher_behind_posttrain_serve(tiny_model_dir, server, teacher_
     from serve_helpers import KEY  # pyright: ignore[reportMissingImports]
 
     service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    # The docs' form: create_sampling_client's future, not the client it resolves to.
     remote = service.create_sampling_client(base_model=str(tiny_model_dir))
     tokenizer = build_tokenizer()
     teacher = Teacher.from_tinker(remote, tokenizer=tokenizer, name="served")
     training = create_training_client(tiny_model_dir)
     local = Teacher(training.save_weights_and_get_sampling_client().result(), name="local")
     groups = fixed_groups()
-    got, want = await asyncio.gather(score_groups(teacher, groups), score_groups(local, groups))
+    with warnings.catch_warnings():
+        # The SDK warns on each call through the future ("Using the future as the
+        # SamplingClient is deprecated"): the teacher resolves it instead.
+        warnings.simplefilter("error", FutureWarning)
+        got, want = await asyncio.gather(score_groups(teacher, groups), score_groups(local, groups))
     for got_row, want_row in zip(got, want, strict=True):
         for g, w in zip(got_row, want_row, strict=True):
             assert g.tolist() == pytest.approx(w.tolist(), abs=1e-5)

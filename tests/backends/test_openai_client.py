@@ -95,6 +95,29 @@ async def test_chat_through_openai_client_serves_the_latest_weights(
             await http.get(base_url + "models")
 
 
+async def test_a_closed_client_is_never_handed_out_again(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """User code that closes its client (`async with`, a cleanup) leaves the next rollout's
+    openai_client() a working one, not "the client has been closed"."""
+    backend = LocalBackend(tmp_path)
+    model = tiny("closer", tiny_model_dir)
+    await model.register(backend)
+    try:
+        async with model.openai_client() as client:
+            assert model.openai_client() is client  # shared within the loop while open
+        assert client.is_closed()
+        again = model.openai_client()
+        assert again is not client and not again.is_closed()
+        out = await again.completions.create(
+            model=model.inference_model_name, prompt=PROMPT, max_tokens=2, seed=0
+        )
+        assert out.choices[0].text is not None
+        assert model.openai_client() is again
+    finally:
+        await backend.close()
+
+
 async def test_sampling_while_training_is_serialized_and_changes_nothing(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -80,9 +80,10 @@ def atoms(annotation: object) -> set[object]:
     return {annotation}
 
 
-# `loss` is the one option a set declares narrower than its field: without None (the field's
-# default, which means "ppo" or what `ppo` says) and, for Tinker, without dro and gspo.
-NARROWED = {"loss"}
+# Options a set declares narrower than their field: `loss` without None (the field's default,
+# which means "ppo" or what `ppo` says) and, for Tinker, without dro and gspo;
+# `advantage_estimator` without 'gae' where there is no critic.
+NARROWED = {"loss", "advantage_estimator"}
 OPTION_SETS = [
     (CoreRLFields, RLConfig),
     (RLOptions, RLConfig),

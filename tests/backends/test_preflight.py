@@ -9,7 +9,12 @@ import pytest
 
 from posttrain.backends import preflight, registry
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
-from posttrain.backends.preflight import PreflightError, preflight_rl, preflight_sft
+from posttrain.backends.preflight import (
+    PreflightError,
+    model_problems,
+    preflight_rl,
+    preflight_sft,
+)
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.trainer.config import RLConfig, SFTConfig, from_options
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
@@ -271,3 +276,37 @@ def test_ppo_is_judged_as_the_loss_it_means():
             options=hooked.train_options,
         )
     assert [p.option for p in raised.value.problems] == ["loss", "ppo"]
+
+
+def test_full_finetuning_on_a_lora_only_backend_is_refused_before_anything_loads(tmp_path):
+    """TinkerBackend declares supports_full_finetuning=false: a model without lora_rank is
+    refused by a check that needs no model (what `posttrain explain` can run), and register
+    refuses it with the same message before the base model is even looked at."""
+    import asyncio
+
+    from posttrain.backends.tinker import TINKER, TinkerBackend
+    from posttrain.model import TrainableModel
+
+    [problem] = model_problems("TinkerBackend", TINKER, 0)  # a job's [model] lora_rank = 0
+    assert problem.option == "lora_rank"
+    assert "trains LoRA adapters only" in problem.message and "LocalBackend" in problem.message
+    assert model_problems("TinkerBackend", TINKER, None) == [problem]
+    assert model_problems("TinkerBackend", TINKER, 8) == []
+    assert model_problems("LocalBackend", LOCAL, None) == []
+    assert CONSERVATIVE.supports_full_finetuning  # a plugin that cannot says so itself
+    full = TrainableModel(name="m", project="p", base_model="does-not-exist", lora_rank=None)
+    with pytest.raises(ValueError, match=r"lora_rank.*\[model\] lora_rank = 8"):
+        asyncio.run(full.register(TinkerBackend(tmp_path, base_url="http://127.0.0.1:9")))
+
+
+def test_gae_on_a_backend_without_a_critic_is_one_problem_saying_why():
+    """TinkerBackend's declared choices lack 'gae' (a pyright error there): preflight names it
+    once, with the reason, not also as a value outside the choices."""
+    tinker = registry.describe("tinker")
+    config = from_options(RLConfig, {"advantage_estimator": "gae"})
+    with pytest.raises(PreflightError) as raised:
+        preflight_rl(tinker.label, tinker.capabilities, config, options=tinker.train_options)
+    [problem] = raised.value.problems
+    assert problem.option == "advantage_estimator" and "needs a learned critic" in problem.message
+    (row,) = [o for o in tinker.train_options if o.name == "advantage_estimator"]
+    assert row.choices == ("grpo", "rloo", "dr_grpo", "maxrl", "reinforce_pp")

@@ -11,6 +11,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
@@ -394,3 +395,55 @@ async def test_parity_with_local_backend(
     assert relative < 1e-5
     await local_backend.close()
     await remote_backend.close()
+
+
+# The per-token statistics a step reports (TrainResult.metrics), all means over its trainable
+# tokens. What the loss needs travels on the wire; which tokens count does not (Tinker takes no
+# mask), so these must be computed where the mask is known.
+TOKEN_METRICS = ("ratio", "clipped_frac", "logprobs", "entropy")
+
+
+@pytest.mark.parametrize(
+    ("loss", "level"),
+    [
+        ("ppo", "token"),
+        ("cispo", "token"),
+        ("importance_sampling", "token"),
+        # Through forward_backward_custom: the sequence ratio runs here, on returned logprobs.
+        ("ppo", "sequence"),
+    ],
+)
+async def test_step_metrics_match_local_backend(
+    server: ServerProcess,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    loss: Literal["ppo", "cispo", "importance_sampling"],
+    level: Literal["token", "sequence"],
+) -> None:
+    """One step on each backend from the same initial weights: the same per-token metrics.
+
+    The data's sampler logprobs are -5.5 + U(0, 1), the model's ~-5.5: ratios ~0.6 and under
+    PPO some clip. Both sides compute them in fp32 from the same weights, the server's logprobs
+    coming back in float32 (exact), after a summation order that may differ by ~1e-7
+    relative, so 1e-5 relative holds with room. Counting the prompt's tokens (advantage and
+    sampler logprob 0 there, ratio exp(lp) ~ 4e-3) halved the ratio's mean (0.29 against 0.60).
+    """
+    metrics = []
+    for backend in (LocalBackend(tmp_path / "local"), tinker_backend(server, tmp_path / "remote")):
+        model = tiny(f"metrics-{loss}", tiny_model_dir, seed=3)
+        await model.register(backend)
+        result = await backend.train(
+            model,
+            groups(5),
+            learning_rate=LR,
+            loss=loss,
+            importance_sampling_level=level,
+            save_checkpoint=False,
+        )
+        metrics.append(result.metrics)
+        await backend.close()
+    local, remote = metrics
+    for name in TOKEN_METRICS:
+        assert remote[name] == pytest.approx(local[name], rel=1e-5), name
+    assert remote["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    assert local["clipped_frac"] > 0 or loss != "ppo"  # the clip's count is compared too

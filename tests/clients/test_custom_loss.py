@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from custom_losses import loss_distribution
 from test_local_invariance import grads_of, make_datums, rel_error
 
 from posttrain.algo.losses import LossConfig, with_art_clip_defaults
@@ -113,14 +114,11 @@ def test_unknown_and_builtin_names_are_refused(monkeypatch):
 
 
 def test_a_loss_plugs_in_through_the_entry_point_group(tmp_path, monkeypatch):
-    dist = tmp_path / "site" / "hand_losses-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hand-losses\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[posttrain.losses]\nart_ppo = custom_losses:art_ppo\n"
-        "weighted_sum = custom_losses:weighted_logprob_sum\n"
+    site = loss_distribution(
+        tmp_path / "site",
+        "art_ppo = custom_losses:art_ppo\nweighted_sum = custom_losses:weighted_logprob_sum\n",
     )
-    monkeypatch.setattr(sys, "path", [str(tmp_path / "site"), *sys.path])
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
     monkeypatch.setattr(registry, "_registered", {})
     registry._entry_points.cache_clear()  # pyright: ignore[reportPrivateUsage]
     try:
@@ -170,3 +168,24 @@ def test_custom_loss_on_ray_dp2_matches_the_local_builtin(tiny_model_dir, tmp_pa
         finally:
             local.close()
             remote.close()
+
+
+def test_unknown_loss_lists_only_the_losses_the_call_runs():
+    """RL's loss message lists policy losses, not DPO's pair losses; TinkerBackend's lists only
+    what its protocol carries, and says where dro and gspo run."""
+    import posttrain.trainer.dpo  # noqa: F401  # registers dpo_sigmoid and dpo_ipo
+    from posttrain.backends.tinker import resolve_tinker_rl
+
+    with pytest.raises(ValueError) as local:
+        from_options(RLConfig, {"loss": "nonsense"})
+    assert "'dro'" in str(local.value) and "dpo_" not in str(local.value)
+    with pytest.raises(ValueError, match="a loss of preference pairs, which train_dpo runs"):
+        from_options(RLConfig, {"loss": "dpo_sigmoid"})
+    with pytest.raises(ValueError) as remote:
+        resolve_tinker_rl({"loss": "nonsense"})
+    message = str(remote.value)
+    assert "expected one of 'ppo', 'cispo', 'importance_sampling', a custom" in message
+    assert "dro" not in message and "gspo" not in message and "dpo_" not in message
+    with pytest.raises(ValueError, match=r"'gspo' is not carried by the Tinker protocol.*Ray"):
+        resolve_tinker_rl({"loss": "gspo"})
+    assert resolve_tinker_rl({"ppo": True}).policy_loss == "ppo"

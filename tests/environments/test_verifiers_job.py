@@ -74,3 +74,25 @@ def test_verifiers_environment_config_rules():
         parse_config({**job, "rl": {**job["rl"], "max_turns": 2}})
     with pytest.raises(ValueError, match="name the verifiers taskset"):
         parse_config({**job, "run": {**job["run"], "environment": "verifiers:"}})
+
+
+def test_a_job_bounds_an_endless_taskset_and_names_its_seat():
+    """An endless taskset on a seat named `player` (verifiers_arena.py, as verifiers' own
+    TextArena): the job's [environment] takes the seat by its name and bounds the taskset with
+    `select`, and the job holds out and trains on the tasks that leaves."""
+    from posttrain.jobs.backend import environment_problems
+    from posttrain.jobs.work import VerifiersWork
+
+    arena = {
+        "run": {"environment": "verifiers:verifiers_arena"},
+        "environment": {"player": {"runtime": {"type": "subprocess"}}, "select": {"limit": 4}},
+        "eval": {"held_out": 1},
+    }
+    config = parse_config(arena, source=HERE / "job.toml")
+    resolved, problems = environment_problems(config)
+    assert problems == [] and resolved is not None
+    work = VerifiersWork(resolved, config, model=None)  # type: ignore[arg-type]  # never played
+    assert work.held_out == 1 and len(work.train_tasks) == 3
+    endless = {**arena, "environment": {"player": {"runtime": {"type": "subprocess"}}}}
+    _, problems = environment_problems(parse_config(endless, source=HERE / "job.toml"))
+    assert "select = { limit = N }" in str(problems[0])

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from posttrain.cli.main import main
 from posttrain.jobs.config import JobConfig, parse_config
 from posttrain.jobs.report import TIMING_KEYS
+from posttrain.jobs.run_dir import prepare_run_dir
 from posttrain.jobs.train_job import run_job
 
 
@@ -250,3 +251,24 @@ def test_a_sigkilled_train_process_resumes_bit_for_bit(tmp_path):
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
     assert history(run_dir) == history(whole.run_dir)
+
+
+def test_a_run_on_the_tinker_service_is_not_started_over(tmp_path):
+    """TinkerBackend keeps its checkpoints on the service and indexes them in
+    checkpoints.jsonl, with no step directory: a new run of the same name is refused, as on
+    LocalBackend, not re-run over the old one's metrics and run state."""
+    config = _config(tmp_path)
+    run_dir = tmp_path / "test" / "models" / "job"
+    run_dir.mkdir(parents=True)
+    record = {"step": 1, "path": "tinker://run-1/weights/step-000001", "run_state": {}}
+    (run_dir / "checkpoints.jsonl").write_text(json.dumps(record) + "\n")
+    (run_dir / "metrics.jsonl").write_text('{"phase": "dpo", "step": 1}\n')
+    with pytest.raises(
+        ValueError,
+        match=r"already holds a run \(checkpoints.jsonl names the "
+        r"checkpoint of step 1\); continue it with .* --resume",
+    ):
+        prepare_run_dir(run_dir, config, resume=False)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"phase": "dpo", "step": 1}\n'
+    (run_dir / "checkpoints.jsonl").write_text("")  # an empty index holds nothing yet
+    prepare_run_dir(run_dir, config, resume=False)

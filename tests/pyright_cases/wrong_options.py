@@ -19,6 +19,7 @@ async def wrong_calls(backend: LocalBackend, generic: TrainableBackend, model: T
     await generic.train(model, [], plot_tensors=True)  # expect: plot_tensors
     await generic.train(model, [], mask_prob_ratio=True)  # expect: mask_prob_ratio
     await generic.train(model, [], loss="dro")  # expect: loss
+    await generic.train(model, [], advantage_estimator="gae")  # expect: advantage_estimator
 
 
 async def wrong_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
@@ -50,6 +51,7 @@ async def wrong_tinker_calls(backend: TinkerBackend, model: TrainableModel) -> N
     await backend.train_dpo(model, [], reference="base")  # expect: reference
     await backend.train(model, [], gae_lambda=0.95)  # expect: gae_lambda
     await backend.train(model, [], critic_learning_rate=1e-5)  # expect: critic_learning_rate
+    await backend.train(model, [], advantage_estimator="gae")  # expect: advantage_estimator
 
 
 async def right_tinker_calls(backend: TinkerBackend, local: LocalBackend, model: TrainableModel) -> None:
@@ -58,6 +60,7 @@ async def right_tinker_calls(backend: TinkerBackend, local: LocalBackend, model:
     await backend.train_sft(model, [], batch_size=4, lr_schedule="linear")
     await backend.train_dpo(model, [], beta=0.1, loss="sigmoid", epochs=2)
     await generic.train(model, [], learning_rate=1e-5, loss="importance_sampling")
+    await backend.train(model, [], advantage_estimator="rloo")
     generic = local
     await generic.train(model, [], loss="ppo")
     await local.train(model, [], advantage_estimator="gae", gae_lambda=0.95, value_clip=None)

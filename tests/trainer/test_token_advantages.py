@@ -170,7 +170,8 @@ def test_a_custom_kind_by_dotted_path(monkeypatch):
         ("custom_kinds:NOT_A_FUNCTION", "is a int, not a function"),
         ("custom_kinds:missing", "has no attribute 'missing'"),
         ("no_such_module_xyz:kind", "does not import"),
-        ("shannon_entropy", "needs per-token entropies"),
+        ("shannon_entropy", r"reads per-token .*: sample it with SamplingParams\(entropies=True\)"),
+        ("custom_kinds:entropy_gap", r"sample it with SamplingParams\(entropies=True\)"),
     ],
 )
 def test_bad_kinds_are_refused_naming_the_kind(kind, message):

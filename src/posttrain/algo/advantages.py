@@ -21,7 +21,8 @@ from posttrain.algo.token_transforms import TokenTransform, TokenTransformConfig
 # Each estimator but "gae" works from a group's rewards alone (`ADVANTAGE_ESTIMATORS`); "gae"
 # reads a learned critic's per-token values (`algo.gae`, run by `trainer.critic`), so only
 # backends with a critic take it.
-AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "maxrl", "reinforce_pp", "gae"]
+GroupEstimator = Literal["grpo", "rloo", "dr_grpo", "maxrl", "reinforce_pp"]
+AdvantageEstimator = Literal[GroupEstimator, "gae"]
 # retrain's fixed recipes, <estimator>_<transform>. retrain's grpo centres without dividing
 # by the std, which is posttrain's dr_grpo.
 AlgorithmMode = Literal[

@@ -43,7 +43,8 @@ def shannon_entropy(logprobs: Sequence[float], entropies: Sequence[float] | None
     if entropies is None:
         raise ValueError(
             "uncertainty_kind='shannon_entropy' needs per-token entropies, and this completion "
-            "has none: sample with entropies on a backend that provides them"
+            "has none: sample it with SamplingParams(entropies=True), on a backend whose "
+            "sampler computes them (provides_token_entropies in `posttrain backends`)"
         )
     return [min(h, MAX_UNCERTAINTY) for h in entropies]
 

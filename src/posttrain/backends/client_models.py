@@ -37,7 +37,12 @@ from posttrain.backends.preflight import (
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import LogprobChunking, ReferenceScorer, TrainingClient
-from posttrain.engine.checkpoint import is_complete_checkpoint, step_directories
+from posttrain.engine.checkpoint import (
+    delete_checkpoint,
+    is_complete_checkpoint,
+    list_checkpoints,
+    step_directories,
+)
 from posttrain.engines.config import InferenceConfig
 from posttrain.engines.session import EngineSession
 from posttrain.model import TrainableModel
@@ -340,11 +345,12 @@ class ModelClients(Generic[ClientT]):
     ) -> TrainResult:
         """Run the updates of `step`, checkpoint it, then (only then) advance the model's step."""
         path: str | None = None
+        engine = self._engines[id(model)]
         try:
             metrics = await run()
             if self.after_update is not None:
                 await self.after_update(model, step)
-            await self._engines[id(model)].sync(step)
+            await engine.sync(step)
             if save:
                 # The critic first: a policy checkpoint of `step` then implies its critic's.
                 await self._save_critic(model, step)
@@ -356,7 +362,8 @@ class ModelClients(Generic[ClientT]):
             await self._restore(model, exc)
             raise
         model.set_step(step)
-        return TrainResult(step=step, metrics=metrics.as_dict(), checkpoint_path=path)
+        result = metrics.as_dict() | engine.policy_gap(step)
+        return TrainResult(step=step, metrics=result, checkpoint_path=path)
 
     async def _save_critic(self, model: TrainableModel, step: int) -> None:
         critic = self._critics.get(id(model))
@@ -417,6 +424,19 @@ class ModelClients(Generic[ClientT]):
                 await self.after_reload(model, model.step)
             except Exception as hook_error:
                 error.add_note(f"after reloading {last_good}: {hook_error}")
+
+    def checkpoint_steps(self, model: TrainableModel) -> list[int]:
+        """The steps of the model's complete step-directory checkpoints, oldest first."""
+        self.client(model)  # raises unless registered here
+        return [int(p.name) for p in list_checkpoints(model.directory / "checkpoints")]
+
+    async def delete_checkpoints(self, model: TrainableModel, keep: set[int]) -> list[int]:
+        """Delete the model's checkpoints (and critics) of the steps not in `keep`."""
+        doomed = [step for step in self.checkpoint_steps(model) if step not in keep]
+        for step in doomed:
+            delete_checkpoint(model.directory / "checkpoints" / str(step))
+            shutil.rmtree(critic_checkpoint(model.directory, step), ignore_errors=True)
+        return doomed
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's current state (its critic's too) as the checkpoint of its step."""

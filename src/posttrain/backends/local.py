@@ -164,6 +164,15 @@ class LocalBackend:
         """
         return await self._models.checkpoint(model)
 
+    def checkpoint_steps(self, model: TrainableModel) -> list[int]:
+        """The steps of the model's complete checkpoints, oldest first."""
+        return self._models.checkpoint_steps(model)
+
+    async def delete_checkpoints(self, model: TrainableModel, keep: set[int]) -> list[int]:
+        """Delete the model's checkpoints of the steps not in `keep` (see
+        `TrainableModel.delete_checkpoints`); returns the deleted steps."""
+        return await self._models.delete_checkpoints(model, keep)
+
     def sampling_client(self, model: TrainableModel) -> ModelSampler:
         return self._models.sampling_client(model)
 

@@ -17,7 +17,12 @@ from typing import Literal, get_type_hints
 
 from typing_extensions import TypedDict
 
-from posttrain.algo.advantages import AdvantageEstimator, AlgorithmMode, ReductionPreset
+from posttrain.algo.advantages import (
+    AdvantageEstimator,
+    AlgorithmMode,
+    GroupEstimator,
+    ReductionPreset,
+)
 from posttrain.algo.ratios import ImportanceSamplingLevel, KLEstimator
 from posttrain.algo.sepa import SEPASchedule
 from posttrain.algo.token_transforms import TokenTransform
@@ -51,7 +56,6 @@ class CoreRLFields(TypedDict, total=False):
     ppo: bool | None
     epsilon: float | None
     epsilon_high: float | None
-    advantage_estimator: AdvantageEstimator
     scale_rewards: bool
     advantage_balance: float
     zero_variance_groups: Literal["drop", "keep"]
@@ -87,6 +91,7 @@ class RLOptions(CoreRLFields, total=False, closed=True):
     """What backend-agnostic code may pass to any backend's `train()`."""
 
     loss: ProtocolPolicyLoss | LossName
+    advantage_estimator: GroupEstimator  # 'gae' needs a critic: CriticFields
 
 
 class PosttrainLossFields(CoreRLFields, total=False):
@@ -117,6 +122,7 @@ class CriticFields(WeightsInProcessFields, total=False):
     """Options of PPO with a learned critic (advantage_estimator='gae'): backends whose models
     get a value model beside the policy (`supports_critic`)."""
 
+    advantage_estimator: AdvantageEstimator
     gae_gamma: float
     gae_lambda: float
     value_clip: float | None

@@ -10,7 +10,7 @@ carry them; and, before `register` loads anything, that the model's base model c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,7 @@ from posttrain.algo.token_transforms import NEEDS_PLANNING, TOKEN_TRANSFORMS, To
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
-from posttrain.clients.custom_loss import is_custom_loss
+from posttrain.clients.custom_loss import custom_loss, is_custom_loss, is_pair_loss
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.trainer.config import (
     DPOConfig,
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 _RL_DEFAULTS = option_defaults(RLConfig)
 _SFT_DEFAULTS = option_defaults(SFTConfig)
 _DPO_DEFAULTS = option_defaults(DPOConfig)
+_WRITTEN = object()  # equal to no value: what a written option's default is taken to be
 
 # Options known to give the tokens of one sequence different advantages (the static check).
 TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] = (
@@ -131,7 +132,7 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
     problems += token_flow_conflicts(config)
     problems += distill_conflicts(config)
     if is_custom_loss(config.policy_loss):
-        return problems + custom_loss_conflicts(config)
+        return problems + custom_loss_problems(config)
     unused = unused_options(config.policy_loss, loss)
     for name, applies in unused:
         readers = " or ".join(f"loss={reader!r}" for reader in applies)
@@ -146,13 +147,19 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
     return problems
 
 
-def custom_loss_conflicts(config: RLConfig) -> list[PreflightProblem]:
-    """A custom loss reads none of the loss options: each set is refused, by name."""
-    return [
+def custom_loss_problems(config: RLConfig) -> list[PreflightProblem]:
+    """A custom loss must load (an entry point, a dotted path's import) and reads none of the
+    loss options: each set is refused, by name."""
+    problems = [
         PreflightProblem(name, f"has no effect on the custom loss {config.policy_loss!r}")
         for name, value in option_values(config.loss).items()
         if name != "allow_training_without_logprobs" and value != _RL_DEFAULTS[name]
     ]
+    try:
+        custom_loss(config.policy_loss)
+    except (ImportError, ValueError, TypeError) as exc:  # its import, or not a function
+        problems.append(PreflightProblem("loss", str(exc)))
+    return problems
 
 
 def token_flow_conflicts(config: RLConfig) -> list[PreflightProblem]:
@@ -311,6 +318,7 @@ def unsupported_options(
             declared[name].choices is not None
             and value not in declared[name].choices  # type: ignore[operator]
             and value != defaults[name]  # None for an optional Literal: not among its choices
+            and not takes_custom_loss(declared[name], value)
         ):
             problems.append(
                 PreflightProblem(
@@ -320,6 +328,14 @@ def unsupported_options(
                 )
             )
     return problems
+
+
+def takes_custom_loss(option: OptionSchema, value: object) -> bool:
+    """A custom policy loss (registered, an entry point, a dotted path) given to an option
+    whose type admits a `LossName`: it runs through forward_backward_custom on any backend,
+    so the option's choices (its built-in losses) do not bound it."""
+    admits = "LossName" in option.type.split(" | ")
+    return admits and is_custom_loss(value) and not is_pair_loss(value)
 
 
 def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[PreflightProblem]:
@@ -353,6 +369,16 @@ def preflight_rl(
     away from their default) and values outside its choices are refused too.
     """
     problems = conflicts(config)
+    critic: list[PreflightProblem] = []
+    if config.advantages.estimator == "gae" and not capabilities.supports_critic:
+        critic.append(
+            PreflightProblem(
+                "advantage_estimator",
+                f"'gae' needs a learned critic (a value model trained beside the policy), which "
+                f"{backend} does not have (supports_critic=false); use LocalBackend or "
+                "RayBackend, or a group estimator such as 'grpo'",
+            )
+        )
     if options is not None:
         # `loss` is judged by the loss the call runs (`ppo=False` means cispo), not its field;
         # a backend that takes `loss` gets `ppo` folded into it, so `ppo` is not judged again.
@@ -360,7 +386,9 @@ def preflight_rl(
         defaults = {**option_defaults(type(config)), "loss": RLConfig().policy_loss}
         if any(o.name == "loss" for o in options):
             del values["ppo"], defaults["ppo"]
-        problems += unsupported_options(backend, "train", values, defaults, options)
+        unsupported = unsupported_options(backend, "train", values, defaults, options)
+        # 'gae' outside the declared choices: the critic's problem says why, once.
+        problems += [p for p in unsupported if not (critic and p.option == "advantage_estimator")]
     if config.loss.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
             PreflightProblem(
@@ -369,15 +397,7 @@ def preflight_rl(
                 "set kl_penalty_coef=0 or use a backend with supports_kl_reference",
             )
         )
-    if config.advantages.estimator == "gae" and not capabilities.supports_critic:
-        problems.append(
-            PreflightProblem(
-                "advantage_estimator",
-                f"'gae' needs a learned critic (a value model trained beside the policy), which "
-                f"{backend} does not have (supports_critic=false); use LocalBackend or "
-                "RayBackend, or a group estimator such as 'grpo'",
-            )
-        )
+    problems += critic
     problem = token_data_problem(backend, capabilities, config)
     if problem is not None:
         problems.append(problem)
@@ -441,17 +461,44 @@ def preflight_sft(
 
 
 def preflight_dpo(
-    backend: str, config: DPOConfig, *, options: Sequence[OptionSchema] | None = None
+    backend: str,
+    config: DPOConfig,
+    *,
+    options: Sequence[OptionSchema] | None = None,
+    written: Collection[str] = (),
 ) -> None:
     """Raise PreflightError for `train_dpo` options `backend` does not declare (set away from
-    their default) or values outside its choices, as preflight_sft does for SFT."""
+    their default, or `written` by the caller at any value) or values outside its choices, as
+    preflight_sft does for SFT."""
     problems: list[PreflightProblem] = []
     if options is not None:
+        # A value the user wrote counts as set: a backend that lacks the option would run its
+        # own value, which need not be the default (TinkerBackend's reference is 'initial').
+        defaults = {**_DPO_DEFAULTS, **{key: _WRITTEN for key in written}}
         problems += unsupported_options(
-            backend, "train_dpo", option_values(config), _DPO_DEFAULTS, options
+            backend, "train_dpo", option_values(config), defaults, options
         )
     if problems:
         raise PreflightError(backend, problems)
+
+
+def model_problems(
+    backend: str, capabilities: Capabilities, lora_rank: int | None
+) -> list[PreflightProblem]:
+    """What refuses a model of this `lora_rank` (None or 0, the TOML spelling: full
+    fine-tuning) at register, known without the model: for `posttrain explain` and job
+    preflight as for register itself."""
+    if not lora_rank and not capabilities.supports_full_finetuning:
+        having = ", ".join(backends_with("supports_full_finetuning")) or "none installed here"
+        return [
+            PreflightProblem(
+                "lora_rank",
+                f"{backend} trains LoRA adapters only (supports_full_finetuning=false): give "
+                f"the model a lora_rank (e.g. lora_rank=8; in a job, [model] lora_rank = 8), or "
+                f"fine-tune every weight on a backend that can ({having})",
+            )
+        ]
+    return []
 
 
 async def preflight_register(backend: str, model: TrainableModel) -> None:

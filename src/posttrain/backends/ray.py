@@ -238,6 +238,15 @@ class RayBackend:
         """Save the model's state now as `checkpoints/<step>` (see LocalBackend.checkpoint)."""
         return await self._models.checkpoint(model)
 
+    def checkpoint_steps(self, model: TrainableModel) -> list[int]:
+        """The steps of the model's complete checkpoints, oldest first."""
+        return self._models.checkpoint_steps(model)
+
+    async def delete_checkpoints(self, model: TrainableModel, keep: set[int]) -> list[int]:
+        """Delete the model's checkpoints of the steps not in `keep` (see
+        `TrainableModel.delete_checkpoints`); returns the deleted steps."""
+        return await self._models.delete_checkpoints(model, keep)
+
     async def check_weights_in_sync(self, model: TrainableModel) -> None:
         """Raise WorkerGroupError unless every replica holds bit-identical trainable weights
         (under FSDP each rank digests the gathered weights, so this checks the ranks agree)."""

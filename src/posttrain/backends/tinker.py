@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Unpack, get_args
 
+from posttrain.algo.advantages import GroupEstimator
 from posttrain.algo.config_fields import option
 from posttrain.algo.ratios import ImportanceSamplingLevel
 from posttrain.backends.capabilities import Capabilities
@@ -34,16 +35,22 @@ from posttrain.backends.options import (
     resolve_dpo,
     resolve_sft,
 )
-from posttrain.backends.preflight import preflight_register
+from posttrain.backends.preflight import model_problems, preflight_register
 from posttrain.backends.sampling import ModelSampler
 from posttrain.backends.tinker_index import JsonlCheckpoints
-from posttrain.clients.custom_loss import is_custom_loss
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
 from posttrain.engine.model_source import resolve_model_source
 from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.preferences import PreferencePair
 from posttrain.tokenizer import Tokenizer
-from posttrain.trainer.config import LossName, ProtocolPolicyLoss, RLConfig, from_options
+from posttrain.trainer.config import (
+    LossName,
+    PolicyLoss,
+    ProtocolPolicyLoss,
+    RLConfig,
+    from_options,
+    loss_name_problem,
+)
 from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
 
 BACKEND = "TinkerBackend"
@@ -63,6 +70,7 @@ TINKER = Capabilities(
     supports_sampling=True,
     device_kinds=("remote",),
     provides_token_entropies=False,  # the Tinker protocol's sampled sequences carry none
+    supports_full_finetuning=False,  # the protocol creates LoRA training clients only
 )
 
 
@@ -71,6 +79,7 @@ class TinkerRLOptions(CoreRLFields, total=False, closed=True):
     own."""
 
     loss: ProtocolPolicyLoss | LossName
+    advantage_estimator: GroupEstimator  # no critic ('gae') on the server
     # Through forward_backward_custom: posttrain's loss on the logprobs the server returns.
     importance_sampling_level: ImportanceSamplingLevel
     mask_prob_ratio: bool
@@ -143,11 +152,8 @@ class TinkerBackend:
         A registration that fails after the service made the model frees it there, and leaves
         the model as it was (not attached, its run_state untouched).
         """
-        if model.lora_rank is None:
-            raise ValueError(
-                f"{BACKEND} trains LoRA adapters only: give TrainableModel a lora_rank "
-                "(e.g. lora_rank=8), or use LocalBackend/RayBackend for full fine-tuning"
-            )
+        for problem in model_problems(BACKEND, self.capabilities, model.lora_rank):
+            raise ValueError(problem.message)
         await preflight_register(BACKEND, model)
         await self._models.register(self, model)
 
@@ -319,15 +325,19 @@ def resolve_tinker_rl(options: Mapping[str, object]) -> TinkerRLConfig:
     """TinkerRLConfig from TinkerBackend.train() options: unknown options are a TypeError, and
     a loss posttrain does not send over the protocol a ValueError, both before any work."""
     check_options(options, TinkerRLOptions, BACKEND)
-    config = from_options(TinkerRLConfig, options)
-    losses = get_args(ProtocolPolicyLoss)
-    if config.policy_loss not in losses and not is_custom_loss(config.policy_loss):
-        raise ValueError(
-            f"{BACKEND}.train(): loss={config.policy_loss!r} is not carried by the Tinker protocol as "
-            f"posttrain sends it; choose loss from {list(losses)}, or train with LocalBackend or "
-            "RayBackend for dro and gspo"
+    loss = options.get("loss")
+    problem = (
+        loss_name_problem(loss, get_args(ProtocolPolicyLoss)) if isinstance(loss, str) else None
+    )
+    if problem is not None:
+        elsewhere = (
+            f" ({loss!r} is not carried by the Tinker protocol as posttrain sends it: train it "
+            "with LocalBackend or RayBackend)"
+            if loss in get_args(PolicyLoss)
+            else ""
         )
-    return config
+        raise ValueError(f"{BACKEND}.train(): {problem}{elsewhere}")
+    return from_options(TinkerRLConfig, options)  # `ppo` alone means ppo or cispo, both carried
 
 
 def _close_service(service: Any) -> None:

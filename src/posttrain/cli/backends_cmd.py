@@ -31,7 +31,7 @@ from posttrain.cli.engine_table import (
 # 3: adds "hooks" to each backend, "choices" and "has_validator" to each constructor argument,
 #    and retrain's hook names and the precedence to "plugins".
 # 4: adds "accepts_inference" to each backend and the top-level "engines".
-SCHEMA_VERSION = 5  # 5: supports_critic, train_dpo options
+SCHEMA_VERSION = 6  # 5: supports_critic, train_dpo options; 6: supports_full_finetuning
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

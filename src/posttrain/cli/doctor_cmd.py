@@ -348,6 +348,7 @@ def check_engines(config: JobConfig | None) -> list[Check]:
     """The sampling engines: pytorch is always there, vllm needs an interpreter with vLLM, the
     openai engine needs httpx (and a server, probed when a job starts)."""
     from posttrain.engines import InferenceConfig
+    from posttrain.jobs.backend import engine_model_problem
 
     inference: InferenceConfig = getattr(config, "inference", None) or InferenceConfig()
     engine = inference.engine if config is not None else None
@@ -359,13 +360,16 @@ def check_engines(config: JobConfig | None) -> list[Check]:
     if importlib.util.find_spec("httpx") is None:
         missing = "needs httpx: pip install 'posttrain[openai-engine]'"
         openai = Check(openai.name, "fail" if engine == "openai" else "warn", missing)
+    vllm = check_vllm(inference, required=engine == "vllm")
+    if config is not None and (problem := engine_model_problem(config)) is not None:
+        vllm = Check(vllm.name, "fail", f"{vllm.detail}; but {config.model.base_model}: {problem}")
     return [
         Check(
             "sampling engine: pytorch",
             "pass",
             "in-process on the training weights (the default); split with [inference] devices",
         ),
-        check_vllm(inference, required=engine == "vllm"),
+        vllm,
         openai,
     ]
 

@@ -19,7 +19,7 @@ Runs = Literal["in-process", "worker process", "server"]
 
 # What an OpenAI-compatible server must return: its probe at start refuses a server without
 # token ids, and one without logprobs unless allow_training_without_logprobs. Its weights
-# follow training only with sync = 'reload' (whole weights after each step).
+# follow training (whole weights after each step) unless sync = 'none' fixes them.
 OPENAI_RELOAD = EngineCapabilities(
     returns_token_ids=True,
     returns_logprobs=True,
@@ -36,7 +36,9 @@ WEIGHT_SYNC = {
 }
 OPENAI_PROBED = (
     "probed from the server at start; shown are those it must have (token ids, and logprobs "
-    "unless allow_training_without_logprobs)"
+    "unless allow_training_without_logprobs). Unless sync = 'none', the server loads the "
+    "model's weights at register: one that cannot (vLLM without VLLM_SERVER_DEV_MODE=1, "
+    "SGLang, posttrain serve) is refused there"
 )
 
 
@@ -70,8 +72,8 @@ ENGINE_MODES: tuple[EngineMode, ...] = (
         SPLIT_PYTORCH,
     ),
     EngineMode("vllm", "engine = 'vllm'", "worker process", VLLM),
-    EngineMode("openai", "engine = 'openai', sync = 'reload'", "server", OPENAI_RELOAD, True),
-    EngineMode("openai", "engine = 'openai' (sync 'auto'/'none')", "server", OPENAI_FIXED, True),
+    EngineMode("openai", "engine = 'openai' (sync 'auto'/'reload')", "server", OPENAI_RELOAD, True),
+    EngineMode("openai", "engine = 'openai', sync = 'none'", "server", OPENAI_FIXED, True),
 )
 
 
@@ -81,7 +83,7 @@ def mode_of(config: InferenceConfig) -> EngineMode:
         return ENGINE_MODES[0 if config.devices is None else 1]
     if config.engine == "vllm":
         return ENGINE_MODES[2]
-    return ENGINE_MODES[3 if config.sync == "reload" else 4]
+    return ENGINE_MODES[4 if config.sync == "none" else 3]
 
 
 def vllm_python(config: InferenceConfig) -> tuple[str, str]:

@@ -23,7 +23,7 @@ from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_p
 from posttrain.jobs.config import JobConfig, load_config, redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.tokenizer import Tokenizer
-from posttrain.trainer.config import is_config, option_values
+from posttrain.trainer.config import RLConfig, is_config, option_values
 
 # What each plan entry counts.
 PLAN_NOTES = {
@@ -72,11 +72,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _jsonable(value: object) -> object:
     if is_config(value):  # train() options: flat, by the keys the TOML tables use
-        return option_values(value)
+        values = option_values(value)
+        if isinstance(value, RLConfig):  # the loss that runs: unset is cispo, or what ppo says
+            values["loss"] = value.policy_loss
+        return values
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
         return [_jsonable(v) for v in value]
+    if isinstance(value, frozenset | set):
+        return sorted(map(str, value))  # pyright: ignore[reportUnknownArgumentType]
     if isinstance(value, Path):
         return str(value)
     return value
@@ -204,10 +209,12 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
 
 
 def _config(config: JobConfig) -> object:
-    """The resolved config as it may be shown: secrets (in [backend], [inference]) redacted."""
+    """The resolved config as it may be shown: secrets (in [backend], [inference], [teacher])
+    redacted."""
     shown = _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend)))
-    if isinstance(shown, dict) and isinstance(shown.get("inference"), dict):
-        shown["inference"] = redact_secrets(shown["inference"])
+    for table in ("inference", "teacher"):
+        if isinstance(shown, dict) and isinstance(shown.get(table), dict):
+            shown[table] = redact_secrets(shown[table])
     return shown
 
 

@@ -11,7 +11,7 @@ refused before the backward pass, so nothing is accumulated.
 
 Named losses: `register_loss(name, fn)`, or an entry point in the group `posttrain.losses`
 (`my_loss = "mypkg.losses:my_loss"`), make `train(loss=LossName("my_loss"))` run `fn` through
-`forward_backward_custom` on every backend.
+`forward_backward_custom` on every backend; so does a dotted path, `loss="mypkg.losses:my_loss"`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import NewType, cast
 
 import torch
 
-from posttrain.algo.loss_metrics import summarize_values
-from posttrain.algo.losses import LOSSES, LossBatch, LossConfig, get_loss
-from posttrain.engine.batching import pad_datums
+from posttrain.algo.loss_metrics import counted_values, summarize_values
+from posttrain.algo.losses import LOSSES, LossConfig, get_loss
+from posttrain.clients.token_metrics import run_builtin
+from posttrain.tasks.imports import DOTTED_PATH, import_object
 from posttrain.types import Datum, ForwardBackwardOutput
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, Mapping[str, float]]]
@@ -35,13 +37,18 @@ LossName = NewType("LossName", str)
 ENTRY_POINT_GROUP = "posttrain.losses"
 
 _registered: dict[str, CustomLossFn] = {}
+# Losses of preference pairs (DPO's): they read datums `train_dpo` builds, so `train(loss=)`
+# neither offers nor takes them.
+_pair_losses: set[str] = set()
 
 
-def register_loss(name: str, fn: CustomLossFn) -> LossName:
-    """Make `fn` the loss named `name` (a built-in loss's name is refused)."""
+def register_loss(name: str, fn: CustomLossFn, *, pairs: bool = False) -> LossName:
+    """Make `fn` the loss named `name` (a built-in loss's name is refused); `pairs=True`: a
+    loss of preference pairs, not a policy loss."""
     if name in LOSSES:
         raise ValueError(f"loss name {name!r} is a built-in loss of posttrain.algo.losses")
     _registered[name] = fn
+    (_pair_losses.add if pairs else _pair_losses.discard)(name)
     return LossName(name)
 
 
@@ -55,11 +62,32 @@ def custom_loss_names() -> list[str]:
 
 
 def is_custom_loss(name: object) -> bool:
-    return isinstance(name, str) and (name in _registered or name in _entry_points())
+    """Registered, an entry point, or a dotted path ("pkg.module:function", imported on first
+    use, as rewards and tasks are)."""
+    return isinstance(name, str) and (
+        name in _registered or name in _entry_points() or DOTTED_PATH.match(name) is not None
+    )
 
 
-def custom_loss(name: str) -> CustomLossFn:
-    """The loss registered as `name`, loading its entry point the first time."""
+def is_pair_loss(name: object) -> bool:
+    """A registered loss of preference pairs (`train_dpo`'s), not a policy loss."""
+    return name in _pair_losses
+
+
+def policy_loss_names() -> list[str]:
+    """The custom losses `train(loss=)` takes: all but the pair losses."""
+    return [name for name in custom_loss_names() if name not in _pair_losses]
+
+
+def custom_loss(name: str, *, search: Path | None = None) -> CustomLossFn:
+    """The loss registered as `name`, loading its entry point or importing its dotted path
+    the first time (`search`: a directory to import from after `sys.path`, a job's config
+    directory)."""
+    if name not in _registered and DOTTED_PATH.match(name) and name not in _entry_points():
+        loaded = import_object(name, "loss", search=search)
+        if not callable(loaded):
+            raise TypeError(f"loss {name!r} is not a function: {type(loaded).__name__}")
+        _registered[name] = cast(CustomLossFn, loaded)  # its result is checked at each call
     if name not in _registered:
         found = _entry_points().get(name)
         if found is None:
@@ -78,17 +106,13 @@ def custom_loss(name: str) -> CustomLossFn:
 def builtin_as_custom(name: str, config: LossConfig) -> CustomLossFn:
     """Loss `name` of `algo.losses` as a custom loss: the same value and logprob gradient, so
     posttrain's own loss code runs where only logprobs come back (a remote service)."""
-    fn = get_loss(name)
+    get_loss(name)  # an unknown name fails here, not at the first step
 
     def loss(
         data: list[Datum], logprobs: list[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        padded = pad_datums(data)
-        logp_BT = torch.nn.utils.rnn.pad_sequence(logprobs, batch_first=True)
-        out = fn(LossBatch(logp_BT, padded.inputs, padded.pad_mask_BT), config)
-        mask = out.mask_BT if out.mask_BT is not None else padded.pad_mask_BT.bool()
-        values = {key: value[mask] for key, value in out.per_token.items()}
-        return out.loss, summarize_values(values)
+        out, mask_BT = run_builtin(name, config, data, logprobs)
+        return out.loss, summarize_values(counted_values(out, mask_BT))
 
     return loss
 

@@ -65,12 +65,15 @@ def _check_name(name: str) -> str:
 
 
 def to_output(result: PassResult) -> ForwardBackwardOutput:
+    """Per datum its logprobs, and its entropies where the model has them (a critic has none)."""
     metrics = {"loss:sum": result.loss_sum, "tokens:sum": float(result.num_tokens)}
     metrics.update(summarize_values(result.diagnostics))
+    outputs: list[dict[str, torch.Tensor]] = [{"logprobs": lp} for lp in result.logprobs]
+    if result.entropies is not None:
+        for output, entropy in zip(outputs, result.entropies, strict=True):
+            output["entropy"] = entropy
     return ForwardBackwardOutput(
-        loss_fn_output_type="ArrayRecord",
-        loss_fn_outputs=[{"logprobs": lp} for lp in result.logprobs],
-        metrics=metrics,
+        loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics
     )
 
 

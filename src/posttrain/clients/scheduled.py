@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
+from posttrain.clients.custom_loss import CustomLossFn
 from posttrain.clients.futures import APIFuture
 from posttrain.clients.protocol import (
+    CustomLossClient,
     LoadWeightsResponse,
     LossFnConfig,
     SaveWeightsResponse,
@@ -30,8 +33,12 @@ class ScheduledTrainingClient:
     """A training client whose `optim_step` applies its own AdamW settings, the learning rate
     scaled by a schedule: step k (0-based, counted here) uses `learning_rate * schedule(k)`.
     `optim_step(adam_params)` scales the rate given instead, as LambdaLR scales a base rate.
-    Set `steps` after loading a checkpoint to resume the schedule where it was. Every other
-    call goes to `client`."""
+    Set `steps` after loading a checkpoint to resume the schedule where it was.
+
+    Every other call goes to `client`: the TrainingClient and CustomLossClient methods by name
+    (so pyright checks them against the protocols), and anything else the client has
+    (`save_weights_and_get_sampling_client`, `sample_many`, ...) through `__getattr__`, so
+    none can be left out."""
 
     def __init__(
         self,
@@ -65,6 +72,13 @@ class ScheduledTrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         return self.client.forward_backward(data, loss_fn, loss_fn_config)
 
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        if not isinstance(self.client, CustomLossClient):
+            raise TypeError(f"{type(self.client).__name__} has no forward_backward_custom")
+        return self.client.forward_backward_custom(data, loss_fn)
+
     def sample(
         self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams
     ) -> APIFuture[SampleResponse]:
@@ -87,3 +101,11 @@ class ScheduledTrainingClient:
 
     def close(self) -> None:
         self.client.close()
+
+    def __getattr__(self, name: str) -> Any:
+        """What the wrapped client has beyond the protocols (called only for names not found
+        here; `client` itself is looked up in __dict__, so an unpickled copy cannot recurse)."""
+        client = self.__dict__.get("client")
+        if client is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(client, name)

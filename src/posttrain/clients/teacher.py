@@ -14,7 +14,7 @@ student's, naming both.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import ModelInput
@@ -34,22 +34,41 @@ class LogprobScorer(Protocol):
 
 
 class _TinkerScorer:
-    """The tinker SDK's SamplingClient as a LogprobScorer (its ModelInput is the SDK's own)."""
+    """The tinker SDK's SamplingClient as a LogprobScorer (its ModelInput is the SDK's own).
+
+    `create_sampling_client` returns a future of the client, which the SDK lets stand in for
+    the client with a deprecation warning on every call: it is resolved here instead, once,
+    on first use (awaited when scoring, so the event loop is never blocked there)."""
 
     def __init__(self, sampling_client: object) -> None:
-        if not callable(getattr(sampling_client, "compute_logprobs_async", None)):
+        if not callable(getattr(type(sampling_client), "compute_logprobs_async", None)):
             raise TypeError(
                 f"Teacher.from_tinker needs a tinker SamplingClient (with "
                 f"compute_logprobs_async), got a {type(sampling_client).__name__}"
             )
-        self.sampling_client = sampling_client
+        # A future of the client has result_async(); the client itself has none.
+        self.pending: Any = sampling_client
+        self.resolved: Any = None if _is_future(sampling_client) else sampling_client
 
     async def compute_logprobs(self, prompt: ModelInput) -> list[float | None]:
         from posttrain.clients.tinker import import_tinker
 
         tinker = import_tinker()
-        score = self.sampling_client.compute_logprobs_async  # pyright: ignore[reportAttributeAccessIssue]
-        return list(await score(tinker.ModelInput.from_ints(prompt.to_ints())))
+        if self.resolved is None:
+            self.resolved = await self.pending.result_async()
+        # compute_logprobs returns an APIFuture, awaitable (compute_logprobs_async is deprecated).
+        scored = self.resolved.compute_logprobs(tinker.ModelInput.from_ints(prompt.to_ints()))
+        return list(await scored)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The client's tokenizer (a pending client is waited for here, the one blocking call)."""
+        if self.resolved is None:
+            self.resolved = self.pending.future().result()
+        return as_tokenizer(self.resolved.get_tokenizer())
+
+
+def _is_future(value: object) -> bool:
+    return callable(getattr(type(value), "result_async", None))
 
 
 def _tokenizer_of(client: object) -> Tokenizer | None:
@@ -134,9 +153,12 @@ class Teacher:
         """A teacher behind the tinker SDK's SamplingClient (the Tinker service or a `posttrain
         serve`). Give `tokenizer` when the SDK cannot load it (a model not on the hub)."""
         scorer = _TinkerScorer(sampling_client)
-        if tokenizer is None:
-            tokenizer = _tokenizer_of(sampling_client)
-        return cls(scorer, tokenizer=tokenizer, name=name or _name_of(sampling_client))
+        if name is None:  # a pending client's attributes are not read: the SDK would warn
+            name = (
+                "a tinker SamplingClient" if scorer.resolved is None else _name_of(scorer.resolved)
+            )
+        # Without `tokenizer`, the scorer's get_tokenizer() gives it on first use.
+        return cls(scorer, tokenizer=tokenizer, name=name)
 
     def __repr__(self) -> str:
         return f"Teacher({self.name!r})"

@@ -41,6 +41,7 @@ from posttrain.clients.protocol import (
     SaveWeightsResponse,
     as_loss_config,
 )
+from posttrain.clients.token_metrics import with_token_metrics
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,
@@ -177,6 +178,13 @@ def from_tinker_sample(response: Any) -> SampleResponse:
     )
 
 
+def _with_metrics(
+    data: list[Datum], loss_fn: str, config: LossConfig
+) -> Callable[[ForwardBackwardOutput], ForwardBackwardOutput]:
+    """An output with its per-token metrics over the datums' counted tokens."""
+    return lambda output: with_token_metrics(output, data, loss_fn, config)
+
+
 def _mapped(future: Any, fn: Callable[[Any], U]) -> APIFuture[U]:
     """An SDK future (or anything with `.future()`) as a posttrain APIFuture of fn(result)."""
     raw: concurrent.futures.Future[Any] = future.future()
@@ -205,11 +213,12 @@ class TinkerTrainingClient:
         loss_fn: str,
         loss_fn_config: LossFnConfig | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        config = protocol_loss_config(loss_fn, loss_fn_config)
+        loss_config = as_loss_config(loss_fn, loss_fn_config)
+        config = protocol_loss_config(loss_fn, loss_config)
+        data = list(data)
         batch = [to_tinker_datum(loss_fn, d) for d in data]
-        return _mapped(
-            self._client.forward(batch, cast(Any, loss_fn), config or None), from_tinker_output
-        )
+        future = self._client.forward(batch, cast(Any, loss_fn), config or None)
+        return _mapped(future, from_tinker_output).map(_with_metrics(data, loss_fn, loss_config))
 
     def forward_backward(
         self,
@@ -219,15 +228,21 @@ class TinkerTrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Tinker's loss on the server; a ratio loss with options the protocol does not carry
         (`ON_LOGPROBS`) runs posttrain's loss here, on the logprobs the server returns, through
-        forward_backward_custom: the same loss as LocalBackend's."""
+        forward_backward_custom: the same loss as LocalBackend's.
+
+        Either way the per-token metrics are computed here (`clients.token_metrics`): only this
+        side knows which tokens count."""
         loss_config = as_loss_config(loss_fn, loss_fn_config)
+        data = list(data)
+        with_metrics = _with_metrics(data, loss_fn, loss_config)
         if loss_fn in RL_LOSSES and _sets_any(loss_config, ON_LOGPROBS):
-            return self.forward_backward_custom(data, builtin_as_custom(loss_fn, loss_config))
+            custom = self.forward_backward_custom(data, builtin_as_custom(loss_fn, loss_config))
+            return custom.map(with_metrics)
         config = protocol_loss_config(loss_fn, loss_config)
         batch = [to_tinker_datum(loss_fn, d) for d in data]
         self._sampler = None
         future = self._client.forward_backward(batch, cast(Any, loss_fn), config or None)
-        return _mapped(future, from_tinker_output)
+        return _mapped(future, from_tinker_output).map(with_metrics)
 
     def forward_backward_custom(
         self, data: Sequence[Datum], loss_fn: CustomLossFn

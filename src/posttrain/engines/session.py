@@ -4,17 +4,20 @@ sync that follows each optimizer step."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
-from posttrain.engines.config import InferenceConfig
+from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.engines.live import LiveEngine
 from posttrain.engines.process import ProcessEngine
 from posttrain.engines.protocol import EngineCapabilities, SamplingEngine, WeightSnapshot
@@ -35,6 +38,8 @@ SPLIT_PYTORCH = EngineCapabilities(
     provides_token_entropies=True,
 )
 VLLM_PYTHON_ENV = "POSTTRAIN_VLLM_PYTHON"
+
+log = logging.getLogger(__name__)
 
 
 class EngineSession:
@@ -68,15 +73,8 @@ class EngineSession:
         if config.engine == "pytorch" and config.devices is None:
             return cls(LiveEngine(client, version=version))
         if config.engine == "openai":
-            from posttrain.engines.openai_engine import OpenAIEngine
-
-            remote = OpenAIEngine(config, version=version)
-            await remote.start()
-            if remote.capabilities.weight_sync != "full":
-                return cls(remote)
-            # The server reads the weights from this machine's files, so it must run here.
-            source = _weights_source(config, client)
-            return cls(remote, _exporter(base_model, lora_rank, lora_alpha), source)
+            exporter = functools.partial(_exporter, base_model, lora_rank, lora_alpha)
+            return await _open_server(config, client, exporter, version)
         source = _weights_source(config, client)
         exporter = _exporter(base_model, lora_rank, lora_alpha)
         try:
@@ -90,8 +88,12 @@ class EngineSession:
         return cls(engine, exporter, source)
 
     async def sync(self, version: int) -> None:
-        """Give the engine the weights of model step `version` (the client's current ones)."""
+        """Give the engine the weights of model step `version` (the client's current ones);
+        nothing for an engine that samples a fixed policy (`policy_gap` reports how far)."""
         began = time.perf_counter()
+        if self.engine.capabilities.weight_sync == "none":
+            self.last_sync = {}
+            return
         if self.exporter is None or self.source is None:
             await self.engine.update_weights(None, version)
             self.last_sync = {"sync_s": time.perf_counter() - began}
@@ -109,12 +111,63 @@ class EngineSession:
             "sync_load_s": done - exported,
         }
 
+    def policy_gap(self, version: int) -> dict[str, float]:
+        """For an engine that samples a fixed policy, how many steps model step `version` is
+        past the policy it samples (`sampler_steps_behind`); {} for one that follows."""
+        if self.engine.capabilities.weight_sync != "none":
+            return {}
+        return {"sampler_steps_behind": float(version - self.engine.version)}
+
     async def close(self) -> None:
         try:
             await self.engine.close()
         finally:
             if self.exporter is not None:
                 self.exporter.close()
+
+
+async def _open_server(
+    config: InferenceConfig,
+    client: TrainingClient,
+    exporter: Callable[[], WeightExporter],
+    version: int,
+) -> EngineSession:
+    """The openai engine. With sync = 'none' it samples the server's fixed policy (explicitly
+    off-policy). Otherwise the server takes the model's current weights now, before any work:
+    a server that cannot (no dev-mode endpoints, or it cannot read this machine's files) is
+    refused here, never after an optimizer step has been applied."""
+    from posttrain.engines.openai_engine import OpenAIEngine
+
+    remote = OpenAIEngine(config, version=version)
+    await remote.start()
+    if remote.capabilities.weight_sync == "none":
+        log.warning(
+            "the openai engine at %s samples its own fixed weights (sync = 'none'): training "
+            "on its samples goes off-policy as the model moves away from them; each step "
+            "reports the gap (sampler_steps_behind, kl_sample_train_v1/v2)",
+            config.url,
+        )
+        return EngineSession(remote)
+    try:
+        # The server reads the weights from this machine's files, so it must run here.
+        source = _weights_source(config, client)
+        session = EngineSession(remote, exporter(), source)
+    except BaseException:
+        await remote.close()
+        raise
+    try:
+        await session.sync(version)
+    except BaseException as exc:
+        await session.close()
+        if isinstance(exc, Exception):
+            exc.add_note(
+                f"[inference] sync = {config.sync!r}: the server at {config.url} must load the "
+                "model's weights from this machine's files (vLLM with VLLM_SERVER_DEV_MODE=1 on "
+                "this machine); to sample its own fixed weights instead (off-policy training), "
+                "set sync = 'none'"
+            )
+        raise
+    return session
 
 
 def _weights_source(config: InferenceConfig, client: TrainingClient) -> ExportsWeights:
@@ -130,8 +183,13 @@ def _exporter(base_model: str, lora_rank: int | None, lora_alpha: float | None) 
     return WeightExporter(base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha)
 
 
-def _start_process(config: InferenceConfig, snapshot: WeightSnapshot, log_dir: Path) -> ProcessEngine:
+def _start_process(
+    config: InferenceConfig, snapshot: WeightSnapshot, log_dir: Path
+) -> ProcessEngine:
     """The vLLM or split-pytorch worker process, on the weights of `snapshot`."""
+    problem = vllm_head_problem(config, json.loads((snapshot.path / "config.json").read_text()))
+    if problem is not None:  # else vLLM starts (10-30 s) and fails at the first sample
+        raise ValueError(f"[inference] {problem}")
     devices = config.split_devices()
     device = devices[0] if devices else "cpu"
     options = {

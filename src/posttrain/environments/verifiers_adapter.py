@@ -79,21 +79,59 @@ def load_verifiers_env(
     """The verifiers environment of `taskset` (its id: an installed package or importable
     module exporting a `vf.Taskset`), built from `config`, the environment's config as
     `vf-eval` takes its `[env]` table (`agent`, `taskset` options, ...). `search` is a
-    directory to import the taskset from after `sys.path` (a job's config directory)."""
+    directory to import the taskset from after `sys.path` (a job's config directory).
+
+    `config["select"]`, posttrain's own key, picks the tasks as `vf-eval --select.*` does
+    (verifiers' `SelectConfig`: include, exclude, shuffle, seed, skip, limit); `limit` bounds
+    an infinite taskset. An agent's config goes under its seat's name: `agent` in a
+    single-agent env, the env's own roles otherwise (TextArena's is `player`)."""
     vf = import_verifiers()
     if search is not None and str(search) not in sys.path:
         sys.path.append(str(search))  # last: an installed package of the same name wins
     data = dict(config or {})
+    select = data.pop(SELECT_KEY, None)
     options = data.get("taskset") or {}
     if not isinstance(options, Mapping):
         raise ValueError(f"the verifiers env config's taskset must be a table, got {options!r}")
     data["taskset"] = {**options, "id": taskset}
     try:
-        return vf.load_environment(vf.resolve_env_config(data))
+        env = vf.load_environment(vf.resolve_env_config(data))
     except Exception as exc:  # verifiers' loaders and pydantic fail in many ways: say which
         raise ValueError(
-            f"verifiers environment {taskset!r} does not load: {type(exc).__name__}: {exc}"
+            f"verifiers environment {taskset!r} does not load: {type(exc).__name__}: "
+            f"{exc}{_seat_hint(taskset, data)}"
         ) from exc
+    if select is not None:
+        try:
+            env.taskset = env.taskset.select(vf.SelectConfig.model_validate(select))
+        except Exception as exc:  # pydantic's, or the taskset refusing a view
+            raise ValueError(
+                f"verifiers environment {taskset!r}: {SELECT_KEY} = {select!r} is not a task "
+                f"selection it takes (verifiers' SelectConfig: include, exclude, shuffle, "
+                f"seed, skip, limit): {type(exc).__name__}: {exc}"
+            ) from exc
+    return env
+
+
+def _seat_hint(taskset: str, data: Mapping[str, object]) -> str:
+    """When the env config has keys its env does not, the seats it has: an agent's config
+    goes under its seat's name, which is the env's (`agent` is the single-agent env's)."""
+    from verifiers.v1 import AgentConfig
+    from verifiers.v1.utils.loaders import env_config_type
+
+    try:
+        fields = env_config_type(taskset, str(data.get("id") or "")).model_fields
+    except Exception:  # the taskset itself does not load: its own error says why
+        return ""
+    unknown = [key for key in data if key not in fields]
+    seats = [name for name, f in fields.items() if isinstance(f.default, AgentConfig)]
+    if not unknown or not seats:
+        return ""
+    return (
+        f" (this env has no {', '.join(map(repr, unknown))}; its seats are "
+        f"{', '.join(map(repr, seats))}: put an agent's config, runtime and limits under its "
+        f'seat\'s name, e.g. {seats[0]} = {{ runtime = {{ type = "subprocess" }} }})'
+    )
 
 
 def resolve_verifiers_environment(
@@ -120,8 +158,12 @@ def resolve_verifiers_environment(
     return ResolvedEnvironment(make, spec, "verifiers", target, dict(options or {}))
 
 
+# posttrain's key in a verifiers env config: which tasks to use (verifiers' SelectConfig).
+SELECT_KEY = "select"
 _INFINITE = (
-    "its taskset is infinite; bound it (e.g. with its own size option) to draw tasks from it"
+    "its taskset is infinite; bound it to draw tasks from it: select = { limit = N } in the "
+    "env config (a job's [environment]) takes its first N tasks (verifiers' SelectConfig, as "
+    'vf-eval --select.limit; or include = { idx = "0:N" })'
 )
 
 

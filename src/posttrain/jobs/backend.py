@@ -9,6 +9,7 @@ The job calls `Factory(path=<[run] output_dir>, keep_checkpoints=<[run] keep_che
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 from collections.abc import Callable, Sequence
@@ -17,7 +18,13 @@ from pathlib import Path
 from typing import Literal
 
 from posttrain.backends.engine_options import trainer_device
-from posttrain.backends.preflight import PreflightError, preflight_dpo, preflight_rl, preflight_sft
+from posttrain.backends.preflight import (
+    PreflightError,
+    model_problems,
+    preflight_dpo,
+    preflight_rl,
+    preflight_sft,
+)
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
 from posttrain.backends.schema import (
@@ -26,14 +33,17 @@ from posttrain.backends.schema import (
     constructor_hints,
     constructor_parameters,
 )
+from posttrain.clients.custom_loss import custom_loss
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
-from posttrain.engines.config import InferenceConfig
+from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.environments.resolve import ResolvedEnvironment
-from posttrain.jobs.config import REDACTED, JobConfig, is_secret
+from posttrain.jobs.config import REDACTED, JobConfig, TeacherConfig, is_secret
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
+from posttrain.jobs.teacher import is_checkpoint, planned_teacher
+from posttrain.tasks.imports import DOTTED_PATH
 from posttrain.tasks.resolve import ResolvedTask
-from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values
+from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values, with_options
 
 # Constructor arguments the job fills in itself, and where their value comes from.
 JOB_SUPPLIED = {
@@ -167,18 +177,24 @@ def job_problems(
     would get. `path` is where the backend keeps its models, `[run] output_dir` unless given.
     The backend is None when its name does not resolve."""
     spec = config.run.backend
-    model_problems = base_model_problems(config.model.base_model) if base_model else []
+    base = base_model_problems(config.model.base_model) if base_model else []
+    if base_model and config.teacher is not None:
+        base += teacher_problems(config.teacher)
     try:
         info = describe(spec, config.backend)  # hooks that take the backend options get them
         factory = load(spec) if info.importable else None
     except (ValueError, ImportError) as exc:
-        return None, [*model_problems, JobProblem("backend", "[run] backend", str(exc))]
+        return None, [*base, JobProblem("backend", "[run] backend", str(exc))]
     if factory is None:
         install = f"; install it with pip install 'posttrain[{info.extra}]'" if info.extra else ""
         message = f"{spec!r} cannot be imported: {info.import_error}{install}"
         problem = JobProblem("backend", "[run] backend", message)
-        return JobBackend(info, None, None), [*model_problems, problem]
-    problems = model_problems
+        return JobBackend(info, None, None), [*base, problem]
+    problems = base
+    problems += [
+        JobProblem("model", f"[model] {p.option}", p.message)
+        for p in model_problems(info.label, info.capabilities, config.model.lora_rank)
+    ]
     try:
         kwargs = constructor_kwargs(
             config, factory, path or Path(config.run.output_dir), info.constructor
@@ -189,11 +205,11 @@ def job_problems(
     problems += _device_problems(info, kwargs or {})
     problems += _inference_problems(info, config, factory, kwargs or {})
     problems += _needs(info, config, resume)
+    _load_custom_loss(config)
+    rl = planned_rl_options(config)
     problems += _preflight(
         "train",
-        lambda: preflight_rl(
-            info.label, info.capabilities, config.rl.trainer, options=info.train_options
-        ),
+        lambda: preflight_rl(info.label, info.capabilities, rl, options=info.train_options),
     )
     if config.sft.enabled:
         problems += _preflight(
@@ -203,10 +219,10 @@ def job_problems(
             ),
         )
     if config.dpo is not None:
-        dpo = config.dpo.trainer
+        dpo, written = config.dpo.trainer, config.dpo.written
         problems += _preflight(
             "train_dpo",
-            lambda: preflight_dpo(info.label, dpo, options=info.train_dpo_options),
+            lambda: preflight_dpo(info.label, dpo, options=info.train_dpo_options, written=written),
         )
     return JobBackend(info, factory, kwargs), problems
 
@@ -242,6 +258,25 @@ def work_problems(
 def _task_problem(exc: JobTaskError) -> JobProblem:
     where = f" (config {exc.source})" if exc.source is not None else ""
     return JobProblem("task", exc.option, f"{exc.detail}{where}")
+
+
+def planned_rl_options(config: JobConfig) -> RLConfig:
+    """`[rl]`'s train options as preflight judges them: with `[teacher]`, a teacher (named,
+    not loaded), so the distillation options are judged as the job will run them."""
+    if config.teacher is None:
+        return config.rl.trainer
+    return with_options(config.rl.trainer, teacher=planned_teacher(config.teacher))
+
+
+def teacher_problems(teacher: TeacherConfig) -> list[JobProblem]:
+    """`[teacher] model` can be had here, as `[model] base_model` (a run's checkpoint is a
+    directory); a server's teacher is found when the job starts."""
+    if teacher.model is None or is_checkpoint(teacher.model):
+        return []
+    return [
+        JobProblem("model", "[teacher] model", p.message)
+        for p in base_model_problems(teacher.model)
+    ]
 
 
 def base_model_problems(spec: str) -> list[JobProblem]:
@@ -295,6 +330,9 @@ def _inference_problems(
         )
     if info.source == "builtin" and inference.devices is not None:
         problems += _split_device_problems(info, inference, kwargs.get("device", AUTO))
+    problem = engine_model_problem(config)
+    if problem is not None:
+        problems.append(JobProblem("model", "[inference] engine", problem))
     if inference.engine == "openai" and inference.sync in ("auto", "none") and config.rl.steps:
         problems.append(
             JobProblem(
@@ -307,6 +345,37 @@ def _inference_problems(
             )
         )
     return problems
+
+
+def engine_model_problem(config: JobConfig) -> str | None:
+    """Why the job's sampling engine cannot run its base model (`vllm_head_problem`), when the
+    model's config can be read here without a download; else None (register checks again)."""
+    if config.inference.engine != "vllm":
+        return None
+    found = base_model_config(config.model.base_model)
+    return vllm_head_problem(config.inference, found) if found is not None else None
+
+
+def base_model_config(spec: str) -> dict[str, object] | None:
+    """The base model's transformers config as a dict: built for a `tiny:` spec, read from a
+    directory or the local cache otherwise; None when that needs a download or conversion."""
+    if spec.startswith("tiny:"):
+        from posttrain.engine.tiny import build_config
+        from posttrain.jobs.config import parse_tiny_spec
+
+        arch, size, _ = parse_tiny_spec(spec)
+        return build_config(arch, size).to_dict()  # type: ignore[arg-type]  # checked by the parse
+    from transformers import AutoConfig
+
+    from posttrain.engine.model_source import cached_model_source
+
+    try:
+        source = cached_model_source(spec)
+        return (
+            AutoConfig.from_pretrained(source, local_files_only=True).to_dict() if source else None
+        )
+    except (OSError, ValueError):
+        return None
 
 
 def _split_device_problems(
@@ -350,6 +419,16 @@ def _needs(info: BackendInfo, config: JobConfig, resume: bool) -> list[JobProble
             )
         )
     return problems
+
+
+def _load_custom_loss(config: JobConfig) -> None:
+    """Import a dotted-path `[rl] loss` from beside the config file too, as tasks and rewards
+    are. One that fails is preflight's to report: the config's directory stays on sys.path
+    (`import_object`), so its retry meets the same error."""
+    loss = config.rl.trainer.policy_loss
+    if DOTTED_PATH.match(loss):
+        with contextlib.suppress(ImportError, ValueError, TypeError):
+            custom_loss(loss, search=config.base_dir)
 
 
 def _preflight(call: Call, check: Callable[[], None]) -> list[JobProblem]:

@@ -1,7 +1,7 @@
 """The `posttrain train` job's TOML configuration, as frozen dataclasses, one per table.
 
 Tables: `[run]`, `[model]`, `[sft]`, `[dpo]`, `[rl]`, `[eval]`, `[backend]`, `[inference]`, `[task]`,
-`[data]`, `[environment]`.
+`[data]`, `[environment]`, `[teacher]` (on-policy distillation's teacher).
 `[run] task` names the task: a built-in ("reverse"), a dotted path ("mypkg.tasks:make_task"),
 an entry point of the `posttrain.tasks` group, or "data" for the dataset task that `[data]`
 describes (the default when there is a `[data]` table). `[task]` holds a task factory's
@@ -28,9 +28,9 @@ import difflib
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Literal, get_args, get_type_hints
+from typing import Literal, cast, get_args, get_type_hints
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.model_source import PACKAGED_PREFIX
@@ -167,6 +167,9 @@ class DPOJobConfig:
 
     data: str = ""  # relative to the config file
     trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
+    # The train_dpo options the table sets: each reaches train_dpo, or preflight refuses it,
+    # even at its default (TinkerBackend's reference is 'initial' whatever the default says).
+    written: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -174,6 +177,41 @@ class DPOJobConfig:
             raise ValueError('[dpo] needs data, a JSONL file of pairs, e.g. data = "pairs.jsonl"')
         if not self.trainer.save_checkpoint:
             raise ValueError("[dpo] save_checkpoint must be true: resuming needs the checkpoint")
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """`[teacher]`: on-policy distillation's teacher (docs/distillation.md), which scores the
+    student's sampled tokens in every RL step; `[rl] distill_reward_coef` mixes the task reward
+    back in. Either `model`, loaded in this process, or `url`, a server the tinker SDK reads."""
+
+    # A base model (directory, hub id, tiny:..., packaged:...) or a checkpoint of a posttrain
+    # run (<run>/checkpoints/<step>: its base model and LoRA settings are read from it).
+    model: str | None = None
+    url: str | None = None  # or a `posttrain serve` or the Tinker service, e.g. http://host:8000
+    model_path: str | None = None  # with url: a saved sampler checkpoint, tinker://...
+    base_model: str | None = None  # with url: the server's base model (instead of model_path)
+    api_key: str | None = None  # with url; None: $TINKER_API_KEY
+    tokenizer: str | None = None  # with url: the tokenizer (a directory or hub id) if the SDK's
+    name: str | None = None  # the teacher in messages; None: its model
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if (self.model is None) == (self.url is None):
+            raise ValueError(
+                "[teacher] needs model (loaded here: a model or a run's checkpoint) or url (a "
+                "posttrain serve or Tinker service), not both"
+            )
+        remote = ("model_path", "base_model", "api_key", "tokenizer")
+        if self.model is not None:
+            for key in remote:
+                if getattr(self, key) is not None:
+                    raise ValueError(f"[teacher] {key} goes with url, not with model")
+        elif (self.model_path is None) == (self.base_model is None):
+            raise ValueError(
+                "[teacher] url needs model_path (a sampler checkpoint, tinker://...) or "
+                "base_model (the server's base model), one of them"
+            )
 
 
 @dataclass(frozen=True)
@@ -294,6 +332,7 @@ class JobConfig:
     data: DataConfig | None = None  # [data]: the dataset task
     environment: Mapping[str, object] = field(default_factory=dict[str, object])  # its kwargs
     inference: InferenceConfig = field(default_factory=InferenceConfig)  # [inference]
+    teacher: TeacherConfig | None = None  # [teacher]: on-policy distillation
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -366,7 +405,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         "rl": RLJobConfig,
         "eval": EvalConfig,
     }
-    names = [*tables, "dpo", "backend", "inference", "task", "data", "environment"]
+    names = [*tables, "dpo", "backend", "inference", "task", "data", "environment", "teacher"]
     for name, value in data.items():
         if name not in names:
             raise ValueError(
@@ -393,8 +432,14 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
     dataset = _build(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
     inference = _inference(dict(data.get("inference") or {}))  # type: ignore[call-overload]
-    dpo = _build(DPOJobConfig, dict(data["dpo"]), "dpo") if "dpo" in data else None  # type: ignore[call-overload]
-    return JobConfig(**built, **free, data=dataset, dpo=dpo, inference=inference, source=source)  # type: ignore[arg-type]
+    dpo = None
+    if "dpo" in data:
+        table: dict[str, object] = dict(data["dpo"])  # type: ignore[call-overload]
+        dpo = cast(DPOJobConfig, _build(DPOJobConfig, table, "dpo"))
+        dpo = replace(dpo, written=frozenset(table) & set(option_fields(DPOConfig)))
+    teacher = _build(TeacherConfig, dict(data["teacher"]), "teacher") if "teacher" in data else None  # type: ignore[call-overload]
+    extra = {"data": dataset, "dpo": dpo, "inference": inference, "teacher": teacher}
+    return JobConfig(**built, **free, **extra, source=source)  # type: ignore[arg-type]
 
 
 def _inference(table: dict[str, object]) -> InferenceConfig:
@@ -449,8 +494,9 @@ def _check_environment_tables(run: Mapping[str, object], data: Mapping[str, obje
             if key in rl:
                 raise ValueError(
                     f"[rl] {key} has no effect on a verifiers environment, whose agent has its "
-                    "own limits: set them in [environment], e.g. agent = { max_turns = 4, "
-                    "max_total_tokens = 512 }"
+                    "own limits: set them in [environment] under the agent's seat, e.g. "
+                    "agent = { max_turns = 4, max_total_tokens = 512 } (the seat's name is the "
+                    "env's: agent in a single-agent env, player in TextArena's)"
                 )
     clash = [f"[run] task = {run['task']!r}"] if "task" in run else []
     clash += [f"[{table}]" for table in ("task", "data") if table in data]

@@ -8,9 +8,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from posttrain.backends.tinker_index import INDEX as TINKER_INDEX
+from posttrain.backends.tinker_index import parse
 from posttrain.engine.checkpoint import step_directories
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig, parse_tiny_spec, redact_secrets
+from posttrain.jobs.job_task import file_digest
 from posttrain.model import RunState
 from posttrain.trainer.config import option_values
 from posttrain.trainer.token_advantages import TRAINER_RUN_STATE_KEYS
@@ -21,15 +24,19 @@ RESUMABLE_CHANGES = frozenset(
     {"run.output_dir", "run.name", "run.project", "run.keep_checkpoints", "rl.steps"}
     | {f"inference.{key}" for key in ("devices", "threads", "python", "kv_cache_mb")}
     | {f"inference.{key}" for key in ("url", "api_key", "start_timeout_s")}
+    | {"teacher.url", "teacher.api_key"}  # where the same teacher is served
 )
 JOB_FILE = "job.json"
-OPTIONAL_TABLES = ("task", "data", "environment")  # in job.json only when the config has them
+# In job.json only when the config has them.
+OPTIONAL_TABLES = ("task", "data", "environment", "teacher")
 # Tables posttrain added after runs began: a run's job.json without one ran at its defaults.
 LATER_TABLES = ("inference",)
 # job.json's record of the resolved task (`ResolvedTask.record()`): spec, kind, target, ...
 RESOLVED_KEY = "resolved_task"
 # ... or of the resolved environment (`ResolvedEnvironment.record()`): spec, kind, target.
 RESOLVED_ENVIRONMENT_KEY = "resolved_environment"
+# job.json's record of `[dpo]` (`dpo_record`), null for a job without one.
+DPO_KEY = "dpo"
 
 
 def locate_run(config: JobConfig, resume: str | Path | None) -> tuple[Path, str, str]:
@@ -64,6 +71,8 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         record["data"] = asdict(config.data)
     if config.environment:
         record["environment"] = dict(config.environment)
+    if config.teacher is not None:
+        record["teacher"] = redact_secrets(asdict(config.teacher))
     return record
 
 
@@ -113,21 +122,22 @@ def prepare_run_dir(
         saved = json.loads((run_dir / JOB_FILE).read_text())
         changed = config_changes(saved, config_record(config))
         changed += data_changes(saved.get(RESOLVED_KEY), task)
+        changed += dpo_changes(saved, dpo_record(config))
         if changed:
             raise ValueError(
                 f"cannot resume {run_dir} with a different config (only [rl] steps, [eval] and "
                 "where the run lives may change): " + "; ".join(changed)
             )
         return run_dir
+    record[DPO_KEY] = dpo_record(config)
     if task is not None:
         record[RESOLVED_KEY] = dict(task)
     if environment is not None:
         record[RESOLVED_ENVIRONMENT_KEY] = dict(environment)
-    # Any step directory, complete or damaged: a damaged one is a run's too, not a fresh start.
-    checkpoints = step_directories(run_dir / "checkpoints")
-    if checkpoints:
+    held = held_checkpoint(run_dir)
+    if held is not None:
         raise ValueError(
-            f"{run_dir} already holds a run (checkpoint {checkpoints[-1].name}); continue it with "
+            f"{run_dir} already holds a run ({held}); continue it with "
             f"`posttrain train CONFIG --resume {run_dir}`, or set another [run] name"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +145,23 @@ def prepare_run_dir(
         (run_dir / stale).unlink(missing_ok=True)
     (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return run_dir
+
+
+def held_checkpoint(run_dir: Path) -> str | None:
+    """The run's latest checkpoint, in words, if `run_dir` holds one: a step directory
+    (LocalBackend, RayBackend; complete or damaged: a damaged one is a run's too, not a fresh
+    start), or a line of TinkerBackend's index of checkpoints on its service."""
+    steps = step_directories(run_dir / "checkpoints")
+    if steps:
+        return f"checkpoint {steps[-1].name}"
+    index = run_dir / TINKER_INDEX
+    lines = index.read_text(encoding="utf-8").splitlines() if index.is_file() else []
+    records = [line for line in lines if line.strip()]
+    if records:
+        found = parse(records[-1])
+        step = f"step {found.step}" if found is not None else "a record"
+        return f"{TINKER_INDEX} names the checkpoint of {step}"
+    return None
 
 
 def data_changes(saved: object, task: Mapping[str, object] | None) -> list[str]:
@@ -152,16 +179,54 @@ def data_changes(saved: object, task: Mapping[str, object] | None) -> list[str]:
     ]
 
 
-def resolve_base_model(spec: str, run_dir: Path) -> Path | str:
-    """`tiny:<arch>:<size>[:<init seed, default 0>]` is built once into the run directory; anything else is a
-    local directory or a hub id, passed on as is."""
+def dpo_record(config: JobConfig) -> dict[str, object] | None:
+    """`[dpo]` as job.json keeps it: `data`, its train_dpo options, and `data_sha256`, the
+    sha256 of the data file (None if it is missing: the DPO phase then says so)."""
+    if config.dpo is None:
+        return None
+    path = config.dpo_path()
+    digest = file_digest(path) if path is not None and path.is_file() else None
+    return {"data": config.dpo.data, **option_values(config.dpo.trainer), "data_sha256": digest}
+
+
+def dpo_changes(saved: Mapping[str, object], now: dict[str, object] | None) -> list[str]:
+    """How `[dpo]` differs from the run's: its presence, an option, or its data file's bytes
+    (its path may change). A job.json from before [dpo] was recorded has no DPO_KEY."""
+    if DPO_KEY not in saved:
+        return []
+    before = saved[DPO_KEY]
+    if before is None or now is None:
+        if before == now:
+            return []
+        return [
+            f"[dpo]: {'not ' if before is None else ''}in the run's {JOB_FILE}, "
+            f"{'not ' if now is None else ''}in the config now"
+        ]
+    assert isinstance(before, dict)
+    changed = [
+        f"[dpo] {key}: {before.get(key)!r} in the run, {now.get(key)!r} now"
+        for key in sorted({*before, *now} - {"data", "data_sha256"})
+        if before.get(key) != now.get(key)
+    ]
+    then, digest = before.get("data_sha256"), now["data_sha256"]
+    if then != digest:
+        changed.append(
+            f"[dpo] data: the file changed since the run started (sha256 {str(then)[:12]}... "
+            f"then, {str(digest)[:12]}... now); resuming would train on other pairs"
+        )
+    return changed
+
+
+def resolve_base_model(spec: str, run_dir: Path, *, into: str = "base_model") -> Path | str:
+    """`tiny:<arch>:<size>[:<init seed, default 0>]` is built once into the run directory (as
+    `into`); anything else is a local directory or a hub id, passed on as is."""
     if not spec.startswith("tiny:"):
         return spec
     arch, size, seed = parse_tiny_spec(spec)
-    path = run_dir / "base_model"
+    path = run_dir / into
     if not path.is_dir():
         # Built aside and renamed, so a crash never leaves a half-written base model behind.
-        partial = run_dir / "base_model.partial"
+        partial = run_dir / f"{into}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         make_tiny_model(partial, arch=arch, size=size, seed=seed or 0)  # type: ignore[arg-type]
         partial.rename(path)

@@ -46,13 +46,14 @@ from posttrain.jobs.backend import (
     job_problems,
     work_problems,
 )
-from posttrain.jobs.config import JobConfig, load_config
+from posttrain.jobs.config import DPOJobConfig, JobConfig, load_config
 from posttrain.jobs.dpo_data import load_preference_pairs
 from posttrain.jobs.pipeline import Prefetch, drop_stale
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
 from posttrain.jobs.rollouts import SampledStep
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
+from posttrain.jobs.teacher import build_teacher
 from posttrain.jobs.work import JobWork, job_work, policy_version
 from posttrain.model import TrainableModel
 from posttrain.trainer.config import option_defaults, option_values, with_options
@@ -154,6 +155,13 @@ async def run_job(
     backend = create_backend(found)
     try:
         await model.register(backend, resume_step=resume_step)
+        if config.teacher is not None:
+            teacher = await asyncio.to_thread(
+                build_teacher, config.teacher, run_dir, seed=config.run.seed
+            )
+            echo(f"teacher: {teacher.name}")
+            trainer = with_options(config.rl.trainer, teacher=teacher)
+            config = replace(config, rl=replace(config.rl, trainer=trainer))
         run = _Run(
             config=config,
             work=job_work(config, resolved, model),
@@ -240,8 +248,8 @@ async def _warm_up(run: _Run, state: JobState) -> None:
 
 
 async def _dpo_phase(run: _Run, state: JobState) -> None:
-    """One `train_dpo` call on `[dpo] data`, with the `[dpo]` options set away from their
-    defaults (a backend may lack one it would not need: TinkerBackend's `reference`)."""
+    """One `train_dpo` call on `[dpo] data`, with the `[dpo]` options set or written
+    (`dpo_options`)."""
     path, dpo = run.config.dpo_path(), run.config.dpo
     assert path is not None and dpo is not None
     train_dpo = getattr(run.backend, "train_dpo", None)
@@ -251,8 +259,7 @@ async def _dpo_phase(run: _Run, state: JobState) -> None:
         )
     pairs = load_preference_pairs(path, run.sampler.tokenizer)
     run.echo(f"dpo: {len(pairs)} pairs, {dpo.trainer.epochs} epochs, loss={dpo.trainer.loss}")
-    defaults = option_defaults(type(dpo.trainer))
-    options = {k: v for k, v in option_values(dpo.trainer).items() if v != defaults[k]}
+    options = dpo_options(dpo)
     options["save_checkpoint"] = not _checkpoints_on_demand(run)
     state.dpo_done = True
     state.save(run.model.run_state)
@@ -271,6 +278,14 @@ async def _dpo_phase(run: _Run, state: JobState) -> None:
         f"dpo done in {seconds:.1f}s: loss {result.metrics['loss']:.4f}, reward accuracy "
         f"{result.metrics['rewards/accuracy']:.1%}, margin {result.metrics['rewards/margin']:.3f}"
     )
+
+
+def dpo_options(dpo: DPOJobConfig) -> dict[str, object]:
+    """The train_dpo options of `[dpo]`: those set away from their default and those the table
+    writes (preflight refused any the backend lacks), so no value written is dropped."""
+    defaults = option_defaults(type(dpo.trainer))
+    values = option_values(dpo.trainer).items()
+    return {k: v for k, v in values if v != defaults[k] or k in dpo.written}
 
 
 def _checkpoints_on_demand(run: _Run) -> bool:

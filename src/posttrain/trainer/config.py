@@ -11,6 +11,7 @@ trainer never imports a backend module.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -35,7 +36,12 @@ from posttrain.algo.config_fields import (
 )
 from posttrain.algo.dpo import PairLoss
 from posttrain.algo.losses import KLMode, LossConfig, with_art_clip_defaults
-from posttrain.clients.custom_loss import LossName, custom_loss_names, is_custom_loss
+from posttrain.clients.custom_loss import (
+    LossName,
+    is_custom_loss,
+    is_pair_loss,
+    policy_loss_names,
+)
 from posttrain.clients.teacher import Teacher
 from posttrain.types import AdamParams
 
@@ -134,15 +140,30 @@ class CriticConfig:
 
 def check_loss_name(name: str | None) -> None:
     """A built-in policy loss or a registered custom one; else a ValueError naming the nearest."""
-    if name is None or name in get_args(PolicyLoss) or is_custom_loss(name):
-        return
-    names = [*get_args(PolicyLoss), *custom_loss_names()]
+    problem = loss_name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def loss_name_problem(
+    name: str | None, builtins: Sequence[str] = get_args(PolicyLoss)
+) -> str | None:
+    """Why `train(loss=name)` is refused where `builtins` are the built-in losses that run, or
+    None: it is one of them or a registered custom policy loss. The message lists only those."""
+    if name is None or name in builtins or (is_custom_loss(name) and not is_pair_loss(name)):
+        return None
+    if is_pair_loss(name):
+        return (
+            f"option loss={name!r} is a loss of preference pairs, which train_dpo runs (its "
+            "own loss option); train() takes a policy loss"
+        )
+    names = [*builtins, *policy_loss_names()]
     close = difflib.get_close_matches(name, names, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
-        f"option loss={name!r} is invalid: expected one of {', '.join(map(repr, names))}, or a "
+    return (
+        f"option loss={name!r} is invalid: expected one of {', '.join(map(repr, names))}, a "
         f"custom loss registered with register_loss or the 'posttrain.losses' entry point "
-        f"group{hint}"
+        f"group, or a dotted path 'package.module:function'{hint}"
     )
 
 

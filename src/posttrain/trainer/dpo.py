@@ -156,7 +156,7 @@ def dpo_loss_fn(loss: PairLoss) -> CustomLossFn:
 
 
 for _loss in get_args(PairLoss):  # named losses, for forward_backward_custom on any client
-    register_loss(loss_name(_loss), dpo_loss_fn(_loss))
+    register_loss(loss_name(_loss), dpo_loss_fn(_loss), pairs=True)
 
 
 async def train_dpo(

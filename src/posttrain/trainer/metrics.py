@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import operator
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from posttrain.algo.agreement import AgreementSums, agreement_metrics
+
+# How the updates of a step combine a metric reported with each reduction other than mean.
+_COMBINE: dict[str, Callable[[float, float], float]] = {
+    "sum": operator.add,
+    "min": min,
+    "max": max,
+}
 
 
 @dataclass
@@ -28,6 +36,8 @@ class StepMetrics:
     # Sampler vs trainer logprobs over the step's trainable tokens (`algo.agreement`).
     sample_train: AgreementSums = field(default_factory=AgreementSums)
     _sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict[str, float](float))
+    _combined: dict[str, float] = field(default_factory=dict[str, float])  # :sum, :min, :max
+    _unreduced: dict[str, list[float]] = field(default_factory=dict[str, list[float]])
 
     @classmethod
     def for_batch(
@@ -52,7 +62,11 @@ class StepMetrics:
     def add_update(
         self, forward: Mapping[str, float], optim: Mapping[str, float], *, num_tokens: int
     ) -> None:
-        """Fold in one mini-batch: token-weighted for per-token means, plain sums otherwise.
+        """Fold in one mini-batch: `<name>:mean` token-weighted, `<name>:sum` summed, `:min`
+        and `:max` the least and greatest over the step's updates, each reported as `<name>`.
+        A key with no such reduction (a custom loss's `"my_metric"`) is averaged over the
+        updates under its own name. `loss:sum` is averaged over the updates (`loss`), and
+        `tokens:sum` is the step's `num_trainable_tokens`.
 
         `forward` must report `loss:sum` (every TrainingClient does). The optimizer's metrics
         are optional: a remote service may report none, and then none is aggregated.
@@ -67,8 +81,17 @@ class StepMetrics:
         self._add("loss", forward["loss:sum"], 1.0)
         for key, value in forward.items():
             name, _, reduction = key.partition(":")
+            if key in ("loss:sum", "tokens:sum"):
+                continue
             if reduction == "mean":
                 self._add(name, value, float(num_tokens))
+            elif reduction in _COMBINE:
+                before = self._combined.get(name)
+                self._combined[name] = (
+                    value if before is None else _COMBINE[reduction](before, value)
+                )
+            else:
+                self._unreduced.setdefault(key, []).append(value)
         if "skipped:sum" in optim:
             self.num_skipped_updates += int(optim["skipped:sum"])
         # Plain means over the updates: one gradient norm and one learning rate per update.
@@ -112,4 +135,9 @@ class StepMetrics:
             if not key.endswith(".weight"):
                 weight = self._sums[f"{key}.weight"]
                 out[key] = total / weight if weight else 0.0
+        # Never over what the trainer computes itself (DPO's per-pair means, in `flow`).
+        for key, value in self._combined.items():
+            out.setdefault(key, value)
+        for key, values in self._unreduced.items():
+            out.setdefault(key, statistics.fmean(values))
         return out

@@ -150,6 +150,7 @@ def _uncertainties(
     kind = config.tokens.uncertainty_kind
     fn = resolve_kind(kind)
     reads_logprobs = KIND_NEEDS.get(kind) == "logprobs"  # type: ignore[call-overload]
+    reads_entropies = kind_needs_entropies(kind)
     out: list[list[torch.Tensor]] = []
     for g, row in enumerate(all_targets):
         out.append([])
@@ -158,6 +159,13 @@ def _uncertainties(
                 raise ValueError(
                     f"group {g} trajectory {t}: uncertainty_kind={kind!r} reads the sampler's "
                     "logprobs, and a trainable segment has none; sample with logprobs"
+                )
+            if reads_entropies and found.entropies is None:
+                raise ValueError(
+                    f"group {g} trajectory {t}: uncertainty_kind={kind!r} reads per-token "
+                    "entropies, and a trainable segment has none: sample it with "
+                    "SamplingParams(entropies=True), on a backend whose sampler computes them "
+                    "(provides_token_entropies in `posttrain backends`)"
                 )
             try:
                 out[-1].append(token_uncertainty(kind, fn, found.logprobs, found.entropies))
