@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -13,6 +14,9 @@ import pytest
 from serve_helpers import KEY, ServerProcess, post, result
 
 from posttrain.server import proto_schema
+
+if TYPE_CHECKING:
+    from tinker import ServiceClient
 
 tinker = pytest.importorskip("tinker")
 zstandard = pytest.importorskip("zstandard")
@@ -161,7 +165,7 @@ def test_errors_name_the_clients_checkpoints_not_server_paths(
 
 
 def check_errors_name_the_clients_paths(
-    server: ServerProcess, service: tinker.ServiceClient, tiny_model_dir: Path
+    server: ServerProcess, service: ServiceClient, tiny_model_dir: Path
 ) -> None:
     tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
     state = tc.save_state("damaged").result().path
