@@ -60,6 +60,16 @@ def test_every_page_has_runnable_examples():
     assert all(blocks(p, "python") or commands(p) for p in PAGES if p.name != "benchmarks.md")
 
 
+def test_every_python_block_is_run():
+    """A python block runs here (no info string), is a file the page's examples use (`file=`),
+    or is backends.md's `cluster` example, which tests/backends/test_ray_cluster.py runs on a
+    two-node Ray cluster."""
+    for page in PAGES:
+        for info in re.findall(r"```python([^\n]*)\n", page.read_text()):
+            cluster = info == " cluster" and page.name == "backends.md"
+            assert info == "" or info.startswith(" file=") or cluster, (page.name, info)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")], ids=lambda p: p.name)
 def test_python_examples_run(page: Path, tmp_path: Path):
