@@ -5,6 +5,9 @@ a custom resource: two workers that need a slot each can only land one per node.
 takes the address Ray picks for this machine and the second node 127.0.0.2 (another loopback
 address), so a driver in this process attaches to the head.
 
+Ray's token authentication is on for the nodes exactly when it is for this process
+(`auth_mode`).
+
 Where this process may make a mount namespace (root, or an unprivileged user namespace), the
 second node runs in one of its own in which a tmpfs covers `private/`: the same path names
 different files on the two nodes, as a node's local disk does. `shared/` is the same directory
@@ -44,6 +47,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def auth_mode() -> str:
+    """Ray's token authentication setting for the nodes: this process's, else "disabled".
+
+    A driver given an explicit address turns token authentication on only when RAY_AUTH_MODE
+    says so (as a local ray.init earlier in this process does), while a head turns it on by
+    itself when it finds ~/.ray/auth_token (which any local ray.init on this machine writes)
+    and a joining node never does: stated explicitly, all three agree.
+    """
+    return os.environ.get("RAY_AUTH_MODE") or "disabled"
+
+
 def private_mount_prefix() -> list[str] | None:
     """The `unshare` command that gives a process its own mounts, or None where it cannot."""
     if shutil.which("unshare") is None:
@@ -77,6 +91,7 @@ class TwoNodeCluster:
             "PYTHONPATH": str(Path(posttrain.__file__).parents[1]),
             "RAY_USAGE_STATS_ENABLED": "0",
             "OMP_NUM_THREADS": "1",
+            "RAY_AUTH_MODE": auth_mode(),
         }
         head = [
             "--head",
