@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from local_groups import synthetic_groups, weights_of
 from two_nodes import SLOT, TwoNodeCluster
 
+from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.ray import RayBackend
 from posttrain.engine.checkpoint import is_complete_checkpoint
