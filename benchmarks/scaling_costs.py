@@ -75,6 +75,16 @@ HEAD_CHUNKS = 1.14
 PEAK_FLOPS = {"lora": 989e12, "full": 67e12}
 MFU = 0.35
 LINKS = {"NVLink": 350e9, "50 GB/s": 50e9, "12.5 GB/s": 12.5e9}  # bytes/s an all-gather reaches
+# Measured on a GPU: scripts/gpu-check's GRPO step on an H200 (docs/gpu.md, 2026-11-28) at
+# Qwen2.5-0.5B's shape, no gradient checkpointing, one micro-batch a step of 4,470 computed
+# tokens: 16 prompts of 31.4 tokens on average, each computed once for its 8 samples
+# (min_shared_prefix), and 128 completions of 31 input tokens. Per run: LoRA rank (None: full),
+# peak GiB, training-phase MFU.
+GPU_RUN_TOKENS = 4470
+GPU_RUN: dict[str, tuple[int | None, float, float]] = {
+    "LoRA r16, bf16": (16, 11.3, 0.016),
+    "full, fp32": (None, 18.8, 0.291),
+}
 
 
 @dataclass(frozen=True)
@@ -312,20 +322,25 @@ def whole_model_check(shape: Shape, lora: int | None, tokens: int) -> None:
         _, sizes = json.loads(timeline.read_text())
     totals = [sum(by_category) for by_category in sizes]  # the first: the weights, held before
     derived = grads + pass_bytes(shape, lora is not None, True, tokens)
-    print(f"  {shape.layers} layers, {tokens} tokens, checkpointing: peak beyond what was held "
-          f"before: live tensors {(max(totals) - totals[0]) / GIB:.2f} GiB, RSS {rss / GIB:.2f} GiB; "
-          f"derived {derived / GIB:.2f} GiB (gradients {grads / GIB:.2f} GiB, activations and "
-          "logprob head)", flush=True)  # fmt: skip
+    live = (max(totals) - totals[0]) / GIB
+    print(
+        f"  {shape.layers} layers, {tokens} tokens, checkpointing: peak beyond what was held "
+        f"before: live tensors {live:.2f} GiB, RSS {rss / GIB:.2f} GiB; derived "
+        f"{derived / GIB:.2f} GiB (gradients {grads / GIB:.2f} GiB, activations and logprob head)",
+        flush=True,
+    )
 
 
 # Derived: arithmetic on the costs above, for the published shapes (docs/scaling.md).
 
 
-def pass_bytes(shape: Shape, lora: bool, checkpointing: bool, tokens: int = TOKENS) -> float:
+def pass_bytes(
+    shape: Shape, lora: bool, checkpointing: bool, tokens: int = TOKENS, rank: int = RANK
+) -> float:
     """Activations saved for backward by one micro-batch of `tokens` tokens, and the logprob
     head's transient fp32 logits."""
     mode = "lora" if lora else "full"
-    layer = shape.layer_activations(lora)
+    layer = shape.layer_activations(lora, rank)
     if checkpointing:  # every layer's input (bf16 or fp32), and the one layer being recomputed
         per_token = shape.layers * (2 if lora else 4) * shape.hidden + layer
     else:
@@ -334,7 +349,14 @@ def pass_bytes(shape: Shape, lora: bool, checkpointing: bool, tokens: int = TOKE
     return tokens * per_token + HEAD_CHUNKS * CHUNK * shape.vocab * 4
 
 
-def memory_per_gpu(shape: Shape, gpus: int, lora: bool, checkpointing: bool) -> float:
+def memory_per_gpu(
+    shape: Shape,
+    gpus: int,
+    lora: bool,
+    checkpointing: bool,
+    tokens: int = TOKENS,
+    rank: int = RANK,
+) -> float:
     """GiB one GPU holds at the peak of forward_backward: FSDP2 over `gpus` workers, or a whole
     replica for 1. Weights at 2 B (LoRA's bf16 base) or 4 B (fp32); each trained weight 16 B
     (fp32 weight, gradient, two AdamW moments)."""
@@ -342,11 +364,11 @@ def memory_per_gpu(shape: Shape, gpus: int, lora: bool, checkpointing: bool) -> 
     sharded = shape.params() - whole
     layer = shape.layer_params()
     if lora:
-        adapters = shape.layers * shape.layer_lora_params(RANK)  # sharded with their layers
+        adapters = shape.layers * shape.layer_lora_params(rank)  # sharded with their layers
         state = 2 * (sharded / gpus + whole)
-        state += 16 * (adapters / gpus + shape.unembed_lora_params(RANK))
-        gathered_layer = 2 * layer + 4 * shape.layer_lora_params(RANK)
-        layer_grads = 4 * shape.layer_lora_params(RANK)
+        state += 16 * (adapters / gpus + shape.unembed_lora_params(rank))
+        gathered_layer = 2 * layer + 4 * shape.layer_lora_params(rank)
+        layer_grads = 4 * shape.layer_lora_params(rank)
     else:
         state = 16 * (sharded / gpus + whole)
         gathered_layer = layer_grads = 4 * layer
@@ -357,7 +379,7 @@ def memory_per_gpu(shape: Shape, gpus: int, lora: bool, checkpointing: bool) -> 
         # one layer's gradients are whole until their reduce-scatter.
         root = 0 if shape.tied else (2 if lora else 4) * shape.vocab * shape.hidden
         gathered = root + 2 * gathered_layer + layer_grads
-    return (state + gathered + pass_bytes(shape, lora, checkpointing)) / GIB
+    return (state + gathered + pass_bytes(shape, lora, checkpointing, tokens, rank)) / GIB
 
 
 def seconds_per_million_tokens(shape: Shape, gpus: int, lora: bool) -> float:
@@ -416,6 +438,18 @@ def derived_tables() -> dict[str, str]:
         )
     header = [f"{gpus} GPUs, {TOKENS}-token micro-batch", "compute", *LINKS]
     tables["FSDP2 traffic per micro-batch"] = markdown(header, rows)
+    small = SHAPES["qwen2.5-0.5b"]
+    rows = []
+    for run, (rank, peak, mfu) in GPU_RUN.items():
+        derived = memory_per_gpu(small, 1, rank is not None, False, GPU_RUN_TOKENS, rank or RANK)
+        rows.append([run, f"{peak:.1f}", f"{derived:.1f}", f"{mfu:.1%}"])
+    header = [
+        "gpu-check on an H200, Qwen2.5-0.5B",
+        "measured peak GiB",
+        "derived GiB",
+        "training MFU",
+    ]
+    tables["the GPU run beside the derivation"] = markdown(header, rows)
     return tables
 
 
@@ -453,12 +487,19 @@ def main() -> None:
         if key in args.modes.split(",")
     ]
     if names:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, 1-min load "
-              f"{os.getloadavg()[0]:.1f} (byte counts do not depend on it)", flush=True)  # fmt: skip
+        load = os.getloadavg()[0]
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, 1-min load "
+            f"{load:.1f} (byte counts do not depend on it)",
+            flush=True,
+        )
     for index, name in enumerate(names):
         shape = {**SHAPES, "tiny": TINY}[name]
-        print(f"{name}: {shape.params() / 1e9:.3f}B params, {shape.layer_params():,} per layer, "
-              f"hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}", flush=True)  # fmt: skip
+        print(
+            f"{name}: {shape.params() / 1e9:.3f}B params, {shape.layer_params():,} per layer, "
+            f"hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}",
+            flush=True,
+        )
         for label, lora in modes:
             if args.whole:
                 print(f"  {label}:", flush=True)
@@ -470,15 +511,14 @@ def main() -> None:
                 state_costs(shape, lora, label)
             for checkpointing in (False, True):
                 per_layer, rest = activation_costs(shape, lora, checkpointing, (low, high))
-                formula = (
-                    ""
-                    if checkpointing
-                    else (f", formula {shape.layer_activations(lora is not None, lora or 0)}")
+                formula = shape.layer_activations(lora is not None, lora or 0)
+                beside = "" if checkpointing else f", formula {formula}"
+                print(
+                    f"  {label}, checkpointing {checkpointing!s:5}: {per_layer:9.0f} B/token "
+                    f"per layer ({per_layer / shape.hidden:5.1f} x hidden{beside}), "
+                    f"{rest:7.0f} B/token ({rest / shape.hidden:4.1f} x hidden) besides",
+                    flush=True,
                 )
-                print(f"  {label}, checkpointing {checkpointing!s:5}: {per_layer:9.0f} B/token "
-                      f"per layer ({per_layer / shape.hidden:5.1f} x hidden{formula}), "
-                      f"{rest:7.0f} B/token ({rest / shape.hidden:4.1f} x hidden) besides",
-                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
