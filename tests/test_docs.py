@@ -9,12 +9,14 @@ is written into the directory before the page's python blocks run, and before it
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +24,7 @@ from gguf_files import write_tiny_gguf
 from posttrain.engine.tiny import make_tiny_model
 
 ROOT = Path(__file__).parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 SERVER_URL = "http://127.0.0.1:8000"  # where a page's python expects `posttrain serve`
 SERVER_KEY = "tml-mykey"
@@ -58,6 +61,63 @@ def commands(page: Path) -> list[list[str]]:
 def test_every_page_has_runnable_examples():
     assert {p.name for p in PAGES} >= {"architecture.md", "backends.md", "benchmarks.md"}
     assert all(blocks(p, "python") or commands(p) for p in PAGES if p.name != "benchmarks.md")
+
+
+def test_every_python_block_is_run():
+    """A python block runs here (no info string), is a file the page's examples use (`file=`),
+    or is backends.md's `cluster` example, which tests/backends/test_ray_cluster.py runs on a
+    two-node Ray cluster."""
+    for page in PAGES:
+        for info in re.findall(r"```python([^\n]*)\n", page.read_text()):
+            cluster = info == " cluster" and page.name == "backends.md"
+            assert info == "" or info.startswith(" file=") or cluster, (page.name, info)
+
+
+def scaling_costs() -> Any:
+    """benchmarks/scaling_costs.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("scaling_costs", BENCHMARKS / "scaling_costs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scaling_tables_are_what_the_benchmark_derives():
+    """docs/scaling.md's tables are `scaling_costs.py --derive`'s output, verbatim."""
+    text = (ROOT / "docs" / "scaling.md").read_text()
+    tables = scaling_costs().derived_tables()
+    assert len(tables) == 5
+    for title, table in tables.items():
+        assert table in text, f"docs/scaling.md lacks the table {title!r}: rerun --derive"
+
+
+def test_scaling_derivation_adds_up_by_hand():
+    """Two cells of the memory table and one of the time table, from the page's assumptions."""
+    costs = scaling_costs()
+    gib = 2**30
+    # Qwen2.5-0.5B, full, 1 GPU, checkpointing: 16 B per weight; per token each of 24 layers'
+    # fp32 input (4 x 896 B), one recomputed layer (107,584 B) and 12.7 x 896 B besides; 1.14
+    # chunks of 1024 x 151,936 fp32 logits.
+    want = 16 * 494_032_768 + 8192 * (24 * 4 * 896 + 107_584 + 12.7 * 896)
+    want += 1.14 * 1024 * 151_936 * 4
+    got = costs.memory_per_gpu(costs.SHAPES["qwen2.5-0.5b"], 1, False, True)
+    assert got == pytest.approx(want / gib, rel=1e-12)
+    # Llama-3.1-8B, full, FSDP2 x8, checkpointing: the unembedding (128,256 x 4,096) whole, the
+    # rest cut 8 ways; the untied embedding, two layers of 218,112,000 weights and one layer's
+    # gradients whole, 4 B each.
+    unembedding, layer = 128_256 * 4096, 218_112_000
+    want = 16 * ((8_030_261_248 - unembedding) / 8 + unembedding)
+    want += 4 * (unembedding + 2 * layer + layer)
+    want += 8192 * (32 * 4 * 4096 + 368_776 + 12.7 * 4096) + 1.14 * 1024 * 128_256 * 4
+    got = costs.memory_per_gpu(costs.SHAPES["llama-3.1-8b"], 8, False, True)
+    assert got == pytest.approx(want / gib, rel=1e-12)
+    assert f"{got:.1f}" == "34.0"  # as the page's table says
+    # Qwen2.5-7B, LoRA, 8 GPUs: 6 N per token, N = every weight but the untied input embedding.
+    n = 7_615_616_512 - 152_064 * 3584
+    want = 6 * n * 1e6 / (8 * 989e12 * 0.35)
+    got = costs.seconds_per_million_tokens(costs.SHAPES["qwen2.5-7b"], 8, True)
+    assert got == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.slow

@@ -31,10 +31,14 @@ class RayTrainingClient:
     """The primitives of a LocalTrainingClient whose `Dispatch` runs on a `RayExecutor`'s actors.
 
     It holds that client (`core`) and passes each call to it, so results match the local
-    client's; what it adds is Ray's: `weight_digests`, a check that rank 0 shares this machine
-    before a snapshot is read from its files, and a `close()` that also frees the actors and the
-    local Ray it started. Sampling clients hold their replica in this process, built by
-    `worker_factory`.
+    client's; what it adds is Ray's: a check that the workers see `storage_dir` as this process
+    does, `weight_digests`, and a `close()` that also frees the actors and the local Ray it
+    started. Sampling clients hold their replica in this process, built by `worker_factory`.
+
+    `storage_dir` is where rank 0 writes checkpoints and exported weights and where they are
+    loaded from. On a cluster it must be storage the workers' nodes mount at the same path:
+    otherwise (`executor.check_storage`) this raises StorageNotShared and frees the actors,
+    before anything could be written where this process never sees it.
     """
 
     def __init__(
@@ -46,9 +50,15 @@ class RayTrainingClient:
         worker_factory: Callable[[], Worker] | None = None,
     ) -> None:
         self.executor = executor
+        storage = Path(storage_dir).absolute()  # the workers' working directory is not ours
+        try:
+            executor.check_storage(storage)
+        except BaseException:
+            executor.close()
+            raise
         self.core = LocalTrainingClient(
             Dispatch(executor),
-            storage_dir=storage_dir,
+            storage_dir=storage,
             base_model=base_model,
             worker_factory=worker_factory,
         )
@@ -118,18 +128,8 @@ class RayTrainingClient:
         return self.core.create_sampling_client(model_path)
 
     def save_weights_and_get_sampling_client(self) -> APIFuture[LocalSamplingClient]:
-        """As the local client's: rank 0's actor writes the snapshot and this process reads it,
-        so rank 0 must run on this machine (always so on the local Ray started here).
-
-        On a cluster where it does not, a ValueError names the way that works there.
-        """
-        if not self.executor.rank0_is_local():
-            raise ValueError(
-                "save_weights_and_get_sampling_client builds its replica in this process from "
-                "files rank 0 writes, but rank 0 runs on another node of the Ray cluster: use "
-                "save_weights_for_sampler(name) and create the sampling client from that path "
-                "in a process on the cluster that sees it"
-            )
+        """As the local client's: rank 0's actor writes the snapshot under `storage_dir`,
+        which this process sees (checked when the client was made), and reads it."""
         return self.core.save_weights_and_get_sampling_client()
 
     def offload(self) -> APIFuture[None]:

@@ -45,6 +45,7 @@ from posttrain.engine.rank_calls import (
     rank_call,
 )
 from posttrain.engine.ray_session import loopback_interface
+from posttrain.engine.shared_storage import read_marker
 from posttrain.engine.worker import PassResult, Worker
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse
@@ -257,6 +258,11 @@ class WorkerHost:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    @rank_call(read_only=True)
+    def read_marker(self, path: str) -> str | None:
+        """The driver's storage marker as this rank sees it (`engine.shared_storage`)."""
+        return read_marker(path)
 
     @rank_call(read_only=True)
     def served_counts(self) -> dict[str, int]:

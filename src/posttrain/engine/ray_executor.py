@@ -48,6 +48,7 @@ from posttrain.engine.placement import StateGroup
 from posttrain.engine.ray_actor import Sharding, WorkerHost, store_directory
 from posttrain.engine.ray_calls import ActorCalls, WorkerGroupError, remote
 from posttrain.engine.ray_session import acquire_ray, import_ray, release_ray
+from posttrain.engine.shared_storage import StorageNotShared, not_shared_message, write_marker
 from posttrain.engine.worker import PassResult, Worker
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse
@@ -125,7 +126,6 @@ class RayExecutor:
         self.config = config
         self._store_dirs: list[Path] = []
         self._num_workers = num_workers
-        self._rank0_node: str | None = None  # rank 0's Ray node id, once asked
         self.rendezvous = ""  # where the ranks met: file://<temp dir>/store, or tcp://host:port
         loopback = acquire_ray(self.config.address, num_workers * self.config.num_cpus)
         # Frees the actors on close(), on garbage collection, or at interpreter exit.
@@ -268,11 +268,24 @@ class RayExecutor:
         """One empty round trip to every rank (measures the per-call dispatch overhead)."""
         self._calls.all(WorkerHost.ping)
 
-    def rank0_is_local(self) -> bool:
-        """Whether rank 0's actor runs on this process's Ray node (sees the files it writes)."""
-        if self._rank0_node is None:
-            self._rank0_node = self._calls.on_rank(0, WorkerHost.node_id)
-        return self._rank0_node == self._ray.get_runtime_context().get_node_id()
+    def node_ids(self) -> list[str]:
+        """The Ray node each rank's actor runs on."""
+        return self._calls.all(WorkerHost.node_id)
+
+    def check_storage(self, directory: Path) -> None:
+        """Refuse `directory` (StorageNotShared) unless every rank that reads or writes
+        checkpoint files there sees it as this process does: rank 0 under FSDP2 (it alone
+        does the I/O), else every rank (each replica loads the checkpoint itself)."""
+        ranks = [0] if self.config.sharding == "fsdp2" else range(self.num_workers)
+        marker, token = write_marker(directory)
+        try:
+            seen = self._calls.all(WorkerHost.read_marker, str(marker))
+        finally:
+            marker.unlink(missing_ok=True)
+        blind = [rank for rank in ranks if seen[rank] != token]
+        if blind:
+            nodes = self.node_ids()
+            raise StorageNotShared(not_shared_message(directory, [(r, nodes[r]) for r in blind]))
 
     def close(self) -> None:
         """Kill the actors, remove the rendezvous files, release the Ray session (shut down if
