@@ -48,7 +48,16 @@ def test_no_tracked_file_names_this_machines_paths():
 # shared/DESIGN.md's layers, bottom up: a module imports only from its own layer or below.
 # Rollouts (tasks, environments, evaluation, ...) sit beside the trainer, never inside it.
 LAYERS: list[set[str]] = [
-    {"types", "trajectories", "openai_rollouts", "tool_calls", "logging_sinks", "tokenizer"},
+    {
+        "types",
+        "trajectories",
+        "openai_rollouts",
+        "tool_calls",
+        "logging_sinks",
+        "tokenizer",
+        "dotted_paths",
+        "run_records",
+    },
     {"algo"},
     {"engine"},
     {"clients"},

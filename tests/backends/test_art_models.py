@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import posttrain as art
-from posttrain.model import best_step
+from posttrain.run_records import best_step
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 

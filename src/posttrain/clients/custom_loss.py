@@ -28,7 +28,7 @@ import torch
 from posttrain.algo.loss_metrics import counted_values, summarize_values
 from posttrain.algo.losses import LOSSES, LossConfig, get_loss
 from posttrain.clients.token_metrics import run_builtin
-from posttrain.tasks.imports import DOTTED_PATH, import_object
+from posttrain.dotted_paths import DOTTED_PATH, import_object
 from posttrain.types import Datum, ForwardBackwardOutput
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, Mapping[str, float]]]

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from posttrain.dotted_paths import DOTTED_PATH, ImportTargetError, import_object, target_of
 from posttrain.environments.calculator import CalculatorEnv
 from posttrain.environments.protocol import ENVIRONMENT_METHODS, Environment, missing_methods
-from posttrain.tasks.imports import DOTTED_PATH, ImportTargetError, import_object, target_of
 from posttrain.tasks.resolve import TaskError, check_options
 
 ENTRY_POINT_GROUP = "posttrain.environments"

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from posttrain.dotted_paths import target_of
 from posttrain.environments.protocol import Environment
 from posttrain.environments.resolve import (
     VERIFIERS_PREFIX,
@@ -41,7 +42,6 @@ from posttrain.environments.resolve import (
 from posttrain.environments.runner import EnvironmentEvaluation, EpisodeError, Episodes
 from posttrain.environments.verifiers_proxy import KEY_HEADER, Endpoint, Exchange, RecordingProxy
 from posttrain.openai_rollouts import message_of, sampled_turn, segments_from_turns
-from posttrain.tasks.imports import target_of
 from posttrain.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:

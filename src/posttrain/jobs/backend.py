@@ -34,6 +34,7 @@ from posttrain.backends.schema import (
     constructor_parameters,
 )
 from posttrain.clients.custom_loss import custom_loss
+from posttrain.dotted_paths import DOTTED_PATH
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.engines.config import InferenceConfig, vllm_head_problem
@@ -41,7 +42,6 @@ from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.config import REDACTED, JobConfig, TeacherConfig, is_secret
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
 from posttrain.jobs.teacher import is_checkpoint, planned_teacher
-from posttrain.tasks.imports import DOTTED_PATH
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values, with_options
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from posttrain.dotted_paths import DOTTED_PATH, ImportTargetError, import_object, target_of
 from posttrain.tasks.addition import AdditionTask
-from posttrain.tasks.imports import DOTTED_PATH, ImportTargetError, import_object, target_of
 from posttrain.tasks.protocol import TASK_METHODS, Task, missing_methods
 from posttrain.tasks.reverse import ReverseTask
 

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
-from posttrain.tasks.imports import import_object
+from posttrain.dotted_paths import import_object
 from posttrain.tasks.protocol import Problem, Task
 from posttrain.types import StopReason
 

@@ -31,7 +31,7 @@ from posttrain.algo.uncertainty import (
     UncertaintyFn,
     token_uncertainty,
 )
-from posttrain.tasks.imports import import_object
+from posttrain.dotted_paths import import_object
 from posttrain.types import JSONScalar, Trajectory, TrajectoryGroup
 
 # The run_state key of the SEPA controller's state (keys the trainer owns in run_state).
