@@ -35,8 +35,8 @@ class WordProblemsTask:
     """One-step word problems with operands up to `limit`; reward 1 for the right number.
 
     `operations` picks the stories: "+" (gets more), "-" (gives some away, leaving at least 1)
-    and "*" (bags of things). Every number in a story is in 1..`limit`. `system_prompt` ("" for none: the chat template's own
-    default) goes before each story.
+    and "*" (bags of things). Every number in a story is in 1..`limit`. `system_prompt` ("" for
+    none: the chat template's own default) goes before each story.
     """
 
     name: str = "word-problems"
