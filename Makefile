@@ -1,5 +1,5 @@
 # Each target sets up .venv when needed, so a fresh clone needs one command.
-.PHONY: setup demo test lint typecheck bench
+.PHONY: setup demo demo-real test lint typecheck bench
 
 setup: .venv/.installed
 
@@ -9,6 +9,10 @@ setup: .venv/.installed
 
 demo: setup
 	.venv/bin/python -m posttrain.cli.main demo
+
+# RL on a real pretrained model, SmolLM2-135M-Instruct (docs/real-models.md).
+demo-real: setup
+	.venv/bin/python -m posttrain.cli.main demo word-problems
 
 test: setup
 	.venv/bin/python -m ruff check src tests benchmarks recipes

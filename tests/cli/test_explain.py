@@ -23,7 +23,9 @@ from posttrain.tasks import get_task
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
 PLUGINS = Path(__file__).parents[1] / "backends"
 # The step counts each shipped example states in its comments.
-SFT_STEPS = {"reverse": 300, "addition": 320}
+SFT_STEPS = {"reverse": 300, "addition": 320, "word-problems": 0}
+# The examples on a tiny model, whose tokenizer explain builds; the others name a real model.
+TINY_EXAMPLES = [p for p in EXAMPLES if load_config(p).model.base_model.startswith("tiny:")]
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +65,7 @@ def test_there_are_examples():
     assert {p.stem for p in EXAMPLES} == set(SFT_STEPS)
 
 
-@pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", TINY_EXAMPLES, ids=lambda p: p.stem)
 def test_explain_every_example(config, capsys):
     report = _explain(capsys, config)
     assert report["preflight"] == {"ok": True, "problems": []}

@@ -154,7 +154,10 @@ def test_load_config_errors(tmp_path):
 def test_shipped_examples_load(path):
     config = load_config(path)
     assert config.run.task == path.stem  # one example per task, named after it
-    assert config.sft.enabled and config.rl.steps > 0
+    assert config.rl.steps > 0
+    # A tiny model starts from random weights: RL needs the warm-up's format first. A real
+    # (pretrained) one learns by RL alone.
+    assert config.sft.enabled == config.model.base_model.startswith("tiny:")
 
 
 def test_there_is_an_example_per_task():
@@ -233,3 +236,32 @@ def test_job_json_never_holds_a_secret(tmp_path):
     # A resume with another key is the same run (where a run trains may change).
     rotated = parse_config({"run": {"backend": "tinker"}, "backend": {"api_key": "tml-NEW"}})
     assert prepare_run_dir(run_dir, rotated, resume=True) == run_dir
+
+
+def test_rl_learning_rate_schedule():
+    rl = parse_config({"rl": {"steps": 3, "learning_rate": 1e-3, "lr_warmup_steps": 2}}).rl
+    # Constant (the default): the warm-up (k + 1) / 2, then the peak; a warm-up longer than the
+    # run is allowed and never ends.
+    assert [rl.learning_rate(k) for k in range(3)] == pytest.approx([5e-4, 1e-3, 1e-3])
+    long = parse_config({"rl": {"steps": 2, "learning_rate": 1e-3, "lr_warmup_steps": 4}}).rl
+    assert [long.learning_rate(k) for k in range(2)] == pytest.approx([2.5e-4, 5e-4])
+    # Linear to 0 over 4 steps: 1 - k / 4.
+    linear = parse_config({"rl": {"steps": 4, "learning_rate": 1e-3, "lr_schedule": "linear"}})
+    rates = [linear.rl.learning_rate(k) for k in range(4)]
+    assert rates == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+
+
+@pytest.mark.parametrize(
+    ("rl", "message"),
+    [
+        ({"lr_schedule": "cosin"}, "lr_schedule='cosin' is invalid.*did you mean 'cosine'"),
+        ({"min_lr_ratio": 1.5}, r"\[rl\] min_lr_ratio must be in \[0, 1\], got 1.5"),
+        (
+            {"steps": 3, "lr_warmup_steps": 3, "lr_schedule": "cosine"},
+            "lr_warmup_steps \\(3\\) leaves none of the 3 steps",
+        ),
+    ],
+)
+def test_rl_learning_rate_schedule_errors(rl, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config({"rl": rl})

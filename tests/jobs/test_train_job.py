@@ -114,6 +114,15 @@ async def test_job_runs_and_a_killed_run_resumes_exactly(tmp_path):
     )
 
 
+async def test_rl_steps_follow_the_learning_rate_schedule(tmp_path):
+    config = _config(tmp_path, steps=4, lr_warmup_steps=1, lr_schedule="cosine", min_lr_ratio=0.2)
+    run_dir = (await run_job(config, echo=lambda _: None)).run_dir
+    rates = [r["learning_rate"] for r in _rows(run_dir) if r["phase"] == "rl"]
+    # Step k = 0 warms up to (0 + 1) / 1 = 1; then p = (k - 1) / (4 - 1) and the multiplier is
+    # 0.2 + 0.8 (1 + cos(pi p)) / 2: k = 1, 2, 3 -> p = 0, 1/3, 2/3 -> 1, 0.8, 0.4.
+    assert rates == pytest.approx([1e-3, 1e-3, 0.8e-3, 0.4e-3], rel=1e-12)
+
+
 async def test_run_directory_errors(tmp_path):
     config = _config(tmp_path, steps=1)
     first = await run_job(config, echo=lambda _: None)

@@ -6,12 +6,20 @@ import random
 
 import pytest
 
-from posttrain.tasks import TASKS, AdditionTask, Problem, ReverseTask, get_task, is_held_out
+from posttrain.tasks import (
+    TASKS,
+    AdditionTask,
+    Problem,
+    ReverseTask,
+    WordProblemsTask,
+    get_task,
+    is_held_out,
+)
 from posttrain.tasks.protocol import HELD_OUT_MODULUS
 
 
 def test_registry_names_match():
-    assert set(TASKS) == {"reverse", "addition"}
+    assert set(TASKS) == {"reverse", "addition", "word-problems"}
     for name, task in TASKS.items():
         assert task.name == name
 
@@ -70,6 +78,71 @@ def test_reverse_reward_hand_cases(completion, stop_reason, expected):
 def test_addition_reward_hand_cases(completion, stop_reason, expected):
     problem = Problem(prompt="23+58=", answer="81")
     assert AdditionTask().reward(problem, completion, stop_reason) == expected
+
+
+def _words(story: str) -> list[str]:
+    return story.replace(".", " ").replace("?", " ").split()
+
+
+def _story_answer(story: str) -> int:
+    """The answer read back from a story's words (a second derivation of it)."""
+    words = _words(story)
+    a, b = (int(w) for w in words if w.isdigit())
+    if "more" in words:
+        return a + b
+    if "away" in words:
+        return a - b
+    assert "bags" in words
+    return a * b
+
+
+def test_word_problems():
+    task = WordProblemsTask(operations="+-*", limit=5)
+    problems = task.make_prompts(random.Random(0), 600)
+    for p in problems:
+        system, user = p.chat()
+        assert system == {"role": "system", "content": "Answer with the number only."}
+        assert user == {"role": "user", "content": p.prompt}
+        assert p.answer == str(_story_answer(p.prompt))
+        numbers = [int(w) for w in _words(p.prompt) if w.isdigit()]
+        assert all(1 <= n <= 5 for n in numbers) and int(p.reference()) >= 1
+    kinds = {w for p in problems for w in _words(p.prompt) if w in ("more", "away", "bags")}
+    assert kinds == {"more", "away", "bags"}
+    # The default: + and - only, and no system prompt when it is "".
+    assert all(
+        "bags" not in p.prompt for p in TASKS["word-problems"].make_prompts(random.Random(1), 300)
+    )
+    assert WordProblemsTask(system_prompt="").draw(random.Random(0)).chat()[0]["role"] == "user"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"operations": "+/"}, "operations must be some of '\\+-\\*', got '\\+/'"),
+        ({"operations": ""}, "operations must be some of"),
+        ({"limit": 1}, "limit must be >= 2, got 1"),
+    ],
+)
+def test_word_problems_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        WordProblemsTask(**options)
+
+
+@pytest.mark.parametrize(
+    ("completion", "stop_reason", "expected"),
+    [
+        ("12", "stop", 1.0),  # 7 + 5 = 12
+        ("Mia has 7 + 5 = 12 shells.", "stop", 1.0),  # the last number counts
+        ("12 shells, or 13", "stop", 0.0),  # ... only the last
+        ("12", "length", 0.0),  # cut by max_tokens: it did not finish
+        ("twelve", "stop", 0.0),  # no number
+        ("1,2", "stop", 0.0),  # not a thousands separator: two numbers, the last is 2
+        ("", "stop", 0.0),
+    ],
+)
+def test_word_problems_reward_hand_cases(completion, stop_reason, expected):
+    problem = Problem(prompt="Mia has 7 shells and gets 5 more. ...", answer="12")
+    assert WordProblemsTask().reward(problem, completion, stop_reason) == expected
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

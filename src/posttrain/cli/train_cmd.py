@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from posttrain.jobs.config import JobConfig
 
-EXAMPLES = ("reverse", "addition")
+# The shipped example configs; word-problems trains a real model (SmolLM2-135M-Instruct).
+EXAMPLES = ("reverse", "addition", "word-problems")
 FLAGSHIP = "reverse"
 
 

@@ -34,6 +34,7 @@ from typing import Literal, cast, get_args, get_type_hints
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.model_source import PACKAGED_PREFIX
+from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model
 from posttrain.engine.tiny import Arch, Size, resolve_arch
 from posttrain.engines.config import InferenceConfig
@@ -46,6 +47,7 @@ from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.rewards import BUILTIN_REWARDS
 from posttrain.trainer.config import (
     DPOConfig,
+    LRDecay,
     RLConfig,
     SFTConfig,
     check_field_types,
@@ -225,6 +227,10 @@ class RLJobConfig:
     top_p: float = 1.0
     max_tokens: int = 16
     lr_warmup_steps: int = 0  # linear warm-up of learning_rate over the first steps
+    # Then, as in [sft]: constant, or a cosine or linear decay over the remaining steps from
+    # learning_rate towards min_lr_ratio x learning_rate (engine.optim.lr_multiplier).
+    lr_schedule: LRDecay = "constant"
+    min_lr_ratio: float = 0.0
     # Fraction of a step's rollouts whose reward may fail (raise, NaN, not a number), or whose
     # environment fails: they are dropped and counted (`bad_rollouts`); more fails the step
     # with the first error.
@@ -245,6 +251,14 @@ class RLJobConfig:
         for key in ("steps", "lr_warmup_steps", "max_off_policy_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"[rl] {key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"[rl] min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.lr_schedule != "constant" and self.lr_warmup_steps >= self.steps:
+            raise ValueError(
+                f"[rl] lr_schedule = {self.lr_schedule!r} decays over the steps after the "
+                f"warm-up, but lr_warmup_steps ({self.lr_warmup_steps}) leaves none of the "
+                f"{self.steps} steps: lower lr_warmup_steps or use lr_schedule = 'constant'"
+            )
         for key in ("prompts_per_step", "max_tokens", "max_turns"):
             if getattr(self, key) < 1:
                 raise ValueError(f"[rl] {key} must be >= 1, got {getattr(self, key)}")
@@ -269,6 +283,18 @@ class RLJobConfig:
             raise ValueError(
                 "[rl] save_checkpoint must be true: resuming needs a checkpoint per step"
             )
+
+    def learning_rate(self, k: int) -> float:
+        """RL step k's (0-based) learning rate: the warm-up, then `lr_schedule`."""
+        multiplier = lr_multiplier(
+            k,
+            warmup_steps=self.lr_warmup_steps,
+            # A constant schedule allows a warm-up longer than the run (it never ends).
+            total_steps=max(self.steps, self.lr_warmup_steps, 1),
+            decay=self.lr_schedule,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+        return self.trainer.optimizer.learning_rate * multiplier
 
 
 @dataclass(frozen=True)

@@ -372,8 +372,7 @@ async def _train_step(
     config = run.config.rl
     groups = step.groups
     sampled = sum(t.num_trainable_tokens for g in groups for t in g.trajectories)
-    warmup = min(1.0, (k + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
-    learning_rate = config.trainer.optimizer.learning_rate * warmup
+    learning_rate = config.learning_rate(k)
     trainer = with_options(config.trainer, learning_rate=learning_rate)
     options = cast(RLOptions, call_options(trainer, run.info.train_options))
     if "save_checkpoint" in options:  # only where declared: else the backend's default holds

@@ -10,11 +10,13 @@ from posttrain.tasks.dataset import DatasetTask
 from posttrain.tasks.protocol import Problem, Task, is_correct, is_held_out, missing_methods
 from posttrain.tasks.resolve import BUILTIN_TASKS, ResolvedTask, TaskError, resolve_task
 from posttrain.tasks.reverse import ReverseTask
+from posttrain.tasks.word_problems import WordProblemsTask
 
 # The built-in tasks with their default settings.
 TASKS: dict[str, Task] = {
     "reverse": ReverseTask(),
     "addition": AdditionTask(),
+    "word-problems": WordProblemsTask(),
 }
 
 
@@ -40,6 +42,7 @@ __all__ = [
     "ReverseTask",
     "Task",
     "TaskError",
+    "WordProblemsTask",
     "get_task",
     "is_correct",
     "is_held_out",

@@ -1,6 +1,6 @@
 """Finding a task by name: a built-in, a dotted path, or an installed entry point.
 
-- A built-in name ("reverse", "addition") is its class, called with the options.
+- A built-in name ("reverse", "addition", "word-problems") is its class, called with the options.
 - A dotted path "mypkg.tasks:make_task" names a factory (a class or function), called with the
   options as keyword arguments, or an object that already is a Task (then without options).
 - Any other name is looked up in the `posttrain.tasks` entry-point group, whose entries are
@@ -21,10 +21,15 @@ from posttrain.dotted_paths import DOTTED_PATH, ImportTargetError, import_object
 from posttrain.tasks.addition import AdditionTask
 from posttrain.tasks.protocol import TASK_METHODS, Task, missing_methods
 from posttrain.tasks.reverse import ReverseTask
+from posttrain.tasks.word_problems import WordProblemsTask
 
 ENTRY_POINT_GROUP = "posttrain.tasks"
 TaskKind = Literal["builtin", "path", "entry_point", "data"]
-BUILTIN_TASKS: dict[str, type] = {"reverse": ReverseTask, "addition": AdditionTask}
+BUILTIN_TASKS: dict[str, type] = {
+    "reverse": ReverseTask,
+    "addition": AdditionTask,
+    "word-problems": WordProblemsTask,
+}
 
 
 class TaskError(ValueError):
