@@ -11,11 +11,11 @@ from posttrain.backends import preflight, registry
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
 from posttrain.backends.preflight import (
     PreflightError,
-    model_problems,
     preflight_rl,
     preflight_sft,
 )
 from posttrain.backends.probe import probe_advantage_flow
+from posttrain.backends.register_checks import model_problems
 from posttrain.trainer.config import RLConfig, SFTConfig, from_options
 from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 

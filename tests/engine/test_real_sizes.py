@@ -126,7 +126,7 @@ def test_qwen_0_5b_builds_saves_loads_and_trains_a_lora_step(tmp_path: Path) -> 
 
 
 def test_a_job_names_a_real_size_with_its_arch() -> None:
-    from posttrain.jobs.config import parse_tiny_spec
+    from posttrain.jobs.tables import parse_tiny_spec
 
     assert parse_tiny_spec("tiny:qwen2:qwen2.5-0.5b") == ("qwen2", "qwen2.5-0.5b", None)
     with pytest.raises(ValueError, match=r"size 'qwen2\.5-0\.5b' is a qwen2 architecture"):

@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.jobs.config import (
-    JobConfig,
-    is_secret,
-    load_config,
-    parse_config,
-    parse_tiny_spec,
-)
+from posttrain.jobs.config import JobConfig, load_config, parse_config
 from posttrain.jobs.run_dir import JOB_FILE, config_changes, config_record, prepare_run_dir
+from posttrain.jobs.tables import is_secret, parse_tiny_spec
 from posttrain.trainer.config import RLConfig, SFTConfig, from_options
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))

@@ -3,7 +3,7 @@
 `ModelClients` keeps the models a backend registered, each with its training client, and runs
 the shared trainer on them: register (or resume from the latest checkpoint), one RL, SFT or DPO step,
 checkpoint, close. What differs between backends sits behind the two small protocols of
-`checkpoint_index`: how a client is made, reloaded and freed (`ClientSource`: `InProcessClients`
+`checkpoint_index`: how a client is made, reloaded and freed (`ClientSource`: `in_process.InProcessClients`
 for LocalBackend and RayBackend), and where checkpoints are kept (`CheckpointIndex`).
 
 A step is all or nothing: the model's step advances only once its updates, plots and
@@ -14,7 +14,6 @@ last good state.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -474,42 +473,6 @@ class ModelClients(Generic[ClientT]):
             self._registered.clear()
 
 
-class InProcessClients(Generic[ClientT]):
-    """The `ClientSource` of LocalBackend and RayBackend: `make(model, directory)` builds a
-    client that loads checkpoint files itself."""
-
-    def __init__(self, make: Callable[[TrainableModel, Path], ClientT]) -> None:
-        self.make = make
-
-    async def open(self, model: TrainableModel, directory: Path, checkpoint: str | None) -> ClientT:
-        try:
-            client = await asyncio.to_thread(self.make, model, directory)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(missing_base_model(model, exc)) from exc
-        if checkpoint is not None:
-            try:
-                await client.load_state(checkpoint, with_optimizer=True)
-            except BaseException:
-                client.close()
-                raise
-        return client
-
-    async def reload(self, client: ClientT, checkpoint: str) -> ClientT:
-        await client.load_state(checkpoint, with_optimizer=True)
-        return client
-
-    async def release(self, client: ClientT) -> None:
-        client.close()
-
-
 def critic_checkpoint(directory: Path, step: int) -> Path:
     """Where the critic saved with the policy checkpoint of `step` is."""
     return directory / CRITIC_DIR / "checkpoints" / str(step)
-
-
-def missing_base_model(model: TrainableModel, error: FileNotFoundError) -> str:
-    return (
-        f"cannot register model {model.name!r}: base_model={model.base_model!r} is not a model "
-        f"({error}). Pass an existing model directory (one with config.json, e.g. built by "
-        "`posttrain make-tiny-model DIR`) or a Hugging Face hub id such as 'Qwen/Qwen3-0.6B'"
-    )

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import ClassVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
-from posttrain.backends.client_models import InProcessClients, ModelClients
+from posttrain.backends.client_models import ModelClients
 from posttrain.backends.engine_options import engine_config, trainer_device
+from posttrain.backends.in_process import InProcessClients
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     DPOOptions,
@@ -20,7 +21,7 @@ from posttrain.backends.options import (
     resolve_rl,
     resolve_sft,
 )
-from posttrain.backends.preflight import preflight_register
+from posttrain.backends.register_checks import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import Head, create_training_client

@@ -9,7 +9,6 @@ carry them; and, before `register` loads anything, that the model's base model c
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +21,6 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
 from posttrain.clients.custom_loss import custom_loss, is_custom_loss, is_pair_loss
-from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.trainer.config import (
     DPOConfig,
     RLConfig,
@@ -35,7 +33,7 @@ from posttrain.trainer.token_advantages import kind_needs_entropies, uses_token_
 from posttrain.types import TrajectoryGroup
 
 if TYPE_CHECKING:
-    from posttrain.model import TrainableModel
+    pass
 
 _RL_DEFAULTS = option_defaults(RLConfig)
 _SFT_DEFAULTS = option_defaults(SFTConfig)
@@ -480,31 +478,3 @@ def preflight_dpo(
         )
     if problems:
         raise PreflightError(backend, problems)
-
-
-def model_problems(
-    backend: str, capabilities: Capabilities, lora_rank: int | None
-) -> list[PreflightProblem]:
-    """What refuses a model of this `lora_rank` (None or 0, the TOML spelling: full
-    fine-tuning) at register, known without the model: for `posttrain explain` and job
-    preflight as for register itself."""
-    if not lora_rank and not capabilities.supports_full_finetuning:
-        having = ", ".join(backends_with("supports_full_finetuning")) or "none installed here"
-        return [
-            PreflightProblem(
-                "lora_rank",
-                f"{backend} trains LoRA adapters only (supports_full_finetuning=false): give "
-                f"the model a lora_rank (e.g. lora_rank=8; in a job, [model] lora_rank = 8), or "
-                f"fine-tune every weight on a backend that can ({having})",
-            )
-        ]
-    return []
-
-
-async def preflight_register(backend: str, model: TrainableModel) -> None:
-    """Raise unless the model's base model is an existing directory or a hub id that is cached
-    or that the hub confirms (`engine.model_source`): before any model loads or service call."""
-    try:
-        await asyncio.to_thread(check_base_model, model.base_model)
-    except (FileNotFoundError, HubUnreachableError, ModelSourceError) as exc:
-        raise type(exc)(f"{backend} cannot register model {model.name!r}: {exc}") from exc

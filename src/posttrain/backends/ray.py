@@ -18,8 +18,9 @@ from typing_extensions import TypedDict
 
 from posttrain.algo.config_fields import from_options, option
 from posttrain.backends.capabilities import Capabilities
-from posttrain.backends.client_models import InProcessClients, ModelClients
+from posttrain.backends.client_models import ModelClients
 from posttrain.backends.engine_options import engine_config
+from posttrain.backends.in_process import InProcessClients
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     CriticFields,
@@ -32,7 +33,7 @@ from posttrain.backends.options import (
     resolve_dpo,
     resolve_sft,
 )
-from posttrain.backends.preflight import preflight_register
+from posttrain.backends.register_checks import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import Head, create_training_client

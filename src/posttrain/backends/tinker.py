@@ -35,7 +35,7 @@ from posttrain.backends.options import (
     resolve_dpo,
     resolve_sft,
 )
-from posttrain.backends.preflight import model_problems, preflight_register
+from posttrain.backends.register_checks import model_problems, preflight_register
 from posttrain.backends.sampling import ModelSampler
 from posttrain.backends.tinker_index import JsonlCheckpoints
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model

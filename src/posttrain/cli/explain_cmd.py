@@ -20,7 +20,8 @@ from posttrain.cli.engine_table import OPENAI_PROBED, accepts_inference, mode_of
 from posttrain.engines import InferenceConfig
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
-from posttrain.jobs.config import JobConfig, load_config, redact_secrets
+from posttrain.jobs.config import JobConfig, load_config
+from posttrain.jobs.tables import redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.config import RLConfig, is_config, option_values

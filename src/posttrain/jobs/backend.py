@@ -20,12 +20,12 @@ from typing import Literal
 from posttrain.backends.engine_options import trainer_device
 from posttrain.backends.preflight import (
     PreflightError,
-    model_problems,
     preflight_dpo,
     preflight_rl,
     preflight_sft,
 )
 from posttrain.backends.protocol import TrainableBackend
+from posttrain.backends.register_checks import model_problems
 from posttrain.backends.registry import BackendInfo, Factory, describe, load
 from posttrain.backends.schema import (
     OptionSchema,
@@ -39,8 +39,9 @@ from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.environments.resolve import ResolvedEnvironment
-from posttrain.jobs.config import REDACTED, JobConfig, TeacherConfig, is_secret
+from posttrain.jobs.config import JobConfig, TeacherConfig
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
+from posttrain.jobs.tables import REDACTED, is_secret
 from posttrain.jobs.teacher import is_checkpoint, planned_teacher
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values, with_options
@@ -361,7 +362,7 @@ def base_model_config(spec: str) -> dict[str, object] | None:
     directory or the local cache otherwise; None when that needs a download or conversion."""
     if spec.startswith("tiny:"):
         from posttrain.engine.tiny import build_config
-        from posttrain.jobs.config import parse_tiny_spec
+        from posttrain.jobs.tables import parse_tiny_spec
 
         arch, size, _ = parse_tiny_spec(spec)
         return build_config(arch, size).to_dict()  # type: ignore[arg-type]  # checked by the parse

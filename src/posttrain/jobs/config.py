@@ -24,25 +24,23 @@ nearest valid key.
 
 from __future__ import annotations
 
-import difflib
-import re
 import tomllib
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, cast, get_args, get_type_hints
+from typing import Literal, cast, get_type_hints
 
 from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model
-from posttrain.engine.tiny import Arch, Size, resolve_arch
 from posttrain.engines.config import InferenceConfig
 from posttrain.environments.resolve import (
     VERIFIERS_PREFIX,
     EnvironmentSpecError,
     environment_kind,
 )
+from posttrain.jobs.tables import build_table, hint, parse_tiny_spec
 from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.rewards import BUILTIN_REWARDS
 from posttrain.trainer.config import (
@@ -52,20 +50,9 @@ from posttrain.trainer.config import (
     SFTConfig,
     check_field_types,
     check_value,
-    from_options,
     option_fields,
 )
 
-ARCHES: tuple[str, ...] = get_args(Arch)
-SIZES: tuple[str, ...] = get_args(Size)
-# A `[backend]` key holds a secret when one of its words (split at `_`, `-`, `.`) is or ends
-# with one of these: api_key, apiKey, hf_token, client_secret, password. Not `tokens`, which
-# counts tokens (micro_batch_tokens). What is written or shown of it is REDACTED.
-SECRET_WORDS = (
-    *("key", "keys", "token", "secret", "secrets"),
-    *("password", "passwords", "passwd", "credential", "credentials"),
-)
-REDACTED = "***"
 DATA_TASK = "data"  # `[run] task` for the dataset task of the `[data]` table
 NO_DATA_TABLE = 'needs a [data] table naming the JSONL files, e.g. [data] train = "train.jsonl"'
 
@@ -338,7 +325,7 @@ class DataConfig:
             raise ValueError("[data] train is required: the JSONL file of training problems")
         if ":" not in self.reward and self.reward not in BUILTIN_REWARDS:
             raise ValueError(
-                f"[data] reward {self.reward!r} is unknown{_hint(self.reward, BUILTIN_REWARDS)} "
+                f"[data] reward {self.reward!r} is unknown{hint(self.reward, BUILTIN_REWARDS)} "
                 f"(built-in: {', '.join(BUILTIN_REWARDS)}; or a function 'pkg.module:function')"
             )
 
@@ -377,38 +364,6 @@ class JobConfig:
         return self.base_dir / self.dpo.data if self.dpo is not None else None
 
 
-def is_secret(key: str) -> bool:
-    """Whether a `[backend]` key names a secret (see SECRET_WORDS)."""
-    words = re.split(r"[^a-z0-9]+", key.lower())
-    return any(word.endswith(SECRET_WORDS) for word in words)
-
-
-def redact_secrets(table: Mapping[str, object]) -> dict[str, object]:
-    """`table` as it may be written or shown: each secret's value is REDACTED, its key kept so
-    one can see it was set (None, not set, stays None)."""
-    return {
-        key: REDACTED if is_secret(key) and value is not None else value
-        for key, value in table.items()
-    }
-
-
-def parse_tiny_spec(spec: str) -> tuple[str, str, int | None]:
-    """`tiny:<arch>:<size>[:<seed>]` -> (arch, size, seed or None)."""
-    parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[1] not in ARCHES or parts[2] not in SIZES:
-        raise ValueError(
-            f"[model] base_model={spec!r}: a local tiny model is 'tiny:<arch>:<size>[:<seed>]' "
-            f"with arch in {list(ARCHES)} and size in {sorted(SIZES)}, e.g. 'tiny:qwen2:tiny'"
-        )
-    if len(parts) == 4 and not parts[3].isdigit():
-        raise ValueError(f"[model] base_model={spec!r}: the seed after the size must be an integer")
-    try:
-        resolve_arch(parts[1], parts[2])  # type: ignore[arg-type]  # both checked just above
-    except ValueError as exc:  # a real size with another architecture
-        raise ValueError(f"[model] base_model={spec!r}: {exc}") from None
-    return parts[1], parts[2], int(parts[3]) if len(parts) == 4 else None
-
-
 def load_config(path: str | Path) -> JobConfig:
     """Read a TOML job file; errors name the table and key at fault."""
     path = Path(path)
@@ -435,7 +390,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
     for name, value in data.items():
         if name not in names:
             raise ValueError(
-                f"unknown table [{name}]{_hint(name, names)} (tables: {', '.join(names)})"
+                f"unknown table [{name}]{hint(name, names)} (tables: {', '.join(names)})"
             )
         if not isinstance(value, dict):
             raise ValueError(f"[{name}] must be a table, got {value!r}")
@@ -445,7 +400,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
     if "data" in data:
         run.setdefault("task", DATA_TASK)
     built = {
-        name: _build(cls, run if name == "run" else dict(data.get(name) or {}), name)  # type: ignore[call-overload]
+        name: build_table(cls, run if name == "run" else dict(data.get(name) or {}), name)  # type: ignore[call-overload]
         for name, cls in tables.items()
     }
     free = {}
@@ -456,14 +411,17 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         for key, value in free[name].items():
             if isinstance(value, dict) and not (nested and name == "environment"):
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
-    dataset = _build(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
+    dataset = build_table(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
     inference = _inference(dict(data.get("inference") or {}))  # type: ignore[call-overload]
     dpo = None
     if "dpo" in data:
         table: dict[str, object] = dict(data["dpo"])  # type: ignore[call-overload]
-        dpo = cast(DPOJobConfig, _build(DPOJobConfig, table, "dpo"))
+        dpo = cast(DPOJobConfig, build_table(DPOJobConfig, table, "dpo"))
         dpo = replace(dpo, written=frozenset(table) & set(option_fields(DPOConfig)))
-    teacher = _build(TeacherConfig, dict(data["teacher"]), "teacher") if "teacher" in data else None  # type: ignore[call-overload]
+    teacher = None
+    if "teacher" in data:
+        teacher_table: dict[str, object] = dict(data["teacher"])  # type: ignore[call-overload]
+        teacher = build_table(TeacherConfig, teacher_table, "teacher")
     extra = {"data": dataset, "dpo": dpo, "inference": inference, "teacher": teacher}
     return JobConfig(**built, **free, **extra, source=source)  # type: ignore[arg-type]
 
@@ -531,33 +489,3 @@ def _check_environment_tables(run: Mapping[str, object], data: Mapping[str, obje
             f"[run] environment = {run['environment']!r} and {' and '.join(clash)}: a job "
             "trains on a task or on an environment; remove one"
         )
-
-
-def _build(cls: type, table: dict[str, object], name: str) -> object:
-    """`cls(**table)`; keys that are not `cls`'s own go to its `trainer` options, if it has one
-    (the flat `train()` / `train_sft()` keys, built into the nested config by `from_options`)."""
-    own = {f.name for f in fields(cls)} - {"trainer"}
-    trainer = next((f for f in fields(cls) if f.name == "trainer"), None)
-    trainer_cls = (
-        {"sft": SFTConfig, "dpo": DPOConfig, "rl": RLConfig}.get(name) if trainer else None
-    )
-    passthrough = set(option_fields(trainer_cls)) if trainer_cls else set[str]()
-    for key, value in table.items():
-        if key not in own and key not in passthrough:
-            raise ValueError(f"[{name}] unknown key {key!r}{_hint(key, own | passthrough)}")
-        if isinstance(value, dict):
-            raise ValueError(f"[{name}] {key} must be a value, got a table")
-    kwargs = {k: v for k, v in table.items() if k in own}
-    try:
-        if trainer_cls is not None:
-            options = {k: v for k, v in table.items() if k in passthrough}
-            kwargs["trainer"] = from_options(trainer_cls, options)
-        return cls(**kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        raise ValueError(message if message.startswith("[") else f"[{name}] {message}") from None
-
-
-def _hint(key: str, valid: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(valid), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
