@@ -61,13 +61,7 @@ def conversations(rng: random.Random, tokenizer: object) -> list[int]:
         ]
         tools = None
     else:
-        call = {"id": "c", "type": "function", "function": ADD_CALL}
-        messages = [
-            {"role": "user", "content": "add"},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "content": "5"},
-            {"role": "assistant", "content": "five"},
-        ]
+        messages = tool_call_messages()
         tools = [ADD_TOOL]
     return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
         messages, tools=tools, tokenize=True, return_dict=False
@@ -75,6 +69,17 @@ def conversations(rng: random.Random, tokenizer: object) -> list[int]:
 
 
 MIN_LEAD = 1.0  # logits: the check of the module docstring
+
+
+def tool_call_messages() -> list[dict[str, object]]:
+    """The tool-call conversation the model learns: a call to add, its result, the answer."""
+    call = {"id": "c", "type": "function", "function": ADD_CALL}
+    return [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "five"},
+    ]
 
 
 def make_chat_model(directory: Path, steps: int = 200) -> Path:
@@ -112,13 +117,7 @@ def make_chat_model(directory: Path, steps: int = 200) -> Path:
 def greedy_lead(model: torch.nn.Module, tokenizer: object) -> float:
     """The smallest lead of the right token over the next best, over every token of the two
     assistant replies of the tool-call conversation (teacher-forced: one forward pass)."""
-    call = {"id": "c", "type": "function", "function": ADD_CALL}
-    messages = [
-        {"role": "user", "content": "add"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "content": "5"},
-        {"role": "assistant", "content": "five"},
-    ]
+    messages = tool_call_messages()
     render = tokenizer.apply_chat_template  # type: ignore[attr-defined]
     ids = render(messages, tools=[ADD_TOOL], tokenize=True, return_dict=False)
     eos = tokenizer.eos_token_id  # type: ignore[attr-defined]
