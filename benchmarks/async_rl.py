@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 import posttrain
+from posttrain.data.trajectories import TrajectoryGroup
 from posttrain.engine.tiny import tiny_model_path
 from posttrain.jobs.pipeline import rl_steps
-from posttrain.types import SamplingParams, TrajectoryGroup
+from posttrain.types import SamplingParams
 
 WORDS = ["abc", "hello", "world", "xyz", "posttrain", "engine", "tokens", "reward"]
 

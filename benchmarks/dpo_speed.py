@@ -27,8 +27,8 @@ import torch
 
 import posttrain
 from posttrain.backends.local import LocalBackend
+from posttrain.data.preferences import PreferencePair
 from posttrain.engine.tiny import make_tiny_model
-from posttrain.preferences import PreferencePair
 
 
 def make_pairs(count: int, prompt: int, completion: int) -> list[PreferencePair]:

@@ -31,9 +31,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import posttrain as art
+from posttrain.data.trajectories import TokenSegment
 from posttrain.engine.threads import configure_torch_threads, thread_report
 from posttrain.engine.tiny import tiny_model_path
-from posttrain.types import SamplingParams, TokenSegment
+from posttrain.types import SamplingParams
 
 
 def reward(text: str) -> float:

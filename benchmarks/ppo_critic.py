@@ -27,8 +27,8 @@ import torch
 
 import posttrain
 from posttrain.backends.local import LocalBackend
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.tiny import make_tiny_model
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
 def make_groups(args: argparse.Namespace) -> list[TrajectoryGroup]:

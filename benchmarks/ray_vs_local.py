@@ -25,8 +25,8 @@ import torch
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.ray import RayTrainingClient
-from posttrain.engine.ray_executor import RayConfig
-from posttrain.engine.ray_session import ray_session
+from posttrain.engine.ray.executor import RayConfig
+from posttrain.engine.ray.session import ray_session
 from posttrain.engine.tiny import tiny_model_path
 from posttrain.types import AdamParams, Datum, ModelInput, SamplingParams
 

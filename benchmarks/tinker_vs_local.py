@@ -26,10 +26,11 @@ import torch
 from serve_process import KEY, serve
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.tinker import TinkerBackend
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.tiny import tiny_model_path
-from posttrain.model import TrainableModel
-from posttrain.types import Datum, ModelInput, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import Datum, ModelInput
 
 
 def rl_batch(args: argparse.Namespace, seed: int = 0) -> list[TrajectoryGroup]:

@@ -26,15 +26,10 @@ from pathlib import Path
 import torch
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.tiny import tiny_model_path
-from posttrain.model import TrainableModel
-from posttrain.types import (
-    ModelInput,
-    SamplingParams,
-    TokenSegment,
-    Trajectory,
-    TrajectoryGroup,
-)
+from posttrain.types import ModelInput, SamplingParams
 
 VARIANTS: dict[str, dict[str, object]] = {
     "grpo": {},

@@ -56,13 +56,14 @@ from transformers.utils import logging as hf_logging
 
 import posttrain
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
+from posttrain.data.trajectories import TrajectoryGroup
 from posttrain.engine.models import LoraSettings
 from posttrain.engine.tiny import tiny_model_path
-from posttrain.model import TrainableModel
-from posttrain.rollout import TrajectoryBuilder
+from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.reverse import ReverseTask
-from posttrain.types import SampleResponse, SamplingParams, TrajectoryGroup
+from posttrain.types import SampleResponse, SamplingParams
 
 REQUIREMENTS = "benchmarks/requirements-trl.txt"
 

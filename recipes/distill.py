@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.clients.teacher import Teacher
 from posttrain.engine.tiny import Size, tiny_model_path
-from posttrain.evaluation import evaluate
-from posttrain.jobs.rollouts import sample_groups, sft_examples
-from posttrain.model import TrainableModel
+from posttrain.rollouts.evaluation import evaluate
+from posttrain.rollouts.task_rollouts import sample_groups, sft_examples
 from posttrain.tasks.reverse import ReverseTask
 from posttrain.types import SamplingParams
 

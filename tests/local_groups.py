@@ -7,8 +7,8 @@ import random
 import torch
 
 from posttrain.backends.local import LocalBackend
-from posttrain.model import TrainableModel
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.backends.model import TrainableModel
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 
 
 def synthetic_groups(seed: int, groups: int = 3, size: int = 4) -> list[TrajectoryGroup]:

@@ -14,8 +14,8 @@ import types
 import pytest
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.logging_sinks import SINK_NAMES, SINK_PACKAGES, is_installed
-from posttrain.model import TrainableModel
 
 
 def test_unknown_sink_names_the_setting_and_the_choices():

@@ -13,15 +13,15 @@ import math
 import pytest
 
 import posttrain as art
-from posttrain.gather import gather_groups
-from posttrain.openai_rollouts import (
+from posttrain.data.openai_choices import (
     SampledTurn,
     attach_prompt_token_ids,
     sampled_turn,
     segments_from_turns,
 )
-from posttrain.server.tool_calls import parse_tool_calls
-from posttrain.types import TokenSegment
+from posttrain.data.trajectories import TokenSegment
+from posttrain.rollouts.gather import gather_groups
+from posttrain.rollouts.tool_calls import openai_tool_calls
 
 
 def chat_choice(prompt: list[int], tokens: list[int], content: str = "hi") -> dict[str, object]:
@@ -241,13 +241,13 @@ async def test_after_each_may_change_or_drop_groups():
 
 
 def test_hermes_tool_calls_are_parsed_or_left_as_text():
-    content, calls = parse_tool_calls(
+    content, calls = openai_tool_calls(
         'ok<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     )
     assert content == "ok" and len(calls) == 1
     assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
-    assert parse_tool_calls("<tool_call>{not json}</tool_call>") == (
+    assert openai_tool_calls("<tool_call>{not json}</tool_call>") == (
         "<tool_call>{not json}</tool_call>",
         [],
     )
-    assert parse_tool_calls("plain") == ("plain", [])
+    assert openai_tool_calls("plain") == ("plain", [])

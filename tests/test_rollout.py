@@ -8,16 +8,17 @@ import pytest
 
 from chat_templates import TEMPLATES, Template, tools_tokenizer
 from chat_templates import template as chat_template
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.models import load_tokenizer
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.rollout import (
+from posttrain.rollouts.builder import (
     TrajectoryBuilder,
     TurnClosing,
     assistant_closing,
     gather_groups,
     render_chat,
 )
-from posttrain.types import SampledSequence, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import SampledSequence
 
 
 def sampled(tokenizer, text: str) -> SampledSequence:

@@ -5,16 +5,14 @@ import numpy as np
 import pytest
 import torch
 
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.types import (
     AdamParams,
     Datum,
     EncodedTextChunk,
     ModelInput,
     SamplingParams,
-    TokenSegment,
     TrainResult,
-    Trajectory,
-    TrajectoryGroup,
 )
 
 

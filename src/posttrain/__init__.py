@@ -13,24 +13,24 @@ from typing import TYPE_CHECKING
 # tests/test_public_api.py checks that the two agree.
 _EXPORTS = {
     # data: what rollouts produce and backends train on; Tinker's primitive types
-    "Trajectory": "posttrain.trajectories",
-    "TrajectoryGroup": "posttrain.trajectories",
+    "Trajectory": "posttrain.data.trajectories",
+    "TrajectoryGroup": "posttrain.data.trajectories",
     "TrainResult": "posttrain.types",
     "SamplingParams": "posttrain.types",
     "AdamParams": "posttrain.types",
     "Datum": "posttrain.types",
     "ModelInput": "posttrain.types",
     # models and backends
-    "TrainableModel": "posttrain.model",
-    "Model": "posttrain.model",
+    "TrainableModel": "posttrain.backends.model",
+    "Model": "posttrain.backends.model",
     "TrainableBackend": "posttrain.backends.protocol",
     "LocalBackend": "posttrain.backends.local",
     "RayBackend": "posttrain.backends.ray",
     "TinkerBackend": "posttrain.backends.tinker",
     # rollouts
-    "TrajectoryBuilder": "posttrain.rollout",
-    "gather_groups": "posttrain.gather",
-    "gather_trajectory_groups": "posttrain.gather",
+    "TrajectoryBuilder": "posttrain.rollouts.builder",
+    "gather_groups": "posttrain.rollouts.gather",
+    "gather_trajectory_groups": "posttrain.rollouts.gather",
     # tasks, environments, evaluation
     "Task": "posttrain.tasks.protocol",
     "Problem": "posttrain.tasks.protocol",
@@ -38,35 +38,37 @@ _EXPORTS = {
     "resolve_task": "posttrain.tasks.resolve",
     "Environment": "posttrain.environments.protocol",
     "run_episodes": "posttrain.environments.runner",
-    "evaluate": "posttrain.evaluation",
+    "evaluate": "posttrain.rollouts.evaluation",
     # building blocks
     "create_training_client": "posttrain.clients.create",
     "make_tiny_model": "posttrain.engine.tiny",
-    "load_sft_dataset": "posttrain.jobs.sft_data",
+    "load_sft_dataset": "posttrain.rollouts.sft_data",
 }
 
 if TYPE_CHECKING:
     from posttrain.backends.local import LocalBackend as LocalBackend
+    from posttrain.backends.model import Model as Model
+    from posttrain.backends.model import TrainableModel as TrainableModel
     from posttrain.backends.protocol import TrainableBackend as TrainableBackend
     from posttrain.backends.ray import RayBackend as RayBackend
     from posttrain.backends.tinker import TinkerBackend as TinkerBackend
     from posttrain.clients.create import create_training_client as create_training_client
+    from posttrain.data.trajectories import Trajectory as Trajectory
+    from posttrain.data.trajectories import TrajectoryGroup as TrajectoryGroup
     from posttrain.engine.tiny import make_tiny_model as make_tiny_model
     from posttrain.environments.protocol import Environment as Environment
     from posttrain.environments.runner import run_episodes as run_episodes
-    from posttrain.evaluation import evaluate as evaluate
-    from posttrain.gather import gather_groups as gather_groups
-    from posttrain.gather import gather_trajectory_groups as gather_trajectory_groups
-    from posttrain.jobs.sft_data import load_sft_dataset as load_sft_dataset
-    from posttrain.model import Model as Model
-    from posttrain.model import TrainableModel as TrainableModel
-    from posttrain.rollout import TrajectoryBuilder as TrajectoryBuilder
+    from posttrain.rollouts.builder import TrajectoryBuilder as TrajectoryBuilder
+    from posttrain.rollouts.evaluation import evaluate as evaluate
+    from posttrain.rollouts.gather import gather_groups as gather_groups
+    from posttrain.rollouts.gather import (
+        gather_trajectory_groups as gather_trajectory_groups,
+    )
+    from posttrain.rollouts.sft_data import load_sft_dataset as load_sft_dataset
     from posttrain.tasks.dataset import DatasetTask as DatasetTask
     from posttrain.tasks.protocol import Problem as Problem
     from posttrain.tasks.protocol import Task as Task
     from posttrain.tasks.resolve import resolve_task as resolve_task
-    from posttrain.trajectories import Trajectory as Trajectory
-    from posttrain.trajectories import TrajectoryGroup as TrajectoryGroup
     from posttrain.types import AdamParams as AdamParams
     from posttrain.types import Datum as Datum
     from posttrain.types import ModelInput as ModelInput

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from posttrain.types import Trajectory
+from posttrain.data.trajectories import Trajectory
 
 
 def best_step(history: Sequence[Mapping[str, object]], metric: str, steps: Sequence[int]) -> int:

@@ -1,5 +1,5 @@
 """Plain data shared by every layer: model inputs, datums, sampling and optimizer settings,
-trajectories (defined in `posttrain.trajectories`, re-exported here) and results.
+and results. Trajectories live beside them, in `posttrain.data.trajectories`.
 
 The first five mirror the `tinker` SDK's names and constructors (`ModelInput.from_ints`,
 `Datum(model_input=..., loss_fn_inputs=...)`, `SamplingParams`, `AdamParams`), so code moves
@@ -16,26 +16,12 @@ from typing import Literal, TypeAlias
 import numpy as np
 import torch
 
-from posttrain.trajectories import (
-    ChoiceLike,
-    JSONScalar,
-    MessageOrChoice,
-    Messages,
-    TokenSegment,
-    Trajectory,
-    TrajectoryGroup,
-)
-
 __all__ = [
     "INT_KEYS",
     "AdamParams",
-    "ChoiceLike",
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
-    "JSONScalar",
-    "MessageOrChoice",
-    "Messages",
     "ModelInput",
     "OptimStepResponse",
     "SampleResponse",
@@ -43,10 +29,7 @@ __all__ = [
     "SamplingParams",
     "StopReason",
     "TensorLike",
-    "TokenSegment",
     "TrainResult",
-    "Trajectory",
-    "TrajectoryGroup",
     "to_tensor",
 ]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.engine.checkpoint import list_checkpoints
-from posttrain.model import TrainableModel
 
 # The server tests' helpers start and stop `posttrain serve` (tests/ is not a package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -45,7 +45,7 @@ def make(kind: str, path: Path, server: ServerProcess | None) -> TrainableBacken
         return LocalBackend(path)
     if kind == "ray":
         from posttrain.backends.ray import RayBackend
-        from posttrain.engine.ray_executor import RayConfig
+        from posttrain.engine.ray.executor import RayConfig
 
         config = RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0)
         return RayBackend(path, num_workers=1, ray_config=config)

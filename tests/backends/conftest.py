@@ -24,7 +24,7 @@ def server(
 @pytest.fixture(scope="module")
 def ray_started() -> Iterator[None]:
     pytest.importorskip("ray")
-    from posttrain.engine.ray_session import ray_session
+    from posttrain.engine.ray.session import ray_session
 
     with ray_session(num_cpus=2):
         yield

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.sampling import ModelSampler
-from posttrain.model import TrainableModel
-from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
+from posttrain.types import TrainResult
 
 
 def _option(

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import posttrain as art
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.run_records import best_step
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
 def groups(seed: int) -> list[TrajectoryGroup]:

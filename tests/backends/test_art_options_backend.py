@@ -10,9 +10,9 @@ import torch
 
 from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.clients import custom_loss as registry
 from posttrain.clients.custom_loss import builtin_as_custom, register_loss
-from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, from_options
 
 

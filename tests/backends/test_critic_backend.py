@@ -14,10 +14,10 @@ import torch
 from local_groups import synthetic_groups
 from posttrain.backends.capabilities import LOCAL
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.preflight import PreflightError, preflight_rl
 from posttrain.backends.tinker import TINKER
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.types import TrainResult
 

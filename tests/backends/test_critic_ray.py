@@ -10,9 +10,9 @@ from test_ray_backend import REL_TOL, TEST_RAY, assert_same_metrics, rel_error
 
 from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.ray import RayBackend
-from posttrain.engine.ray_session import ray_session
-from posttrain.model import TrainableModel
+from posttrain.engine.ray.session import ray_session
 
 # The first step differs from LocalBackend's only in the order FSDP2 sums the ranks' gradients:
 # REL_TOL. Later steps start from weights that AdamW's first update set to w - lr * sign(g) per

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.ray import RayBackend
 from posttrain.cli.main import main
 from posttrain.clients.create import create_training_client
-from posttrain.model import TrainableModel
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 HERE = "cuda" if torch.cuda.is_available() else "cpu"

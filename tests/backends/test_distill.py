@@ -23,6 +23,7 @@ from backend_kinds import MakeBackend, tiny
 
 from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import LocalRLOptions
 from posttrain.backends.preflight import PreflightError
 from posttrain.backends.schema import option_schema
@@ -30,18 +31,12 @@ from posttrain.backends.tinker import TinkerRLConfig, TinkerRLOptions
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local_sampling import LocalSamplingClient
 from posttrain.clients.teacher import Teacher
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.models import load_hf_model
 from posttrain.engine.tiny import build_tokenizer, make_tiny_model
-from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.distill import score_groups
-from posttrain.types import (
-    SampledSequence,
-    SamplingParams,
-    TokenSegment,
-    Trajectory,
-    TrajectoryGroup,
-)
+from posttrain.types import SampledSequence, SamplingParams
 
 PROMPT = (256, 104, 105)  # <|bos|> "hi"
 # The teacher is the tiny model with its unembedding scaled by 40: the same ranking of tokens

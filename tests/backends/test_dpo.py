@@ -21,9 +21,10 @@ from posttrain.backends.local import LocalBackend
 from posttrain.clients.create import create_training_client
 from posttrain.clients.custom_loss import custom_gradients, custom_loss, is_custom_loss
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.data.preferences import PreferencePair
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.preferences import PreferencePair, preference_pair_from_chat
-from posttrain.rollout import render_chat
+from posttrain.rollouts.builder import render_chat
+from posttrain.rollouts.dpo_data import preference_pair_from_chat
 from posttrain.trainer.dpo import dpo_loss_fn, loss_name, pair_datums, update_datums
 from posttrain.types import AdamParams, Datum
 

@@ -11,8 +11,8 @@ import torch
 
 from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
-from posttrain.model import TrainableModel
-from posttrain.preferences import PreferencePair
+from posttrain.backends.model import TrainableModel
+from posttrain.data.preferences import PreferencePair
 
 KL = {"learning_rate": 1e-3, "kl_penalty_coef": 0.5, "loss": "ppo"}
 

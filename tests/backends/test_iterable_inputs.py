@@ -12,7 +12,7 @@ import torch
 
 from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
-from posttrain.model import TrainableModel
+from posttrain.backends.model import TrainableModel
 from posttrain.trainer.config import RLConfig, SFTConfig
 from posttrain.trainer.rl import prepare_batch
 from posttrain.trainer.sft import sft_batches

@@ -10,11 +10,11 @@ from peft import PeftModel
 
 from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.preflight import PreflightError
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.models import load_hf_model
-from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, from_options
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
 async def test_train_checkpoint_log_and_peft_loadable(tiny_model_dir, tmp_path):

@@ -16,12 +16,13 @@ from peft import PeftModel
 
 from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.models import load_hf_model
-from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.rl import train_rl_step
 from posttrain.trainer.tensor_plots import TensorRecorder
-from posttrain.types import AdamParams, Datum, ModelInput, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import AdamParams, Datum, ModelInput
 
 
 async def registered(tiny_model_dir, path, lora_rank: int | None = 4):

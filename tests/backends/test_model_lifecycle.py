@@ -33,10 +33,10 @@ from backend_kinds import (
 from serve_helpers import ServerProcess  # pyright: ignore[reportMissingImports]
 
 from local_groups import synthetic_groups
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.resume import DamagedCheckpointError
 from posttrain.engine.checkpoint import MANIFEST, is_complete_checkpoint
-from posttrain.model import TrainableModel
 
 ADAPTER = "adapter_model.safetensors"
 LR = 1e-2

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from posttrain.backends.local import LocalBackend
-from posttrain.model import TrainableModel
-from posttrain.types import SamplingParams, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.backends.model import TrainableModel
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import SamplingParams
 
 PROMPT = [104, 101, 108, 108, 111, 32]  # "hello " in the tiny byte-level vocabulary
 

@@ -21,8 +21,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 import posttrain as art
 from chat_model import ADD_CALL, ADD_TOOL, make_chat_model
-from posttrain.engine.ray_executor import RayConfig
-from posttrain.engine.ray_session import ray_session
+from posttrain.engine.ray.executor import RayConfig
+from posttrain.engine.ray.session import ray_session
 from posttrain.types import Datum, ModelInput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))

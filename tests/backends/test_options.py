@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import pytest
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import (
     HELP,
     CoreRLFields,
@@ -33,7 +34,6 @@ from posttrain.backends.options import (
 )
 from posttrain.backends.ray import RayRLConfig, RayRLOptions
 from posttrain.backends.tinker import TinkerRLConfig, TinkerRLOptions
-from posttrain.model import TrainableModel
 from posttrain.trainer.config import from_options, option_fields, option_help
 
 CASES = Path(__file__).parents[1] / "pyright_cases" / "wrong_options.py"

@@ -16,8 +16,8 @@ from posttrain.backends.preflight import (
 )
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.register_checks import model_problems
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.trainer.config import RLConfig, SFTConfig, from_options
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
 @pytest.fixture(autouse=True)
@@ -284,8 +284,8 @@ def test_full_finetuning_on_a_lora_only_backend_is_refused_before_anything_loads
     refuses it with the same message before the base model is even looked at."""
     import asyncio
 
+    from posttrain.backends.model import TrainableModel
     from posttrain.backends.tinker import TINKER, TinkerBackend
-    from posttrain.model import TrainableModel
 
     [problem] = model_problems("TinkerBackend", TINKER, 0)  # a job's [model] lora_rank = 0
     assert problem.option == "lora_rank"

@@ -20,12 +20,12 @@ import torch
 
 from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import LocalRLOptions, option_names
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.ray import RayBackend, RayRLConfig, RayRLOptions
-from posttrain.engine.ray_executor import RayConfig
-from posttrain.engine.ray_session import ray_session
-from posttrain.model import TrainableModel
+from posttrain.engine.ray.executor import RayConfig
+from posttrain.engine.ray.session import ray_session
 from posttrain.trainer.config import option_fields
 from posttrain.types import (
     SamplingParams,

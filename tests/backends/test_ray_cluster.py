@@ -29,13 +29,13 @@ from two_nodes import SLOT, TwoNodeCluster
 
 from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.ray import RayBackend
 from posttrain.engine.checkpoint import is_complete_checkpoint
-from posttrain.engine.ray_actor import WorkerHost
-from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
-from posttrain.engine.ray_session import import_ray, ray_session
-from posttrain.engine.shared_storage import StorageNotShared
-from posttrain.model import TrainableModel
+from posttrain.engine.ray.actor import WorkerHost
+from posttrain.engine.ray.executor import RayConfig, WorkerGroupError
+from posttrain.engine.ray.session import import_ray, ray_session
+from posttrain.engine.ray.shared_storage import StorageNotShared
 from posttrain.types import ModelInput, TrainResult
 
 pytestmark = pytest.mark.slow

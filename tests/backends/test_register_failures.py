@@ -21,8 +21,8 @@ import pytest
 from backend_kinds import MakeBackend, is_loaded, tiny, training_runs
 from serve_helpers import ServerProcess  # pyright: ignore[reportMissingImports]
 
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.protocol import TrainableBackend
-from posttrain.model import TrainableModel
 
 
 def tensorboard_writers() -> int:

@@ -14,7 +14,7 @@ import pytest
 from backend_kinds import MakeBackend, tiny
 
 from local_groups import synthetic_groups
-from posttrain.model import TrainableModel
+from posttrain.backends.model import TrainableModel
 from posttrain.trainer.token_advantages import SEPA_STATE_KEY
 
 OPTIONS = {

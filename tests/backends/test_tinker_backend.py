@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from test_openai_client import groups
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.tinker import TinkerBackend
-from posttrain.model import TrainableModel
 from posttrain.types import SamplingParams
 
 # The server tests' helpers start and stop `posttrain serve` (tests/ is not a package).

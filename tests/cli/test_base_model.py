@@ -17,11 +17,11 @@ import huggingface_hub
 import pytest
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.cli.main import main
 from posttrain.clients.create import create_training_client
 from posttrain.engine.gguf_import import cached_gguf
 from posttrain.engine.model_source import HubUnreachableError, check_base_model, is_path_like
-from posttrain.model import TrainableModel
 
 HUB_ID = "posttrain-tests/no-such-model"
 

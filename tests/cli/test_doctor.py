@@ -16,7 +16,7 @@ import pytest
 
 from posttrain.cli.doctor_cmd import VLLM_HINT, check_engines
 from posttrain.cli.main import main
-from posttrain.engines import InferenceConfig
+from posttrain.inference import InferenceConfig
 from posttrain.jobs.config import JobConfig, ModelConfig
 
 GOOD_KEY = "tml-good"

@@ -15,9 +15,9 @@ import pytest
 from posttrain.cli.explain_cmd import PLAN_NOTES, explain
 from posttrain.cli.main import main
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.engines import InferenceConfig
+from posttrain.inference import InferenceConfig
 from posttrain.jobs.config import JobConfig, RunConfig, load_config
-from posttrain.jobs.rollouts import derive_seed
+from posttrain.rollouts.task_rollouts import derive_seed
 from posttrain.tasks import get_task
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))

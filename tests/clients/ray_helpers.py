@@ -12,7 +12,7 @@ import torch
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.executor import TensorKind
-from posttrain.engine.ray_actor import WorkerHost
+from posttrain.engine.ray.actor import WorkerHost
 from posttrain.types import AdamParams, Datum, ModelInput
 
 Tensors = dict[str, torch.Tensor]

@@ -133,8 +133,8 @@ def test_a_loss_plugs_in_through_the_entry_point_group(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_custom_loss_on_ray_dp2_matches_the_local_builtin(tiny_model_dir, tmp_path):
     from posttrain.clients.ray import RayTrainingClient
-    from posttrain.engine.ray_executor import RayConfig
-    from posttrain.engine.ray_session import ray_session
+    from posttrain.engine.ray.executor import RayConfig
+    from posttrain.engine.ray.session import ray_session
 
     config = with_art_clip_defaults("cispo", LossConfig())
     datums = make_datums("cispo")

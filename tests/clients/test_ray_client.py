@@ -47,9 +47,9 @@ from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.protocol import TrainingClient
 from posttrain.clients.ray import RayTrainingClient
-from posttrain.engine.ray_actor import WorkerHost
-from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
-from posttrain.engine.ray_session import ray_session
+from posttrain.engine.ray.actor import WorkerHost
+from posttrain.engine.ray.executor import RayConfig, WorkerGroupError
+from posttrain.engine.ray.session import ray_session
 from posttrain.types import AdamParams, Datum, ModelInput, SamplingParams
 
 pytestmark = pytest.mark.slow

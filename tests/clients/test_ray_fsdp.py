@@ -34,9 +34,9 @@ from ray_helpers import (
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.ray import RayTrainingClient
-from posttrain.engine.ray_actor import WorkerHost
-from posttrain.engine.ray_executor import RayConfig
-from posttrain.engine.ray_session import ray_session
+from posttrain.engine.ray.actor import WorkerHost
+from posttrain.engine.ray.executor import RayConfig
+from posttrain.engine.ray.session import ray_session
 from posttrain.types import AdamParams, ModelInput, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ import pytest
 from ray_helpers import wait_until_gone
 
 from posttrain.clients.create import create_training_client
-from posttrain.engine.ray_actor import store_directory
-from posttrain.engine.ray_executor import RayConfig
-from posttrain.engine.ray_session import import_ray
+from posttrain.engine.ray.actor import store_directory
+from posttrain.engine.ray.executor import RayConfig
+from posttrain.engine.ray.session import import_ray
 
 pytestmark = pytest.mark.slow
 

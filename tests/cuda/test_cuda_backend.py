@@ -13,8 +13,8 @@ from cuda_helpers import report
 
 from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
-from posttrain.model import TrainableModel
-from posttrain.preferences import PreferencePair
+from posttrain.backends.model import TrainableModel
+from posttrain.data.preferences import PreferencePair
 from posttrain.types import TrainResult
 
 FP32_TOL = 2e-5

@@ -20,7 +20,7 @@ from cuda_helpers import rel_error, report, sft_datums
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import WorkerSpec
 from posttrain.engine.executor import PassShard, SaveRequest
-from posttrain.engine.ray_actor import WorkerHost, store_directory
+from posttrain.engine.ray.actor import WorkerHost, store_directory
 from posttrain.engine.worker import WorkerConfig
 from posttrain.types import AdamParams
 

@@ -9,10 +9,10 @@ import torch
 
 from posttrain import Datum, ModelInput
 from posttrain.algo.losses import LossConfig
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.preflight import precision_mismatch
 from posttrain.clients.create import create_training_client
 from posttrain.engine.tiny import tiny_model_path
-from posttrain.model import TrainableModel
 from posttrain.trainer.config import RLConfig
 
 # bf16 keeps 8 significant bits: one rounding of a value x is off by at most 2^-9 |x|, and by

@@ -23,10 +23,10 @@ from check_counting import count_checks, rows
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import WorkerSpec, create_training_client
 from posttrain.engine.executor import Executor, LoadRequest, PassShard
-from posttrain.engine.rank_calls import Rejected, kind_of
-from posttrain.engine.ray_actor import WorkerHost, _buckets
-from posttrain.engine.ray_executor import RayConfig, RayExecutor
-from posttrain.engine.ray_session import import_ray
+from posttrain.engine.ray.actor import WorkerHost, _buckets
+from posttrain.engine.ray.executor import RayConfig, RayExecutor
+from posttrain.engine.ray.rank_calls import Rejected, kind_of
+from posttrain.engine.ray.session import import_ray
 from posttrain.engine.worker import WorkerConfig
 from posttrain.types import Datum, ModelInput
 

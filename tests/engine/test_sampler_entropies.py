@@ -20,11 +20,12 @@ from transformers import PreTrainedModel
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.tinker import to_tinker_sampling_params
+from posttrain.data.trajectories import TokenSegment
 from posttrain.engine.entropy import sampling_entropies
 from posttrain.engine.models import load_hf_model, load_tokenizer
 from posttrain.engine.sampler import Sampler
-from posttrain.rollout import TrajectoryBuilder
-from posttrain.types import ModelInput, SampledSequence, SamplingParams, TokenSegment
+from posttrain.rollouts.builder import TrajectoryBuilder
+from posttrain.types import ModelInput, SampledSequence, SamplingParams
 
 ATOL = 1e-5  # see the module docstring
 PROMPTS = [[256, 72, 105, 33], [7, 8], [256, 10, 20, 30, 40, 50, 60, 70, 80, 90]]

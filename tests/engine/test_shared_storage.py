@@ -3,7 +3,7 @@ two-node cluster is in tests/backends/test_ray_cluster.py."""
 
 from __future__ import annotations
 
-from posttrain.engine.shared_storage import (
+from posttrain.engine.ray.shared_storage import (
     MARKER_PREFIX,
     not_shared_message,
     read_marker,

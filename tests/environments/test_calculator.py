@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.environments import CalculatorEnv, Reset, Step, parse_tool_calls
 from posttrain.environments.calculator import TOOL_NAME, evaluate_expression
-from posttrain.tool_calls import call_id
+from posttrain.rollouts.tool_calls import call_id
 
 
 def call(expression: str, spacing: str = "") -> str:

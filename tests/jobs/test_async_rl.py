@@ -18,21 +18,16 @@ import pytest
 import torch
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.jobs.config import JobConfig, parse_config
 from posttrain.jobs.pipeline import TrainedStep, drop_stale, rl_steps
 from posttrain.jobs.train_job import run_job
-from posttrain.model import TrainableModel
-from posttrain.rollout import TrajectoryBuilder
+from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.tasks import Problem, ReverseTask
-from posttrain.types import (
-    SamplingParams,
-    StopReason,
-    TrainResult,
-    Trajectory,
-    TrajectoryGroup,
-)
+from posttrain.types import SamplingParams, StopReason, TrainResult
 
 SPLIT: dict[str, object] = {"devices": "cpu,cpu", "threads": 1}  # the sampler in its own process
 Sample = Callable[[int], Awaitable[Sequence[TrajectoryGroup]]]
@@ -200,7 +195,7 @@ class _Backend:
 
 
 def _trajectory(version: int | None) -> Trajectory:
-    from posttrain.types import TokenSegment
+    from posttrain.data.trajectories import TokenSegment
 
     metadata = {} if version is None else {"policy_version": version}
     return Trajectory(segments=(TokenSegment((1, 2), trainable=True),), metadata=metadata)

@@ -197,7 +197,7 @@ def test_a_resume_compares_the_task_tables_and_tolerates_new_keys_at_their_defau
 
 
 def test_lora_rank_zero_is_full_fine_tuning_in_toml_and_python():
-    from posttrain.model import TrainableModel
+    from posttrain.backends.model import TrainableModel
 
     assert parse_config({}).model.lora_rank == 0
     # The job passes [model] lora_rank as it is; TrainableModel reads 0 as None: one meaning.

@@ -14,9 +14,9 @@ import pytest
 from posttrain.cli.explain_cmd import explain
 from posttrain.jobs.backend import job_problems
 from posttrain.jobs.config import JobConfig, parse_config
-from posttrain.jobs.dpo_data import load_preference_pairs
 from posttrain.jobs.run_dir import JOB_FILE, prepare_run_dir
 from posttrain.jobs.train_job import dpo_options, run_job
+from posttrain.rollouts.dpo_data import load_preference_pairs
 
 LINES = [
     {"prompt": "abc", "chosen": "cba", "rejected": "abc"},

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from posttrain.cli.main import main
 from posttrain.jobs.config import load_config, parse_config
 from posttrain.jobs.report import TIMING_KEYS
-from posttrain.jobs.rollouts import derive_seed
 from posttrain.jobs.train_job import run_job
+from posttrain.rollouts.task_rollouts import derive_seed
 
 
 def _toml(tables: dict[str, dict[str, object]]) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.backends.local import LocalBackend
-from posttrain.engines.config import InferenceConfig
+from posttrain.inference.config import InferenceConfig
 from posttrain.jobs.backend import JobPreflightError, constructor_kwargs, job_problems
 from posttrain.jobs.config import JobConfig, parse_config
 from posttrain.jobs.run_dir import JOB_FILE, config_changes, config_record, prepare_run_dir

@@ -9,7 +9,7 @@ import pytest
 from chat_templates import TEMPLATES
 from chat_templates import template as chat_template
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.jobs.sft_data import conversation_to_trajectory, load_sft_dataset
+from posttrain.rollouts.sft_data import conversation_to_trajectory, load_sft_dataset
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_exported_at_top_level():
 def test_prompt_answer_pairs_train_only_the_answer(tokenizer, tmp_path):
     """A prompt/answer line is a user turn and the assistant's answer (a number answer as its
     decimal), with the system prompt before it; only the answer's tokens are trainable."""
-    from posttrain.jobs.sft_data import SFTFields
+    from posttrain.rollouts.sft_data import SFTFields
 
     path = _write(
         tmp_path / "d.jsonl",

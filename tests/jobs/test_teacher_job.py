@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.cli.explain_cmd import explain
 from posttrain.jobs.config import TeacherConfig, parse_config
 from posttrain.jobs.run_dir import JOB_FILE, prepare_run_dir
 from posttrain.jobs.teacher import build_teacher
 from posttrain.jobs.train_job import run_job
-from posttrain.model import TrainableModel
 from posttrain.types import ModelInput
 
 

@@ -1,10 +1,10 @@
 """Calls pyright must reject: each line marked `# expect: <option>` is a type error."""
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.ray import RayBackend
 from posttrain.backends.tinker import TinkerBackend
-from posttrain.model import TrainableModel
 
 
 async def wrong_calls(backend: LocalBackend, generic: TrainableBackend, model: TrainableModel) -> None:

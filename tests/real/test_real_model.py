@@ -25,7 +25,7 @@ from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.models import load_hf_model, load_tokenizer
 from posttrain.engine.sampler import Sampler
-from posttrain.jobs.rollouts import sample_groups
+from posttrain.rollouts.task_rollouts import sample_groups
 from posttrain.tasks import Problem
 from posttrain.tokenizer import assistant_closing, end_of_turn_id, render_chat
 from posttrain.types import SampleResponse, SamplingParams, StopReason

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from transformers import AutoTokenizer
 
 from posttrain.backends.local import LocalBackend
-from posttrain.model import TrainableModel
+from posttrain.backends.model import TrainableModel
 from posttrain.server.openai_api import encode_rendered
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]

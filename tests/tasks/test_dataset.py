@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.evaluation import evaluate
+from posttrain.rollouts.evaluation import evaluate
 from posttrain.tasks import DatasetTask, Problem
 from posttrain.tasks.dataset import held_out_by_hash, split_key
 from posttrain.types import SampledSequence, SampleResponse

@@ -13,17 +13,12 @@ import math
 import pytest
 
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.clients import custom_loss as registry
 from posttrain.clients.custom_loss import builtin_as_custom, register_loss
-from posttrain.model import TrainableModel
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.trainer.config import RLConfig, from_options
-from posttrain.types import (
-    SampledSequence,
-    SamplingParams,
-    TokenSegment,
-    Trajectory,
-    TrajectoryGroup,
-)
+from posttrain.types import SampledSequence, SamplingParams
 
 PROMPT = [104, 101, 108, 108, 111, 32]  # "hello " in the tiny byte-level vocabulary
 KEYS = {"kl_sample_train_v1", "kl_sample_train_v2", "logprob_diff_max"}

@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.datums import rl_datum, sft_datum
 from posttrain.trainer.rl import prepare_batch, split_minibatches, weighted
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 
 def multi_turn(reward: float = 1.0) -> Trajectory:

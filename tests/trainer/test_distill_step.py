@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 
 from posttrain.clients.teacher import Teacher, vocabulary_difference
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.tiny import build_tokenizer
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.distill import score_groups
 from posttrain.trainer.rl import prepare_batch
-from posttrain.types import ModelInput, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import ModelInput
 
 # Teacher logprob of token id k at any position: -k/100 (None for the first token).
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from posttrain.clients.create import create_training_client
+from posttrain.data.trajectories import TokenSegment, Trajectory
 from posttrain.engine.optim import create_lr_schedule, lr_multiplier
 from posttrain.trainer.config import SFTConfig, from_options
 from posttrain.trainer.sft import sft_batches, train_sft
-from posttrain.types import TokenSegment, Trajectory
 
 
 def trajectory(seed: int) -> Trajectory:

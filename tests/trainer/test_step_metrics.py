@@ -7,9 +7,9 @@ import torch
 
 from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.clients import custom_loss as registry
 from posttrain.clients.custom_loss import register_loss
-from posttrain.model import TrainableModel
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.types import Datum
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from posttrain.algo.sepa import SEPAState
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.rl import prepare_batch
 from posttrain.trainer.token_advantages import SEPA_STATE_KEY
-from posttrain.types import TokenSegment, Trajectory, TrajectoryGroup
 
 WORDS = {20: " so", 21: " let", 22: " me", 23: " check", 24: " it", 25: " now"}
 

@@ -15,10 +15,11 @@ import torch
 from posttrain.algo.sepa import SEPAState
 from posttrain.clients.create import create_training_client
 from posttrain.clients.ray import RayTrainingClient
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.rl import prepare_batch, weighted
 from posttrain.trainer.token_advantages import SEPA_STATE_KEY
-from posttrain.types import Datum, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import Datum
 
 REL_TOL = 2e-6
 TEXTS = (
@@ -130,8 +131,8 @@ def test_token_varying_advantages_are_invariant_to_micro_batches_and_dp(tiny_mod
 
 @pytest.mark.slow
 def test_token_varying_advantages_match_on_ray_dp2(tiny_model_dir, tmp_path):
-    from posttrain.engine.ray_executor import RayConfig
-    from posttrain.engine.ray_session import ray_session
+    from posttrain.engine.ray.executor import RayConfig
+    from posttrain.engine.ray.session import ray_session
 
     with ray_session(num_cpus=2):
         local = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "l")

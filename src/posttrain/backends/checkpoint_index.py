@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from posttrain.model import RunState, TrainableModel
+from posttrain.backends.model import RunState, TrainableModel
 
 ClientT = TypeVar("ClientT")
 ClientT_contra = TypeVar("ClientT_contra", contravariant=True)

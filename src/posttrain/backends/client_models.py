@@ -25,6 +25,7 @@ import torch
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
 from posttrain.backends.inputs import group_list, pair_list, trajectory_list
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.model_json import check_model_json, write_model_json
 from posttrain.backends.preflight import (
     PreflightError,
@@ -36,16 +37,16 @@ from posttrain.backends.preflight import (
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import LogprobChunking, ReferenceScorer, TrainingClient
+from posttrain.data.preferences import PreferencePair
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.engine.checkpoint import (
     delete_checkpoint,
     is_complete_checkpoint,
     list_checkpoints,
     step_directories,
 )
-from posttrain.engines.config import InferenceConfig
-from posttrain.engines.session import EngineSession
-from posttrain.model import TrainableModel
-from posttrain.preferences import PreferencePair
+from posttrain.inference.config import InferenceConfig
+from posttrain.inference.session import EngineSession
 from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig
 from posttrain.trainer.distill import score_groups
 from posttrain.trainer.dpo import dpo_batches, train_dpo_batches
@@ -53,7 +54,7 @@ from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.rl import prepare_batch, train_rl_batch
 from posttrain.trainer.sft import sft_batches, train_sft_batches
 from posttrain.trainer.tensor_plots import TensorRecorder
-from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+from posttrain.types import TrainResult
 
 log = logging.getLogger(__name__)
 ClientT = TypeVar("ClientT", bound=TrainingClient)

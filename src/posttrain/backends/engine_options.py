@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from posttrain.engine.devices import AUTO
-from posttrain.engines.config import InferenceConfig
+from posttrain.inference.config import InferenceConfig
 
 
 def engine_config(

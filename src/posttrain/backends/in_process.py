@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Generic
 
 from posttrain.backends.client_models import ClientT
-from posttrain.model import TrainableModel
+from posttrain.backends.model import TrainableModel
 
 
 class InProcessClients(Generic[ClientT]):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TypeVar
 
-from posttrain.preferences import PreferencePair
-from posttrain.types import Trajectory, TrajectoryGroup
+from posttrain.data.preferences import PreferencePair
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 
 T = TypeVar("T")
 

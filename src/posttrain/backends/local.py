@@ -12,6 +12,7 @@ from posttrain.backends.capabilities import LOCAL, Capabilities
 from posttrain.backends.client_models import ModelClients
 from posttrain.backends.engine_options import engine_config, trainer_device
 from posttrain.backends.in_process import InProcessClients
+from posttrain.backends.model import OpenAIEndpoint, TrainableModel
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     DPOOptions,
@@ -26,11 +27,11 @@ from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import Head, create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.data.preferences import PreferencePair
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.engine.devices import AUTO, resolve_device
-from posttrain.engines.config import InferenceConfig
-from posttrain.model import OpenAIEndpoint, TrainableModel
-from posttrain.preferences import PreferencePair
-from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+from posttrain.inference.config import InferenceConfig
+from posttrain.types import TrainResult
 
 BACKEND = "LocalBackend"
 
@@ -38,7 +39,7 @@ BACKEND = "LocalBackend"
 class LocalBackend:
     """Models live under `path/<project>/models/<name>/`; checkpoints every step by default.
 
-    `inference` chooses the sampling engine (`posttrain.engines.InferenceConfig`, or its
+    `inference` chooses the sampling engine (`posttrain.inference.InferenceConfig`, or its
     fields as a dict): posttrain's sampler on the training weights by default, vLLM, or an
     OpenAI-compatible server; `devices` there splits sampling from training.
 

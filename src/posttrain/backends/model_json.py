@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.model import TrainableModel
+from posttrain.backends.model import TrainableModel
 
 # model.json keys that must match to reuse a model directory.
 IDENTITY_KEYS = ("base_model", "lora_rank")

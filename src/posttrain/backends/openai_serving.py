@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from posttrain.model import OpenAIEndpoint, TrainableModel
+    from posttrain.backends.model import OpenAIEndpoint, TrainableModel
 
 ENTRY_POINT_GROUP = "posttrain.openai_servers"
 INSTALL_HINT = "pip install 'posttrain[server]' openai"

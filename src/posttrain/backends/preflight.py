@@ -21,6 +21,7 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.backends.schema import OptionSchema
 from posttrain.clients.custom_loss import custom_loss, is_custom_loss, is_pair_loss
+from posttrain.data.trajectories import TrajectoryGroup
 from posttrain.trainer.config import (
     DPOConfig,
     RLConfig,
@@ -30,7 +31,6 @@ from posttrain.trainer.config import (
     option_values,
 )
 from posttrain.trainer.token_advantages import kind_needs_entropies, uses_token_path
-from posttrain.types import TrajectoryGroup
 
 if TYPE_CHECKING:
     pass

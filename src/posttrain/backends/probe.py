@@ -20,11 +20,12 @@ import torch
 from posttrain.algo.loss_inputs import policy_tokens, shaped_advantages
 from posttrain.algo.losses import LossBatch
 from posttrain.algo.sepa import SEPAState
+from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.batching import pad_datums
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.rl import prepare_batch, weighted
 from posttrain.trainer.token_advantages import SEPA_STATE_KEY
-from posttrain.types import Datum, TokenSegment, Trajectory, TrajectoryGroup
+from posttrain.types import Datum
 
 # The probe's stand-in learner logprobs are q_t + 0.01*t and its reference ones lp_t - 0.02*t
 # (t = 1, 2, ... along the sequence): every token differs, as with a real model.

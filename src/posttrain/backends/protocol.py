@@ -6,11 +6,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, Unpack, runtime_checkable
 
 from posttrain.backends.options import RLOptions, SFTOptions
-from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
+from posttrain.types import TrainResult
 
 if TYPE_CHECKING:
+    from posttrain.backends.model import TrainableModel
     from posttrain.backends.sampling import ModelSampler
-    from posttrain.model import TrainableModel
 
 
 @runtime_checkable

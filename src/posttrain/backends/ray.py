@@ -21,6 +21,7 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import ModelClients
 from posttrain.backends.engine_options import engine_config
 from posttrain.backends.in_process import InProcessClients
+from posttrain.backends.model import OpenAIEndpoint, TrainableModel
 from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     CriticFields,
@@ -38,13 +39,13 @@ from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import Head, create_training_client
 from posttrain.clients.ray import RayTrainingClient
+from posttrain.data.preferences import PreferencePair
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.engine.devices import AUTO, resolve_worker_device
-from posttrain.engine.ray_actor import Sharding
-from posttrain.engine.ray_executor import RayConfig, WorkerGroupError
-from posttrain.engines.config import InferenceConfig
-from posttrain.model import OpenAIEndpoint, TrainableModel
-from posttrain.preferences import PreferencePair
-from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+from posttrain.engine.ray.actor import Sharding
+from posttrain.engine.ray.executor import RayConfig, WorkerGroupError
+from posttrain.inference.config import InferenceConfig
+from posttrain.types import TrainResult
 
 BACKEND = "RayBackend"
 

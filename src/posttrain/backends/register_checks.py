@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from posttrain.backends.capabilities import Capabilities
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.preflight import PreflightProblem, backends_with
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
-from posttrain.model import TrainableModel
 
 
 def model_problems(

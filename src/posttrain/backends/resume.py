@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.backends.checkpoint_index import Checkpoint, ResumePoint
+from posttrain.backends.model import RunState, TrainableModel
 from posttrain.backends.model_json import model_record
 from posttrain.clients.protocol import SavesTrainerState
 from posttrain.engine.checkpoint import (
@@ -28,7 +29,6 @@ from posttrain.engine.checkpoint import (
     remove_step_debris,
     step_directories,
 )
-from posttrain.model import RunState, TrainableModel
 
 
 class DirectoryCheckpoints:

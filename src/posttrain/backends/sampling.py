@@ -1,7 +1,7 @@
 """`ModelSampler`: what `backend.sampling_client(model)` returns, used by rollout code.
 
 It samples a registered model's latest weights through the model's sampling engine (by
-default the TrainingClient itself; see `posttrain.engines`) and scores prompts through the
+default the TrainingClient itself; see `posttrain.inference`) and scores prompts through the
 TrainingClient. Named apart from Tinker's `SamplingClient` (a client on fixed saved weights,
 `LocalSamplingClient` here).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from posttrain.clients.protocol import TrainingClient
-from posttrain.engines.live import LiveEngine
-from posttrain.engines.protocol import SamplingEngine
+from posttrain.inference.live import LiveEngine
+from posttrain.inference.protocol import SamplingEngine
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 

@@ -26,6 +26,7 @@ from posttrain.algo.config_fields import option
 from posttrain.algo.ratios import ImportanceSamplingLevel
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.client_models import ModelClients
+from posttrain.backends.model import OpenAIEndpoint, TrainableModel
 from posttrain.backends.options import (
     CoreRLFields,
     RemoteDPOOptions,
@@ -39,9 +40,9 @@ from posttrain.backends.register_checks import model_problems, preflight_registe
 from posttrain.backends.sampling import ModelSampler
 from posttrain.backends.tinker_index import JsonlCheckpoints
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
+from posttrain.data.preferences import PreferencePair
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.engine.model_source import resolve_model_source
-from posttrain.model import OpenAIEndpoint, TrainableModel
-from posttrain.preferences import PreferencePair
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.config import (
     LossName,
@@ -51,7 +52,7 @@ from posttrain.trainer.config import (
     from_options,
     loss_name_problem,
 )
-from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+from posttrain.types import TrainResult
 
 BACKEND = "TinkerBackend"
 # One sampler checkpoint per model, overwritten by each step: storage stays bounded, and the

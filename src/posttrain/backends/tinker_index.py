@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from posttrain.backends.checkpoint_index import Checkpoint, ResumePoint
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.model_json import model_record
 from posttrain.backends.resume import (
     DamagedCheckpointError,
@@ -23,7 +24,6 @@ from posttrain.backends.resume import (
     resume_step_message,
     stamp,
 )
-from posttrain.model import TrainableModel
 
 if TYPE_CHECKING:
     from posttrain.clients.tinker import TinkerTrainingClient

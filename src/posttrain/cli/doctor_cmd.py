@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from posttrain.engines import InferenceConfig
+    from posttrain.inference import InferenceConfig
     from posttrain.jobs.backend import JobBackend
     from posttrain.jobs.config import JobConfig
 
@@ -300,7 +300,7 @@ def vllm_interpreter(inference: InferenceConfig) -> tuple[str, str, bool]:
     """The interpreter to look for vLLM in, where it came from, and whether the `vllm` engine
     runs it as configured: [inference] python, else $POSTTRAIN_VLLM_PYTHON, else this
     interpreter when it has vLLM, else ./.venv-vllm (found, but used only once named)."""
-    from posttrain.engines.session import VLLM_PYTHON_ENV
+    from posttrain.inference.session import VLLM_PYTHON_ENV
 
     if inference.python:
         return inference.python, "[inference] python", True
@@ -347,7 +347,7 @@ def check_vllm(inference: InferenceConfig, required: bool) -> Check:
 def check_engines(config: JobConfig | None) -> list[Check]:
     """The sampling engines: pytorch is always there, vllm needs an interpreter with vLLM, the
     openai engine needs httpx (and a server, probed when a job starts)."""
-    from posttrain.engines import InferenceConfig
+    from posttrain.inference import InferenceConfig
     from posttrain.jobs.backend import engine_model_problem
 
     inference: InferenceConfig = getattr(config, "inference", None) or InferenceConfig()

@@ -10,10 +10,10 @@ from typing import Literal
 
 from posttrain.backends.registry import BackendInfo, import_target
 from posttrain.backends.schema import constructor_parameters
-from posttrain.engines import EngineCapabilities, InferenceConfig
-from posttrain.engines.config import EngineName
-from posttrain.engines.live import LIVE
-from posttrain.engines.session import SPLIT_PYTORCH, VLLM, VLLM_PYTHON_ENV
+from posttrain.inference import EngineCapabilities, InferenceConfig
+from posttrain.inference.config import EngineName
+from posttrain.inference.live import LIVE
+from posttrain.inference.session import SPLIT_PYTORCH, VLLM, VLLM_PYTHON_ENV
 
 Runs = Literal["in-process", "worker process", "server"]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from posttrain.backends.registry import BackendInfo
 from posttrain.cli.engine_table import OPENAI_PROBED, accepts_inference, mode_of, where
-from posttrain.engines import InferenceConfig
 from posttrain.environments.resolve import ResolvedEnvironment
+from posttrain.inference import InferenceConfig
 from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
 from posttrain.jobs.config import JobConfig, load_config
 from posttrain.jobs.tables import redact_secrets
@@ -116,7 +116,8 @@ def dataset_rows(config: JobConfig, tokenizer: Tokenizer | None) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"SFT dataset {str(path)!r} does not exist")
         return sum(1 for line in path.read_text().splitlines() if line.strip())
-    from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
+    from posttrain.jobs.train_job import sft_fields
+    from posttrain.rollouts.sft_data import load_sft_dataset
 
     return len(load_sft_dataset(path, tokenizer, fields=sft_fields(config.data)))
 
@@ -127,9 +128,9 @@ def prompt_tokens(
     """Prompt tokens of RL step 1's prompts, rendered as the job renders them."""
     if tokenizer is None or task is None:
         return None
-    from posttrain.evaluation import prompt_builders
-    from posttrain.jobs.rollouts import derive_seed
-    from posttrain.rollout import assistant_closing
+    from posttrain.rollouts.builder import assistant_closing
+    from posttrain.rollouts.evaluation import prompt_builders
+    from posttrain.rollouts.task_rollouts import derive_seed
 
     rng = random.Random(derive_seed(config.run.seed, "rl", 0))  # as the job draws step 1
     problems = task.task.make_prompts(rng, config.rl.prompts_per_step)

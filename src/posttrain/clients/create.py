@@ -35,7 +35,7 @@ from posttrain.engine.worker import Worker, WorkerConfig
 
 if TYPE_CHECKING:
     from posttrain.clients.ray import RayTrainingClient
-    from posttrain.engine.ray_executor import RayConfig
+    from posttrain.engine.ray.executor import RayConfig
 
 ExecutorKind = Literal["local", "ray"]
 # "policy": the causal LM; "value": a critic, the same model with a scalar head
@@ -267,7 +267,7 @@ def _ray_config(
     resources_per_worker: Mapping[str, float] | None,
 ) -> RayConfig:
     """`given` (or the defaults) with `address` and `resources_per_worker` applied."""
-    from posttrain.engine.ray_executor import RayConfig
+    from posttrain.engine.ray.executor import RayConfig
 
     ray = given or RayConfig()
     if address is not None:
@@ -281,7 +281,7 @@ def _ray_client(
     spec: WorkerSpec, num_workers: int, ray: RayConfig, storage: Path
 ) -> RayTrainingClient:
     from posttrain.clients.ray import RayTrainingClient
-    from posttrain.engine.ray_executor import RayExecutor
+    from posttrain.engine.ray.executor import RayExecutor
 
     workers = RayExecutor(
         spec.build, num_workers, ray, device=spec.device, cpu_factory=spec.on_cpu().build

@@ -13,7 +13,7 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.local_sampling import LocalSamplingClient
 from posttrain.clients.protocol import LoadWeightsResponse, LossFnConfig, SaveWeightsResponse
 from posttrain.engine.dispatch import Dispatch
-from posttrain.engine.ray_executor import RayExecutor
+from posttrain.engine.ray.executor import RayExecutor
 from posttrain.engine.worker import Worker
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import (

@@ -26,7 +26,7 @@ from posttrain.environments.verifiers_adapter import (
     run_verifiers_episodes,
     verifiers_tasks,
 )
-from posttrain.tool_calls import ToolCall, parse_tool_calls
+from posttrain.rollouts.tool_calls import ToolCall, parse_tool_calls
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",

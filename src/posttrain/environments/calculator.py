@@ -28,15 +28,15 @@ import re
 from collections.abc import Callable, Sequence
 
 from posttrain.environments.protocol import SPLITS, Reset, Split, Step
-from posttrain.rollout import ChatMessage
-from posttrain.tasks.protocol import Problem, is_held_out
-from posttrain.tool_calls import (
+from posttrain.rollouts.builder import ChatMessage
+from posttrain.rollouts.tool_calls import (
     ToolCall,
     assistant_message,
     call_id,
     parse_tool_calls,
     tool_message,
 )
+from posttrain.tasks.protocol import Problem, is_held_out
 
 TOOL_NAME = "calculator"
 SYSTEM_PROMPT = (

@@ -38,12 +38,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.environments.protocol import SPLITS, Environment, Reset, Split, Step
 from posttrain.environments.protocol import missing_methods as missing_env_methods
-from posttrain.evaluation import Sampler
-from posttrain.rollout import ChatMessage, TrajectoryBuilder, TurnClosing, assistant_closing
+from posttrain.rollouts.builder import (
+    ChatMessage,
+    TrajectoryBuilder,
+    TurnClosing,
+    assistant_closing,
+)
+from posttrain.rollouts.evaluation import PromptBatchSampler
 from posttrain.tokenizer import Tokenizer, as_tokenizer
-from posttrain.types import SampledSequence, SamplingParams, Trajectory, TrajectoryGroup
+from posttrain.types import SampledSequence, SamplingParams
 
 log = logging.getLogger(__name__)
 EpisodeStop = Literal["done", "max_turns", "context"]
@@ -98,7 +104,7 @@ class _Episode:
 
 
 async def run_episodes(
-    sampler: Sampler,
+    sampler: PromptBatchSampler,
     make_env: Callable[[], Environment],
     seeds: Sequence[int],
     params: SamplingParams,
@@ -324,7 +330,7 @@ class EnvironmentEvaluation:
 
 
 async def evaluate_environment(
-    sampler: Sampler,
+    sampler: PromptBatchSampler,
     make_env: Callable[[], Environment],
     seeds: Sequence[int],
     *,

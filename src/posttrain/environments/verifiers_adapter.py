@@ -9,7 +9,7 @@ endpoint (`model.openai_endpoint()`: LocalBackend, RayBackend, or a TinkerBacken
 
 - its tokens are those of the responses the model returned, recorded on the way
   (`verifiers_proxy`): each turn's prompt tokens as context, its sampled tokens trainable with
-  their logprobs, as `posttrain.openai_rollouts` builds any OpenAI rollout. A turn whose prompt
+  their logprobs, as `posttrain.data.openai_choices` builds any OpenAI rollout. A turn whose prompt
   does not extend the turns before it (a harness that rewrites or compacts the history) fails
   the episode with that conversion's error; nothing is re-rendered;
 - its reward is the trace's (the sum of its weighted `@vf.reward`s); each named reward is also
@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from posttrain.data.openai_choices import message_of, sampled_turn, segments_from_turns
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.dotted_paths import target_of
 from posttrain.environments.protocol import Environment
 from posttrain.environments.resolve import (
@@ -41,8 +43,6 @@ from posttrain.environments.resolve import (
 )
 from posttrain.environments.runner import EnvironmentEvaluation, EpisodeError, Episodes
 from posttrain.environments.verifiers_proxy import KEY_HEADER, Endpoint, Exchange, RecordingProxy
-from posttrain.openai_rollouts import message_of, sampled_turn, segments_from_turns
-from posttrain.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from verifiers.v1 import Env, Episode, Task, Trace

@@ -37,8 +37,8 @@ from posttrain.clients.custom_loss import custom_loss
 from posttrain.dotted_paths import DOTTED_PATH
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
-from posttrain.engines.config import InferenceConfig, vllm_head_problem
 from posttrain.environments.resolve import ResolvedEnvironment
+from posttrain.inference.config import InferenceConfig, vllm_head_problem
 from posttrain.jobs.config import JobConfig, TeacherConfig
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
 from posttrain.jobs.tables import REDACTED, is_secret

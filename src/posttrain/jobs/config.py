@@ -16,7 +16,7 @@ the job passes each backend the options it declares, and preflight refuses the o
 name, or a dotted path "package.module:Factory". `[backend]` holds its constructor's keyword
 arguments, checked against the constructor by `jobs.backend` (the job itself supplies `path`
 from `[run] output_dir` and `keep_checkpoints` from `[run]`). `[inference]` is the sampling
-engine (`posttrain.engines.InferenceConfig`), passed as the backend's `inference=`. A value
+engine (`posttrain.inference.InferenceConfig`), passed as the backend's `inference=`. A value
 whose key names a secret (api_key, hf_token, ...) is never written or shown
 (`redact_secrets`). An unknown table or key is an error naming the table, the key and the
 nearest valid key.
@@ -34,12 +34,12 @@ from posttrain.backends.registry import resolve as resolve_backend
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model
-from posttrain.engines.config import InferenceConfig
 from posttrain.environments.resolve import (
     VERIFIERS_PREFIX,
     EnvironmentSpecError,
     environment_kind,
 )
+from posttrain.inference.config import InferenceConfig
 from posttrain.jobs.tables import build_table, hint, parse_tiny_spec
 from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.rewards import BUILTIN_REWARDS

@@ -30,11 +30,12 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import RLOptions
 from posttrain.backends.protocol import TrainableBackend
-from posttrain.jobs.rollouts import POLICY_VERSION
-from posttrain.model import TrainableModel
-from posttrain.types import TrainResult, Trajectory, TrajectoryGroup
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
+from posttrain.rollouts.task_rollouts import POLICY_VERSION
+from posttrain.types import TrainResult
 
 T = TypeVar("T")
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from posttrain.backends.model import RunState
 from posttrain.backends.tinker_index import INDEX as TINKER_INDEX
 from posttrain.backends.tinker_index import parse
 from posttrain.engine.checkpoint import step_directories
@@ -15,7 +16,6 @@ from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig
 from posttrain.jobs.job_task import file_digest
 from posttrain.jobs.tables import parse_tiny_spec, redact_secrets
-from posttrain.model import RunState
 from posttrain.trainer.config import option_values
 from posttrain.trainer.token_advantages import TRAINER_RUN_STATE_KEYS
 

@@ -34,10 +34,12 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import RLOptions, SFTOptions
 from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
 from posttrain.backends.registry import BackendInfo
 from posttrain.backends.sampling import ModelSampler
+from posttrain.data.trajectories import Trajectory
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.jobs.backend import (
     JobPreflightError,
@@ -46,19 +48,17 @@ from posttrain.jobs.backend import (
     job_problems,
     work_problems,
 )
-from posttrain.jobs.config import DPOJobConfig, JobConfig, load_config
-from posttrain.jobs.dpo_data import load_preference_pairs
+from posttrain.jobs.config import DataConfig, DPOJobConfig, JobConfig, load_config
 from posttrain.jobs.pipeline import Prefetch, drop_stale
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
-from posttrain.jobs.rollouts import SampledStep
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
-from posttrain.jobs.sft_data import load_sft_dataset, sft_fields
 from posttrain.jobs.teacher import build_teacher
 from posttrain.jobs.work import JobWork, job_work, policy_version
-from posttrain.model import TrainableModel
+from posttrain.rollouts.dpo_data import load_preference_pairs
+from posttrain.rollouts.sft_data import SFTFields, load_sft_dataset
+from posttrain.rollouts.task_rollouts import SampledStep
 from posttrain.trainer.config import option_defaults, option_values, with_options
 from posttrain.trainer.progress import INTERVAL_S, duration, report_progress
-from posttrain.types import Trajectory
 
 
 @dataclass(frozen=True)
@@ -418,3 +418,15 @@ async def _evaluate(run: _Run, rl_step: int, label: str) -> float:
         f"{duration(seconds)}, {n / max(seconds, 1e-9):.1f} {unit}/s)"
     )
     return result.accuracy
+
+
+def sft_fields(data: DataConfig | None) -> SFTFields:
+    """How the job reads `[sft] dataset` lines: with its `[data]` table's field names, if any."""
+    if data is None:
+        return SFTFields()
+    return SFTFields(
+        messages=data.messages_field or "messages",
+        prompt=data.prompt_field or "prompt",
+        answer=data.answer_field,
+        system_prompt=data.system_prompt,
+    )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.environments.protocol import Reset
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.environments.runner import EpisodeLimits, evaluate_environment, run_episodes
@@ -30,9 +31,11 @@ from posttrain.environments.verifiers_adapter import (
     run_verifiers_episodes,
     verifiers_tasks,
 )
-from posttrain.evaluation import Sampler, evaluate
 from posttrain.jobs.config import JobConfig
-from posttrain.jobs.rollouts import (
+from posttrain.rollouts.builder import TurnClosing, assistant_closing
+from posttrain.rollouts.evaluation import PromptBatchSampler, evaluate
+from posttrain.rollouts.sft_data import conversation_to_trajectory
+from posttrain.rollouts.task_rollouts import (
     POLICY_VERSION,
     SampledStep,
     check_bad_rollouts,
@@ -40,12 +43,10 @@ from posttrain.jobs.rollouts import (
     sample_groups,
     sft_examples,
 )
-from posttrain.jobs.sft_data import conversation_to_trajectory
-from posttrain.rollout import TurnClosing, assistant_closing
 from posttrain.tasks import Problem, ResolvedTask, Task
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.token_advantages import reads_entropies
-from posttrain.types import SamplingParams, Trajectory, TrajectoryGroup
+from posttrain.types import SamplingParams
 
 if TYPE_CHECKING:  # the optional `verifiers` extra
     from verifiers.v1 import Env
@@ -78,11 +79,11 @@ class JobWork(Protocol):
 
     async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]: ...
 
-    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
         """RL step k's rewarded groups."""
         ...
 
-    async def evaluate(self, sampler: Sampler) -> Evaluated:
+    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
         """Greedy accuracy on the held-out problems (or seeds)."""
         ...
 
@@ -95,7 +96,7 @@ class Versioned(Protocol):
     def policy_version(self) -> int: ...
 
 
-def policy_version(sampler: Sampler) -> int | None:
+def policy_version(sampler: PromptBatchSampler) -> int | None:
     """The model step whose weights `sampler` samples next, where it says."""
     return sampler.policy_version if isinstance(sampler, Versioned) else None
 
@@ -151,7 +152,7 @@ class TaskWork:
         problems = self.task.make_prompts(rng, self.config.sft.examples)
         return sft_examples(self.task, problems, tokenizer)
 
-    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
         rl = self.config.rl
         rng = random.Random(derive_seed(self.config.run.seed, "rl", k))
         return await sample_groups(
@@ -163,7 +164,7 @@ class TaskWork:
             max_bad_rollouts=rl.max_bad_rollouts,
         )
 
-    async def evaluate(self, sampler: Sampler) -> Evaluated:
+    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
         result = await evaluate(
             sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
         )
@@ -225,7 +226,7 @@ class EnvironmentWork:
             if callable(close):
                 await _resolved(close())
 
-    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
         rl = self.config.rl
         seeds = [derive_seed(self.config.run.seed, "env", k, i) for i in range(rl.prompts_per_step)]
         version = policy_version(sampler)  # before the first turn: a lower bound
@@ -243,7 +244,7 @@ class EnvironmentWork:
         stamp_policy_version(played.groups, version)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
-    async def evaluate(self, sampler: Sampler) -> Evaluated:
+    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
         seeds = [derive_seed(self.config.eval.seed, "held_out", i) for i in range(self.held_out)]
         result = await evaluate_environment(
             sampler,
@@ -311,7 +312,7 @@ class VerifiersWork:
     async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]:
         return []  # never asked: a verifiers environment has no demonstration() (job_task)
 
-    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
+    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
         rl = self.config.rl
         rng = random.Random(derive_seed(self.config.run.seed, "rl", k))
         pool, n = self.train_tasks, rl.prompts_per_step
@@ -335,7 +336,7 @@ class VerifiersWork:
         stamp_policy_version(played.groups, version)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
-    async def evaluate(self, sampler: Sampler) -> Evaluated:
+    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
         result = await evaluate_verifiers(
             self.model, self.env, self.held_out_tasks, max_tokens=eval_max_tokens(self.config)
         )

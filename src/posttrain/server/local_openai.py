@@ -30,8 +30,8 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from posttrain.backends.model import OpenAIEndpoint, TrainableModel
 from posttrain.backends.sampling import ModelSampler
-from posttrain.model import OpenAIEndpoint, TrainableModel
 from posttrain.server.sources import UnknownModelError
 from posttrain.tokenizer import Tokenizer
 

@@ -3,7 +3,7 @@
 Responses have OpenAI's shapes plus vLLM's token-id extension fields, always present:
 `prompt_token_ids` on the response and on each choice (vLLM puts them on a completion's
 choices and on a chat response; a chat choice carries them here too, so a choice alone builds
-a trajectory: `posttrain.openai_rollouts`), and `token_ids` on each choice. `token_ids` are the
+a trajectory: `posttrain.data.openai_choices`), and `token_ids` on each choice. `token_ids` are the
 exact tokens sampled, EOS or the tokens that completed a stop string included, so rollout code
 builds trajectories on them, never on re-tokenized text. Logprobs are the sampler's, aligned
 with `token_ids` (returned when asked, or with `return_token_ids`):
@@ -34,6 +34,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from posttrain.backends.sampling import ModelSampler
+from posttrain.rollouts.tool_calls import openai_tool_calls
 from posttrain.server.openai_batching import Batchers
 from posttrain.server.openai_schema import (
     ChatRequest,
@@ -49,7 +50,6 @@ from posttrain.server.openai_schema import (
     user_stops,
 )
 from posttrain.server.sources import SamplerSource, UnknownModelError
-from posttrain.server.tool_calls import parse_tool_calls
 from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import SampleResponse, SamplingParams
 
@@ -287,7 +287,7 @@ def _message(text: str, finish: str, tools: bool) -> tuple[Json, str]:
     message: Json = {"role": "assistant", "content": text, "refusal": None}
     if not tools:
         return message, finish
-    content, calls = parse_tool_calls(text)
+    content, calls = openai_tool_calls(text)
     if not calls:
         return message, finish
     message.update(content=content, tool_calls=calls)

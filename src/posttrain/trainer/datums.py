@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain.types import Datum, ModelInput, Trajectory
+from posttrain.data.trajectories import Trajectory
+from posttrain.types import Datum, ModelInput
 
 
 def require_sequence(items: object, name: str) -> None:

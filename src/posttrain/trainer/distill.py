@@ -21,9 +21,9 @@ import torch
 from posttrain.algo.advantages import AdvantageResult
 from posttrain.algo.distill import ReverseKLSums, distill_advantages, reverse_kl_sums
 from posttrain.clients.teacher import Teacher
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.trainer.datums import trajectory_arrays
 from posttrain.trainer.token_advantages import TokenAdvantages
-from posttrain.types import Trajectory, TrajectoryGroup
 
 __all__ = ["distill_token_advantages", "score_groups"]
 

@@ -28,7 +28,7 @@ from posttrain.algo.dpo import AVERAGES_TOKENS, PairLoss, pair_loss, sequence_lo
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.custom_loss import CustomLossFn, custom_loss, register_loss
 from posttrain.clients.protocol import CustomLossClient, ReferenceScorer, TrainingClient
-from posttrain.preferences import PreferencePair, check_pairs
+from posttrain.data.preferences import PreferencePair, check_pairs
 from posttrain.trainer.config import DPOConfig
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress

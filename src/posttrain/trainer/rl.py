@@ -17,6 +17,7 @@ from posttrain.algo.losses import LossConfig
 from posttrain.clients.custom_loss import custom_loss, is_custom_loss
 from posttrain.clients.futures import APIFuture
 from posttrain.clients.protocol import CustomLossClient, ReferenceScorer, TrainingClient
+from posttrain.data.trajectories import JSONScalar, TrajectoryGroup
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.critic import gae_batch, score_values, update_critic
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
@@ -25,7 +26,7 @@ from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.trainer.token_advantages import token_advantages, uses_token_path
-from posttrain.types import Datum, ForwardBackwardOutput, JSONScalar, TrajectoryGroup
+from posttrain.types import Datum, ForwardBackwardOutput
 
 log = logging.getLogger(__name__)
 

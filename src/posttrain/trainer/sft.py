@@ -8,12 +8,12 @@ from dataclasses import replace
 
 from posttrain.algo.advantages import reduction_weights
 from posttrain.clients.protocol import TrainingClient
+from posttrain.data.trajectories import TokenSegment, Trajectory
 from posttrain.engine.optim import lr_multiplier
 from posttrain.trainer.config import SFTConfig
 from posttrain.trainer.datums import pad_masks, require_sequence, sft_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
-from posttrain.types import TokenSegment, Trajectory
 
 # Called after each update with its index and {"loss": ..., "learning_rate": ...}.
 OnUpdate = Callable[[int, Mapping[str, float]], None]

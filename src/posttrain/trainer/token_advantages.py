@@ -31,8 +31,8 @@ from posttrain.algo.uncertainty import (
     UncertaintyFn,
     token_uncertainty,
 )
+from posttrain.data.trajectories import JSONScalar, Trajectory, TrajectoryGroup
 from posttrain.dotted_paths import import_object
-from posttrain.types import JSONScalar, Trajectory, TrajectoryGroup
 
 # The run_state key of the SEPA controller's state (keys the trainer owns in run_state).
 SEPA_STATE_KEY = "sepa_controller"

@@ -1,0 +1,89 @@
+"""The engine worker process: `python -m posttrain.inference.host ADDRESS KIND`.
+
+It connects back to its parent on a Unix socket (`multiprocessing.connection`, authenticated
+with the key in $POSTTRAIN_ENGINE_KEY) and answers requests one at a time, each a dict with an
+`op`: "start", "sample", "load", "close". Replies are {"ok": True, "result": ...} or
+{"ok": False, "error": ..., "kind": ...}. Only plain Python data crosses: the parent and this
+process may run different interpreters (vLLM in a venv of its own).
+
+Running an engine here keeps everything it changes in its process: vLLM reseeds torch's global
+RNG, makes `torch.set_num_threads` a no-op and initialises `torch.distributed` in the process
+that builds it. This process takes its own thread budget (`threads`) before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client
+from typing import Any, Protocol
+
+
+class _Runner(Protocol):
+    def sample(self, request: dict[str, Any]) -> list[list[dict[str, Any]]]: ...
+
+    def load(self, path: str) -> None: ...
+
+
+def _set_threads(threads: int) -> None:
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _make_runner(kind: str, options: dict[str, Any]) -> _Runner:
+    _set_threads(int(options["threads"]))
+    if kind == "vllm":
+        from posttrain.inference.vllm_runner import VLLMRunner
+
+        return VLLMRunner(options)
+    if kind == "pytorch":
+        from posttrain.inference.pytorch_runner import PytorchRunner
+
+        return PytorchRunner(options)
+    raise ValueError(f"unknown engine kind {kind!r}")
+
+
+def serve(address: str, kind: str) -> None:
+    key = bytes.fromhex(os.environ.pop("POSTTRAIN_ENGINE_KEY"))
+    with Client(address, family="AF_UNIX", authkey=key) as conn:
+        runner: _Runner | None = None
+        while True:
+            try:
+                request = conn.recv()
+            except EOFError:
+                return  # the parent is gone
+            op = request.get("op")
+            try:
+                if op == "start":
+                    runner = _make_runner(kind, request["options"])
+                    result: object = None
+                elif op == "close":
+                    conn.send({"ok": True, "result": None})
+                    return
+                elif runner is None:
+                    raise RuntimeError(f"{op!r} before the engine started")
+                elif op == "sample":
+                    result = runner.sample(request)
+                elif op == "load":
+                    runner.load(request["path"])
+                    result = None
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+                conn.send({"ok": True, "result": result})
+            except Exception as exc:  # the parent re-raises it with the engine's traceback
+                conn.send(
+                    {
+                        "ok": False,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "trace": traceback.format_exc(),
+                        "op": op,
+                    }
+                )
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])

@@ -1,0 +1,229 @@
+"""`ProcessEngine`: an engine in a worker process of its own (`host.py`), for vLLM and for
+posttrain's sampler in split mode.
+
+One request at a time crosses a Unix socket; weights cross as files (`WeightSnapshot`), so the
+two processes may run different interpreters and torch builds. The process is the engine's
+sandbox: its RNG, thread pool and process group are not the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import secrets
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from posttrain.inference.protocol import EngineCapabilities, WeightSnapshot
+from posttrain.types import SampledSequence, SampleResponse, SamplingParams
+
+Kind = Literal["vllm", "pytorch"]
+
+
+class EngineProcessError(RuntimeError):
+    """The engine's process failed a request, or died; the message has its log's tail."""
+
+
+class ProcessEngine:
+    """A sampling engine answering from a child process started with `python`."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        *,
+        python: str,
+        options: dict[str, Any],
+        capabilities: EngineCapabilities,
+        version: int,
+        start_timeout_s: float,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = kind
+        self.kind = kind
+        self.capabilities = capabilities
+        self._version = version
+        self.log_path = log_path
+        self._lock = threading.Lock()
+        self._socket_dir = tempfile.mkdtemp(prefix="posttrain-engine-")
+        address = os.path.join(self._socket_dir, "socket")
+        key = secrets.token_bytes(32)
+        self._listener = Listener(address, family="AF_UNIX", authkey=key)
+        env = dict(os.environ, **(env or {}), POSTTRAIN_ENGINE_KEY=key.hex(), PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_source_root(), env.get("PYTHONPATH")]))
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - open while the process runs
+        self.process = subprocess.Popen(
+            [python, "-m", "posttrain.inference.host", address, kind],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the parent, which closes it
+        )
+        try:
+            self._conn = self._accept(start_timeout_s)
+            self._call({"op": "start", "options": options}, timeout_s=start_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def sample_many(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
+    ) -> list[SampleResponse]:
+        request = {"op": "sample", "prompts": [list(p) for p in prompts], "n": num_samples}
+        request.update(
+            _vllm_request(params, len(prompts))
+            if self.kind == "vllm"
+            else {"params": _params_dict(params)}
+        )
+        version = self._version
+        rows = await asyncio.to_thread(self._call, request)
+        return [
+            SampleResponse(
+                [SampledSequence(**cast(dict[str, Any], s)) for s in row], policy_version=version
+            )
+            for row in cast(list[list[dict[str, Any]]], rows)
+        ]
+
+    async def update_weights(self, snapshot: WeightSnapshot | None, version: int) -> None:
+        if snapshot is None:
+            raise ValueError(f"the {self.kind} engine holds its own weights: give it a snapshot")
+        await asyncio.to_thread(self._call, {"op": "load", "path": str(snapshot.path)})
+        self._version = version
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.close_now)
+
+    def close_now(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self._call({"op": "close"}, timeout_s=30)
+                self.process.wait(timeout=30)
+            except Exception:
+                pass
+        self._kill()
+
+    def _accept(self, timeout_s: float) -> Connection:
+        accepted: list[Connection] = []
+        thread = threading.Thread(
+            target=lambda: accepted.append(self._listener.accept()), daemon=True
+        )
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not accepted:
+            if self.process.poll() is not None:
+                raise EngineProcessError(self._died("while starting"))
+            if time.monotonic() > deadline:
+                raise EngineProcessError(self._died(f"did not connect within {timeout_s:.0f} s"))
+            thread.join(0.05)
+        return accepted[0]
+
+    def _call(self, request: dict[str, Any], timeout_s: float | None = None) -> object:
+        with self._lock:
+            if self.process.poll() is not None:
+                raise EngineProcessError(self._died(f"before {request['op']!r}"))
+            self._conn.send(request)
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while not self._conn.poll(0.2):
+                if self.process.poll() is not None:
+                    raise EngineProcessError(self._died(f"during {request['op']!r}"))
+                if deadline is not None and time.monotonic() > deadline:
+                    self._kill()
+                    raise EngineProcessError(
+                        self._died(f"{request['op']!r} took over {timeout_s:.0f} s")
+                    )
+            reply = cast(dict[str, Any], self._conn.recv())
+        if not reply["ok"]:
+            raise EngineProcessError(
+                f"the {self.kind} engine failed {request['op']!r}: {reply['error']}\n{reply['trace']}"
+            )
+        return reply["result"]
+
+    def _died(self, when: str) -> str:
+        code = self.process.poll()
+        state = f"exited with code {code}" if code is not None else "is stuck"
+        return f"the {self.kind} engine process {state} {when}; its log ({self.log_path}) ends:\n{_tail(self.log_path)}"
+
+    def _kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._listener.close()
+        self._log.close()
+        for name in os.listdir(self._socket_dir):
+            os.unlink(os.path.join(self._socket_dir, name))
+        os.rmdir(self._socket_dir)
+
+
+def _source_root() -> str:
+    """The directory holding this `posttrain` package, so the child imports the same code
+    even from an interpreter where posttrain is not installed (vLLM's own venv)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def _params_dict(params: SamplingParams) -> dict[str, Any]:
+    stop = params.stop
+    return {
+        "max_tokens": params.max_tokens,
+        "seed": params.seed,
+        "stop": list(stop) if isinstance(stop, tuple | list) else stop,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "entropies": params.entropies,
+    }
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from `parts`, stable across processes (unlike `hash`)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """A seed for prompt `index` of a batch, so a prompt samples the same tokens whatever
+    else is in the batch (vLLM seeds per request)."""
+    return None if seed is None else derive_seed(seed, index)
+
+
+def _vllm_request(params: SamplingParams, count: int) -> dict[str, Any]:
+    """posttrain's SamplingParams in vLLM's terms; what vLLM cannot match is refused."""
+    if params.top_k != -1 or params.top_p != 1.0:
+        raise ValueError(
+            "the vllm engine samples with top_k = -1 and top_p = 1 only: with truncation, vLLM's "
+            "logprobs fold it in and no longer equal the trainer's log_softmax(logits / T); "
+            "use engine = 'pytorch' for top-k / top-p sampling"
+        )
+    if params.entropies:
+        raise ValueError(
+            "the vllm engine does not return token entropies (SamplingParams.entropies); "
+            "use engine = 'pytorch', or uncertainty_kind = 'surprisal'"
+        )
+    return {
+        "seeds": [prompt_seed(params.seed, i) for i in range(count)],
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "ignore_eos": params.stop is not None,  # an explicit stop replaces EOS, as in posttrain
+        "stop_token_ids": list(params.stop_tokens()),
+        "stop_strings": list(params.stop_strings()),
+    }

@@ -1,0 +1,47 @@
+"""posttrain's own sampler inside the engine worker process (`host.py`): split mode.
+
+The same `Sampler` as in the training process, so a seed samples the same tokens from the
+same weights, on its own device and thread budget.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from posttrain.engine.models import load_hf_model, load_tokenizer
+from posttrain.engine.sampler import Sampler
+from posttrain.types import SamplingParams
+
+
+class PytorchRunner:
+    def __init__(self, options: dict[str, Any]) -> None:
+        model_dir = options["model_dir"]
+        model = load_hf_model(model_dir, dtype=options["dtype"], device=options["device"])
+        self.sampler = Sampler(model, load_tokenizer(model_dir))
+
+    def sample(self, request: dict[str, Any]) -> list[list[dict[str, Any]]]:
+        params = SamplingParams(**request["params"])
+        responses = self.sampler.sample(request["prompts"], request["n"], params)
+        return [
+            [
+                {
+                    "tokens": s.tokens,
+                    "logprobs": s.logprobs,
+                    "stop_reason": s.stop_reason,
+                    "entropies": s.entropies,
+                }
+                for s in response.sequences
+            ]
+            for response in responses
+        ]
+
+    def load(self, path: str) -> None:
+        weights = load_file(str(Path(path) / "model.safetensors"))
+        model = self.sampler.model
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=True)

@@ -1,0 +1,234 @@
+"""`EngineSession`: one model's sampling engine, made from an `InferenceConfig`, and the weight
+sync that follows each optimizer step."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from posttrain.clients.protocol import ExportsWeights, TrainingClient
+from posttrain.inference.config import InferenceConfig, vllm_head_problem
+from posttrain.inference.live import LiveEngine
+from posttrain.inference.process import ProcessEngine
+from posttrain.inference.protocol import EngineCapabilities, SamplingEngine, WeightSnapshot
+from posttrain.inference.weights import WeightExporter
+
+VLLM = EngineCapabilities(
+    returns_token_ids=True,
+    returns_logprobs=True,
+    weight_sync="full",
+    own_process=True,
+    provides_token_entropies=False,
+)
+SPLIT_PYTORCH = EngineCapabilities(
+    returns_token_ids=True,
+    returns_logprobs=True,
+    weight_sync="full",
+    own_process=True,
+    provides_token_entropies=True,
+)
+VLLM_PYTHON_ENV = "POSTTRAIN_VLLM_PYTHON"
+
+log = logging.getLogger(__name__)
+
+
+class EngineSession:
+    """The engine a model samples with; `sync(version)` after each update of its weights."""
+
+    def __init__(
+        self,
+        engine: SamplingEngine,
+        exporter: WeightExporter | None = None,
+        source: ExportsWeights | None = None,
+    ) -> None:
+        self.engine = engine
+        self.exporter = exporter
+        self.source = source  # where the exporter's weights come from
+        # The last sync's seconds: gathering the trainable weights, writing the whole
+        # weights, and the engine loading them.
+        self.last_sync: dict[str, float] = {}
+
+    @classmethod
+    async def open(
+        cls,
+        config: InferenceConfig,
+        client: TrainingClient,
+        *,
+        base_model: str,
+        lora_rank: int | None,
+        lora_alpha: float | None,
+        version: int,
+        log_dir: Path,
+    ) -> EngineSession:
+        if config.engine == "pytorch" and config.devices is None:
+            return cls(LiveEngine(client, version=version))
+        if config.engine == "openai":
+            exporter = functools.partial(_exporter, base_model, lora_rank, lora_alpha)
+            return await _open_server(config, client, exporter, version)
+        source = _weights_source(config, client)
+        exporter = _exporter(base_model, lora_rank, lora_alpha)
+        try:
+            weights = await source.trainable_weights()
+            snapshot = await asyncio.to_thread(exporter.export, weights, version)
+            # Starting takes seconds (vLLM: 10-30 s): off the event loop.
+            engine = await asyncio.to_thread(_start_process, config, snapshot, log_dir)
+        except BaseException:
+            exporter.close()
+            raise
+        return cls(engine, exporter, source)
+
+    async def sync(self, version: int) -> None:
+        """Give the engine the weights of model step `version` (the client's current ones);
+        nothing for an engine that samples a fixed policy (`policy_gap` reports how far)."""
+        began = time.perf_counter()
+        if self.engine.capabilities.weight_sync == "none":
+            self.last_sync = {}
+            return
+        if self.exporter is None or self.source is None:
+            await self.engine.update_weights(None, version)
+            self.last_sync = {"sync_s": time.perf_counter() - began}
+            return
+        weights = await self.source.trainable_weights()
+        gathered = time.perf_counter()
+        snapshot = await asyncio.to_thread(self.exporter.export, weights, version)
+        exported = time.perf_counter()
+        await self.engine.update_weights(snapshot, version)
+        done = time.perf_counter()
+        self.last_sync = {
+            "sync_s": done - began,
+            "sync_gather_s": gathered - began,
+            "sync_write_s": exported - gathered,
+            "sync_load_s": done - exported,
+        }
+
+    def policy_gap(self, version: int) -> dict[str, float]:
+        """For an engine that samples a fixed policy, how many steps model step `version` is
+        past the policy it samples (`sampler_steps_behind`); {} for one that follows."""
+        if self.engine.capabilities.weight_sync != "none":
+            return {}
+        return {"sampler_steps_behind": float(version - self.engine.version)}
+
+    async def close(self) -> None:
+        try:
+            await self.engine.close()
+        finally:
+            if self.exporter is not None:
+                self.exporter.close()
+
+
+async def _open_server(
+    config: InferenceConfig,
+    client: TrainingClient,
+    exporter: Callable[[], WeightExporter],
+    version: int,
+) -> EngineSession:
+    """The openai engine. With sync = 'none' it samples the server's fixed policy (explicitly
+    off-policy). Otherwise the server takes the model's current weights now, before any work:
+    a server that cannot (no dev-mode endpoints, or it cannot read this machine's files) is
+    refused here, never after an optimizer step has been applied."""
+    from posttrain.inference.openai_engine import OpenAIEngine
+
+    remote = OpenAIEngine(config, version=version)
+    await remote.start()
+    if remote.capabilities.weight_sync == "none":
+        log.warning(
+            "the openai engine at %s samples its own fixed weights (sync = 'none'): training "
+            "on its samples goes off-policy as the model moves away from them; each step "
+            "reports the gap (sampler_steps_behind, kl_sample_train_v1/v2)",
+            config.url,
+        )
+        return EngineSession(remote)
+    try:
+        # The server reads the weights from this machine's files, so it must run here.
+        source = _weights_source(config, client)
+        session = EngineSession(remote, exporter(), source)
+    except BaseException:
+        await remote.close()
+        raise
+    try:
+        await session.sync(version)
+    except BaseException as exc:
+        await session.close()
+        if isinstance(exc, Exception):
+            exc.add_note(
+                f"[inference] sync = {config.sync!r}: the server at {config.url} must load the "
+                "model's weights from this machine's files (vLLM with VLLM_SERVER_DEV_MODE=1 on "
+                "this machine); to sample its own fixed weights instead (off-policy training), "
+                "set sync = 'none'"
+            )
+        raise
+    return session
+
+
+def _weights_source(config: InferenceConfig, client: TrainingClient) -> ExportsWeights:
+    if not isinstance(client, ExportsWeights):
+        raise TypeError(
+            f"[inference] engine = {config.engine!r} needs the training client's weights, "
+            f"which {type(client).__name__} cannot hand over; use engine = 'pytorch'"
+        )
+    return client
+
+
+def _exporter(base_model: str, lora_rank: int | None, lora_alpha: float | None) -> WeightExporter:
+    return WeightExporter(base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha)
+
+
+def _start_process(
+    config: InferenceConfig, snapshot: WeightSnapshot, log_dir: Path
+) -> ProcessEngine:
+    """The vLLM or split-pytorch worker process, on the weights of `snapshot`."""
+    problem = vllm_head_problem(config, json.loads((snapshot.path / "config.json").read_text()))
+    if problem is not None:  # else vLLM starts (10-30 s) and fails at the first sample
+        raise ValueError(f"[inference] {problem}")
+    devices = config.split_devices()
+    device = devices[0] if devices else "cpu"
+    options = {
+        "model_dir": str(snapshot.path),
+        "dtype": config.dtype,
+        "kv_cache_mb": config.kv_cache_mb,
+        "max_model_len": config.max_model_len or _max_positions(snapshot.path),
+        "threads": config.threads or torch.get_num_threads(),
+        "device": device,
+    }
+    vllm = config.engine == "vllm"
+    python = sys.executable
+    if vllm:
+        python = config.python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+    return ProcessEngine(
+        "vllm" if vllm else "pytorch",
+        python=python,
+        options=options,
+        capabilities=VLLM if vllm else SPLIT_PYTORCH,
+        version=snapshot.version,
+        start_timeout_s=config.start_timeout_s,
+        log_path=log_dir / f"{'vllm' if vllm else 'pytorch'}-engine.log",
+        env=_visible_gpu(device) if vllm else None,
+    )
+
+
+def _weights_dir() -> Path:
+    """A fresh directory for weight snapshots: in memory (/dev/shm) where there is one."""
+    shm = Path("/dev/shm")
+    root = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=root))
+
+
+def _visible_gpu(device: str) -> dict[str, str] | None:
+    """vLLM takes its GPU from CUDA_VISIBLE_DEVICES: "cuda:1" makes GPU 1 its only one."""
+    kind, _, index = device.partition(":")
+    return {"CUDA_VISIBLE_DEVICES": index or "0"} if kind == "cuda" else None
+
+
+def _max_positions(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))

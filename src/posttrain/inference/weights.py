@@ -1,0 +1,157 @@
+"""Whole, LoRA-merged weights for an engine that holds its own copy of the model.
+
+The training client hands over its trainable tensors (PEFT names for LoRA, Hugging Face names
+for full fine-tuning). `WeightExporter` lays them over the base model's weights, merging each
+LoRA pair as W = W0 + (alpha / rank) * B @ A, and writes a Hugging Face model directory
+(`model.safetensors`, `config.json`, tokenizer files) that vLLM or posttrain's sampler load
+as-is. vLLM's own LoRA is not used: on a CPU it is slower than posttrain's sampler, and it
+cannot put an adapter on an `lm_head`, which posttrain's default LoRA trains where it is untied.
+
+A base model that ties its unembedding to the input embedding is written tied, its one matrix
+under the embedding's name: a LoRA on that shared matrix (`train_unembed=True`) is merged into
+the embedding, which both uses read. Only an adapter on such a model's `lm_head` alone (an
+older posttrain's) unties them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from posttrain.engine.model_source import resolve_model_source
+from posttrain.inference.protocol import WeightSnapshot
+
+_PEFT_PREFIX = "base_model.model."
+_LORA = re.compile(r"^(?P<layer>.+)\.lora_(?P<which>[AB])\.[^.]+\.weight$")
+# An embedding's LoRA (a tied model's unembedding adapter): A is [rank, vocab], B [hidden, rank].
+_EMBEDDING_LORA = re.compile(r"^(?P<layer>.+)\.lora_embedding_(?P<which>[AB])\.[^.]+$")
+_KEEP = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def load_base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face model directory's safetensors files, on the CPU."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{model_dir} has no *.safetensors weights; an engine with its own copy of the model "
+            "needs the base model in safetensors form (save it with save_pretrained)"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights
+
+
+def merge_trainable(
+    base: Mapping[str, torch.Tensor],
+    trainable: Mapping[str, torch.Tensor],
+    *,
+    lora_scale: float | None,
+) -> dict[str, torch.Tensor]:
+    """`base` with the trained tensors laid over it: LoRA pairs merged (`lora_scale` =
+    alpha / rank), full-fine-tuning tensors replacing theirs. Names are Hugging Face's."""
+    merged = dict(base)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in trainable.items():
+        plain = name.removeprefix(_PEFT_PREFIX)
+        match = _LORA.match(plain)
+        embedding = _EMBEDDING_LORA.match(plain)
+        if match is not None:
+            pairs.setdefault(match["layer"], {})[match["which"]] = tensor
+        elif embedding is not None:
+            # W0 + s (B A)^T for the [vocab, hidden] table: the same pair as a linear layer's,
+            # its factors transposed and swapped.
+            which = "B" if embedding["which"] == "A" else "A"
+            pairs.setdefault(embedding["layer"], {})[which] = tensor.t()
+        else:
+            merged[plain.replace(".base_layer.", ".")] = tensor
+    if pairs and lora_scale is None:
+        raise ValueError("the trainable weights hold LoRA adapters but no lora_scale was given")
+    for layer, pair in pairs.items():
+        key = _base_key(merged, layer)
+        a, b = pair["A"].float(), pair["B"].float()
+        w0 = merged[key]
+        merged[f"{layer}.weight"] = (w0.float() + float(lora_scale or 0.0) * (b @ a)).to(w0.dtype)
+    return {k: v.contiguous() for k, v in merged.items()}
+
+
+def _base_key(weights: Mapping[str, torch.Tensor], layer: str) -> str:
+    key = f"{layer}.weight"
+    if key in weights:
+        return key
+    if layer == "lm_head" and "model.embed_tokens.weight" in weights:
+        return "model.embed_tokens.weight"  # tied in the base model
+    raise KeyError(f"LoRA layer {layer!r} has no base weight {key!r} in the base model")
+
+
+class WeightExporter:
+    """Writes the model's whole weights at each version into `directory/v<version>`, keeping
+    only the newest `keep` versions (an engine may still be reading the one before)."""
+
+    def __init__(
+        self,
+        base_model: str | Path,
+        directory: Path,
+        *,
+        lora_rank: int | None,
+        lora_alpha: float | None,
+        keep: int = 2,
+    ) -> None:
+        self.base_dir = Path(resolve_model_source(base_model))
+        if not (self.base_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"base_model {str(base_model)!r} is not a model directory; an engine with its own "
+                "copy of the model needs a local directory (config.json and safetensors)"
+            )
+        self.directory = directory
+        config = json.loads((self.base_dir / "config.json").read_text())
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        self.lora_scale = None if not lora_rank else (lora_alpha or 32.0) / lora_rank
+        self.keep = keep
+        self._base: dict[str, torch.Tensor] | None = None
+        self._written: list[Path] = []
+
+    def export(self, trainable: Mapping[str, torch.Tensor], version: int) -> WeightSnapshot:
+        """Write version `version`'s weights; returns where they are."""
+        if self._base is None:
+            self._base = load_base_weights(self.base_dir)
+            if self.tied:  # lm_head is the embedding: derive it, trained or merged, from that
+                self._base.pop("lm_head.weight", None)
+        merged = merge_trainable(self._base, trainable, lora_scale=self.lora_scale)
+        final = self.directory / f"v{version}"
+        tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir(parents=True)
+        save_file(merged, str(tmp / "model.safetensors"))
+        for name in _KEEP:
+            if (self.base_dir / name).is_file():
+                shutil.copy2(self.base_dir / name, tmp / name)
+        if self.tied and "lm_head.weight" in merged:  # an adapter of lm_head alone
+            config = json.loads((tmp / "config.json").read_text())
+            config["tie_word_embeddings"] = False
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self._written = [p for p in self._written if p != final] + [final]
+        while len(self._written) > self.keep:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        return WeightSnapshot(final, version)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
