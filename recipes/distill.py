@@ -23,15 +23,19 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
-from posttrain.backends.local import LocalBackend
-from posttrain.backends.model import TrainableModel
-from posttrain.clients.teacher import Teacher
-from posttrain.engine.tiny import Size, tiny_model_path
-from posttrain.rollouts.evaluation import evaluate
-from posttrain.rollouts.task_rollouts import sample_groups, sft_examples
-from posttrain.tasks.reverse import ReverseTask
-from posttrain.types import SamplingParams
+from posttrain import (
+    LocalBackend,
+    SamplingParams,
+    Teacher,
+    TrainableModel,
+    evaluate,
+    make_tiny_model,
+    sample_groups,
+    sft_examples,
+)
+from posttrain.tasks import ReverseTask
 
 TASK = ReverseTask()
 MAX_TOKENS = 10  # a 6-letter answer, EOS, and room to be wrong
@@ -69,7 +73,7 @@ async def accuracy(backend: LocalBackend, model: TrainableModel, held_out: int) 
 async def warmed_up(
     backend: LocalBackend,
     name: str,
-    size: Size,
+    size: Literal["tiny", "mini"],
     examples: int,
     epochs: int,
     learning_rate: float,
@@ -77,7 +81,10 @@ async def warmed_up(
 ) -> TrainableModel:
     """A registered model of `size`, SFT on `examples` solved training problems."""
     model = TrainableModel(
-        name=name, project="distill", base_model=str(tiny_model_path(size=size)), lora_rank=None
+        name=name,
+        project="distill",
+        base_model=str(make_tiny_model(backend.path / "bases" / size, size=size)),
+        lora_rank=None,
     )
     await model.register(backend)
     problems = TASK.make_prompts(random.Random(seed), examples)

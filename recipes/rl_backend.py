@@ -48,7 +48,7 @@ async def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     for _ in range(args.steps):
         words = ["".join(rng.choices("abcdefgh", k=rng.randint(3, 5))) for _ in range(8)]
         sampler = backend.sampling_client(model)
-        groups = await posttrain.rollouts.gather_groups(rollout(sampler, w, 8) for w in words)
+        groups = await posttrain.gather_groups(rollout(sampler, w, 8) for w in words)
         result = await backend.train(model, groups, learning_rate=2e-4, loss="ppo")
         await model.log(groups, metrics=result.metrics, step=result.step)
         metrics.append(dict(result.metrics))

@@ -21,9 +21,9 @@ from posttrain import (
     ModelInput,
     SamplingParams,
     create_training_client,
+    group_advantages,
     make_tiny_model,
 )
-from posttrain.algo.advantages import group_advantages
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

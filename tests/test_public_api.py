@@ -37,9 +37,10 @@ def test_the_type_checkers_imports_are_the_exports():
 def test_all_is_the_exports():
     assert posttrain.__all__ == ["__version__", *posttrain._EXPORTS]
     assert len(set(posttrain.__all__)) == len(posttrain.__all__)
-    # STYLE.md: a short list. The rest is importable from its module. 26: ART's `Model`,
-    # which `import posttrain as art` code names at the top level.
-    assert 20 <= len(posttrain._EXPORTS) <= 26
+    # STYLE.md: a short list, grouped by purpose; the rest is importable from its module. It
+    # holds what the README, docs/ and recipes/ need (tests/test_docs.py keeps them to the
+    # top level): 35, with ART's `Model`, which `import posttrain as art` code names.
+    assert 20 <= len(posttrain._EXPORTS) <= 35
 
 
 @pytest.mark.parametrize("name", sorted(posttrain._EXPORTS))

@@ -15,22 +15,33 @@ _EXPORTS = {
     # data: what rollouts produce and backends train on; Tinker's primitive types
     "Trajectory": "posttrain.data.trajectories",
     "TrajectoryGroup": "posttrain.data.trajectories",
+    "PreferencePair": "posttrain.data.preferences",
     "TrainResult": "posttrain.types",
     "SamplingParams": "posttrain.types",
     "AdamParams": "posttrain.types",
     "Datum": "posttrain.types",
     "ModelInput": "posttrain.types",
-    # models and backends
+    # models and backends, and what a backend trains or samples with
     "TrainableModel": "posttrain.backends.model",
     "Model": "posttrain.backends.model",
     "TrainableBackend": "posttrain.backends.protocol",
     "LocalBackend": "posttrain.backends.local",
     "RayBackend": "posttrain.backends.ray",
     "TinkerBackend": "posttrain.backends.tinker",
-    # rollouts
+    "InferenceConfig": "posttrain.inference.config",
+    "Teacher": "posttrain.clients.teacher",
+    # losses and advantages: the algorithm core's entry points
+    "register_loss": "posttrain.clients.custom_loss",
+    "group_advantages": "posttrain.algo.advantages",
+    # rollouts and data for training
     "TrajectoryBuilder": "posttrain.rollouts.builder",
     "gather_groups": "posttrain.rollouts.gather",
     "gather_trajectory_groups": "posttrain.rollouts.gather",
+    "sample_groups": "posttrain.rollouts.task_rollouts",
+    "sft_examples": "posttrain.rollouts.task_rollouts",
+    "load_sft_dataset": "posttrain.rollouts.sft_data",
+    "preference_pair_from_chat": "posttrain.rollouts.dpo_data",
+    "rl_steps": "posttrain.jobs.pipeline",
     # tasks, environments, evaluation
     "Task": "posttrain.tasks.protocol",
     "Problem": "posttrain.tasks.protocol",
@@ -42,10 +53,10 @@ _EXPORTS = {
     # building blocks
     "create_training_client": "posttrain.clients.create",
     "make_tiny_model": "posttrain.engine.tiny",
-    "load_sft_dataset": "posttrain.rollouts.sft_data",
 }
 
 if TYPE_CHECKING:
+    from posttrain.algo.advantages import group_advantages as group_advantages
     from posttrain.backends.local import LocalBackend as LocalBackend
     from posttrain.backends.model import Model as Model
     from posttrain.backends.model import TrainableModel as TrainableModel
@@ -53,18 +64,24 @@ if TYPE_CHECKING:
     from posttrain.backends.ray import RayBackend as RayBackend
     from posttrain.backends.tinker import TinkerBackend as TinkerBackend
     from posttrain.clients.create import create_training_client as create_training_client
+    from posttrain.clients.custom_loss import register_loss as register_loss
+    from posttrain.clients.teacher import Teacher as Teacher
+    from posttrain.data.preferences import PreferencePair as PreferencePair
     from posttrain.data.trajectories import Trajectory as Trajectory
     from posttrain.data.trajectories import TrajectoryGroup as TrajectoryGroup
     from posttrain.engine.tiny import make_tiny_model as make_tiny_model
     from posttrain.environments.protocol import Environment as Environment
     from posttrain.environments.runner import run_episodes as run_episodes
+    from posttrain.inference.config import InferenceConfig as InferenceConfig
+    from posttrain.jobs.pipeline import rl_steps as rl_steps
     from posttrain.rollouts.builder import TrajectoryBuilder as TrajectoryBuilder
+    from posttrain.rollouts.dpo_data import preference_pair_from_chat as preference_pair_from_chat
     from posttrain.rollouts.evaluation import evaluate as evaluate
     from posttrain.rollouts.gather import gather_groups as gather_groups
-    from posttrain.rollouts.gather import (
-        gather_trajectory_groups as gather_trajectory_groups,
-    )
+    from posttrain.rollouts.gather import gather_trajectory_groups as gather_trajectory_groups
     from posttrain.rollouts.sft_data import load_sft_dataset as load_sft_dataset
+    from posttrain.rollouts.task_rollouts import sample_groups as sample_groups
+    from posttrain.rollouts.task_rollouts import sft_examples as sft_examples
     from posttrain.tasks.dataset import DatasetTask as DatasetTask
     from posttrain.tasks.protocol import Problem as Problem
     from posttrain.tasks.protocol import Task as Task
