@@ -97,3 +97,30 @@ def test_imports_point_down_the_layers():
     assert not upward, "imports that point up the layers (algo imports only algo):\n" + "\n".join(
         sorted(upward)
     )
+
+
+def _layout_report():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "layout_report", ROOT / "scripts" / "layout_report.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_import_circle_between_folders():
+    # Lazy imports count: one hides a circle, it does not remove it. Within a folder a circle
+    # is the folder's own business (a package and its modules).
+    circles = _layout_report().circles_between_folders()
+    assert not circles, "import circles between folders (scripts/layout_report.py):\n" + "\n".join(
+        ", ".join(group) for group in circles
+    )
+
+
+def test_at_most_seven_top_level_modules():
+    # New work finds its room (CONTRIBUTING.md), it does not land beside the package's rooms.
+    top = _layout_report().report()["top_level_modules"]
+    assert len(top) <= 7, f"top-level modules: {top}"
