@@ -13,9 +13,17 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from posttrain.engine.models import load_hf_model, load_tokenizer
 from posttrain.engine.sampler import Sampler
 from posttrain.engine.tiny import CHAT_TEMPLATE, build_tokenizer
-from posttrain.rollouts.builder import TrajectoryBuilder, TurnClosing, assistant_closing
+from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.server.openai_schema import eos_texts
-from posttrain.tokenizer import Tokenizer, as_tokenizer, end_of_turn_id, eos_token, eos_token_id
+from posttrain.tokenizer import (
+    Tokenizer,
+    TurnClosing,
+    as_tokenizer,
+    assistant_closing,
+    end_of_turn_id,
+    eos_token,
+    eos_token_id,
+)
 from posttrain.types import SampledSequence
 
 

@@ -23,8 +23,8 @@ from posttrain.clients.custom_loss import custom_gradients, custom_loss, is_cust
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.data.preferences import PreferencePair
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.rollouts.builder import render_chat
 from posttrain.rollouts.dpo_data import preference_pair_from_chat
+from posttrain.tokenizer import render_chat
 from posttrain.trainer.dpo import dpo_loss_fn, loss_name, pair_datums, update_datums
 from posttrain.types import AdamParams, Datum
 

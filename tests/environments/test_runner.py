@@ -22,8 +22,8 @@ from posttrain.environments import (
     evaluate_environment,
     run_episodes,
 )
-from posttrain.rollouts.builder import render_chat
 from posttrain.rollouts.sft_data import conversation_to_trajectory
+from posttrain.tokenizer import render_chat
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=96, temperature=1.0, seed=5)

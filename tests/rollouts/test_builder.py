@@ -11,13 +11,9 @@ from chat_templates import template as chat_template
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
 from posttrain.engine.models import load_tokenizer
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.rollouts.builder import (
-    TrajectoryBuilder,
-    TurnClosing,
-    assistant_closing,
-    gather_groups,
-    render_chat,
-)
+from posttrain.rollouts.builder import TrajectoryBuilder
+from posttrain.rollouts.gather import gather_groups
+from posttrain.tokenizer import TurnClosing, assistant_closing, render_chat
 from posttrain.types import SampledSequence
 
 

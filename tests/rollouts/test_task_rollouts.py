@@ -6,10 +6,10 @@ import pytest
 
 from chat_templates import template as chat_template
 from posttrain.engine.tiny import build_tokenizer
-from posttrain.rollouts.builder import assistant_closing
 from posttrain.rollouts.evaluation import evaluate
 from posttrain.rollouts.task_rollouts import completion_text, derive_seed, sample_groups
 from posttrain.tasks import Problem, ReverseTask
+from posttrain.tokenizer import assistant_closing
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
 

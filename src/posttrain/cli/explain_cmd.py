@@ -128,9 +128,9 @@ def prompt_tokens(
     """Prompt tokens of RL step 1's prompts, rendered as the job renders them."""
     if tokenizer is None or task is None:
         return None
-    from posttrain.rollouts.builder import assistant_closing
     from posttrain.rollouts.evaluation import prompt_builders
     from posttrain.rollouts.task_rollouts import derive_seed
+    from posttrain.tokenizer import assistant_closing
 
     rng = random.Random(derive_seed(config.run.seed, "rl", 0))  # as the job draws step 1
     problems = task.task.make_prompts(rng, config.rl.prompts_per_step)

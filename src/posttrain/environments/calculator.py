@@ -28,7 +28,6 @@ import re
 from collections.abc import Callable, Sequence
 
 from posttrain.environments.protocol import SPLITS, Reset, Split, Step
-from posttrain.rollouts.builder import ChatMessage
 from posttrain.rollouts.tool_calls import (
     ToolCall,
     assistant_message,
@@ -37,6 +36,7 @@ from posttrain.rollouts.tool_calls import (
     tool_message,
 )
 from posttrain.tasks.protocol import Problem, is_held_out
+from posttrain.tokenizer import ChatMessage
 
 TOOL_NAME = "calculator"
 SYSTEM_PROMPT = (

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from posttrain.rollouts.builder import ChatMessage
+from posttrain.tokenizer import ChatMessage
 
 Split = Literal["train", "held_out"]
 SPLITS: tuple[Split, ...] = ("train", "held_out")

@@ -41,14 +41,9 @@ from typing import Literal
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.environments.protocol import SPLITS, Environment, Reset, Split, Step
 from posttrain.environments.protocol import missing_methods as missing_env_methods
-from posttrain.rollouts.builder import (
-    ChatMessage,
-    TrajectoryBuilder,
-    TurnClosing,
-    assistant_closing,
-)
+from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.rollouts.evaluation import PromptBatchSampler
-from posttrain.tokenizer import Tokenizer, as_tokenizer
+from posttrain.tokenizer import ChatMessage, Tokenizer, TurnClosing, as_tokenizer, assistant_closing
 from posttrain.types import SampledSequence, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,6 @@ from posttrain.environments.verifiers_adapter import (
     verifiers_tasks,
 )
 from posttrain.jobs.config import JobConfig
-from posttrain.rollouts.builder import TurnClosing, assistant_closing
 from posttrain.rollouts.evaluation import PromptBatchSampler, evaluate
 from posttrain.rollouts.sft_data import conversation_to_trajectory
 from posttrain.rollouts.task_rollouts import (
@@ -44,7 +43,7 @@ from posttrain.rollouts.task_rollouts import (
     sft_examples,
 )
 from posttrain.tasks import Problem, ResolvedTask, Task
-from posttrain.tokenizer import Tokenizer
+from posttrain.tokenizer import Tokenizer, TurnClosing, assistant_closing
 from posttrain.trainer.token_advantages import reads_entropies
 from posttrain.types import SamplingParams
 

@@ -1,6 +1,5 @@
-"""Rollout helpers: chat turns and sampled completions into Trajectories on exact tokens, and
-`gather_groups` / `gather_trajectory_groups` (from `posttrain.rollouts.gather`) to run rollouts
-concurrently.
+"""Chat turns and sampled completions into Trajectories on exact tokens (`gather_groups` in
+`posttrain.rollouts.gather` runs rollouts concurrently).
 
 Sampled assistant tokens are kept exactly as the sampler produced them, with their logprobs;
 only the text between turns (user, tool and template tokens) is rendered by the chat template,
@@ -14,11 +13,8 @@ from collections.abc import Mapping, Sequence
 
 from posttrain.data.trajectories import JSONScalar, TokenSegment, Trajectory
 
-# The gather functions live in posttrain.rollouts.gather (one implementation, two names); re-exported.
-from posttrain.rollouts.gather import gather_groups, gather_trajectory_groups  # noqa: F401
-
 # Chat rendering and the turn closing live with the tokenizer (the sampler stops on the end of
-# turn too); re-exported here, where the rollout code has always found them.
+# turn too).
 from posttrain.tokenizer import (
     ChatMessage,
     Tokenizer,

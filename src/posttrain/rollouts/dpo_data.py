@@ -12,10 +12,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from posttrain.data.preferences import PreferencePair
-from posttrain.rollouts.builder import TurnClosing, assistant_closing, render_chat
 from posttrain.rollouts.sft_data import ROLES
 from posttrain.tasks.dataset import json_object
-from posttrain.tokenizer import Tokenizer
+from posttrain.tokenizer import Tokenizer, TurnClosing, assistant_closing, render_chat
 
 
 def load_preference_pairs(path: str | Path, tokenizer: Tokenizer) -> list[PreferencePair]:

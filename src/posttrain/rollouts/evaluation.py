@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from posttrain.rollouts.builder import TrajectoryBuilder, TurnClosing, assistant_closing
+from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.tasks.protocol import Problem, Task
 from posttrain.tasks.rewards import score
-from posttrain.tokenizer import Tokenizer, as_tokenizer
+from posttrain.tokenizer import Tokenizer, TurnClosing, as_tokenizer, assistant_closing
 from posttrain.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
 
 

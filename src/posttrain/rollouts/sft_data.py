@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import TypeAlias, overload
 
 from posttrain.data.trajectories import TokenSegment, Trajectory
-from posttrain.rollouts.builder import TurnClosing, assistant_closing, render_chat
 from posttrain.tasks.dataset import json_object
-from posttrain.tokenizer import Tokenizer
+from posttrain.tokenizer import Tokenizer, TurnClosing, assistant_closing, render_chat
 
 ROLES = ("system", "user", "assistant", "tool")
 Conversation: TypeAlias = list[dict[str, str]]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from posttrain.data.trajectories import JSONScalar, Trajectory, TrajectoryGroup
 from posttrain.environments.runner import EpisodeError
 from posttrain.inference.process import derive_seed
-from posttrain.rollouts.builder import assistant_closing
 from posttrain.rollouts.evaluation import (
     PromptBatchSampler,
     completion_text,
@@ -28,7 +27,7 @@ from posttrain.rollouts.evaluation import (
 from posttrain.rollouts.sft_data import conversation_to_trajectory
 from posttrain.tasks import Problem, Task
 from posttrain.tasks.rewards import RewardError, score
-from posttrain.tokenizer import Tokenizer, as_tokenizer
+from posttrain.tokenizer import Tokenizer, as_tokenizer, assistant_closing
 from posttrain.types import SamplingParams
 
 __all__ = [
