@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 
 import posttrain.backends
-from posttrain.backends import registry
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
 from posttrain.backends.options import HELP, LocalRLOptions, SFTOptions, option_names
+from posttrain.backends.plugins import registry
 from posttrain.cli.main import main
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "backends.schema.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.backends.local import LocalBackend
-from posttrain.backends.registry import describe
+from posttrain.backends.plugins.registry import describe
 from posttrain.jobs.backend import JobPreflightError, call_options, constructor_kwargs, job_problems
 from posttrain.jobs.config import parse_config
 from posttrain.jobs.train_job import run_job

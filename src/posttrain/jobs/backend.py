@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import Literal
 
 from posttrain.backends.engine_options import trainer_device
+from posttrain.backends.plugins.registry import BackendInfo, Factory, describe, load
+from posttrain.backends.plugins.schema import (
+    OptionSchema,
+    ParameterSchema,
+    constructor_hints,
+    constructor_parameters,
+)
 from posttrain.backends.preflight import (
     PreflightError,
     preflight_dpo,
@@ -26,13 +33,6 @@ from posttrain.backends.preflight import (
 )
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.register_checks import model_problems
-from posttrain.backends.registry import BackendInfo, Factory, describe, load
-from posttrain.backends.schema import (
-    OptionSchema,
-    ParameterSchema,
-    constructor_hints,
-    constructor_parameters,
-)
 from posttrain.clients.custom_loss import custom_loss
 from posttrain.dotted_paths import DOTTED_PATH
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device

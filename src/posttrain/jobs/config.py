@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, cast, get_type_hints
 
-from posttrain.backends.registry import resolve as resolve_backend
+from posttrain.backends.plugins.registry import resolve as resolve_backend
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model

@@ -13,7 +13,7 @@ import keyword
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from posttrain.backends.schema import JSONScalar, ParameterSchema, is_scalar
+from posttrain.backends.plugins.schema import JSONScalar, ParameterSchema, is_scalar
 
 Validator = Callable[[object], object]  # retrain's: returns an error message, or None when fine
 # retrain's option-schema entry: {type|value_type, default, choices?, validator?}; type names

@@ -6,7 +6,7 @@ A backend (a class, or any factory returning a backend) declares `capabilities` 
 `sft_config` / `dpo_config` (their defaults). A plugin may instead give hooks, on the factory or on its module:
 `posttrain_capabilities` giving a dict of every capability, and `posttrain_option_schema`
 giving `{"train": [...], "train_sft": [...], "train_dpo": [...]}` of option dicts (name, type, default, choices,
-description). retrain's hooks are read too (`backends.hooks` has the names, formats and which
+description). retrain's hooks are read too (`plugins.hooks` has the names, formats and which
 wins). Without hooks a plugin gets conservative capabilities and an empty schema, so preflight
 refuses any option set away from its default.
 """
@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.backends.backend_options import with_backend_options
 from posttrain.backends.capabilities import CONSERVATIVE, Capabilities
-from posttrain.backends.hooks import (
+from posttrain.backends.plugins.backend_options import with_backend_options
+from posttrain.backends.plugins.hooks import (
     CAPABILITIES_HOOK,
     OPTION_SCHEMA_HOOK,
     PRECEDENCE,
@@ -33,7 +33,7 @@ from posttrain.backends.hooks import (
     CapabilitiesSource,
     read_declarations,
 )
-from posttrain.backends.schema import OptionSchema, ParameterSchema, constructor_schema
+from posttrain.backends.plugins.schema import OptionSchema, ParameterSchema, constructor_schema
 
 ENTRY_POINT_GROUP = "posttrain.backends"
 TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
