@@ -48,7 +48,7 @@ def test_no_tracked_file_names_this_machines_paths():
 # shared/DESIGN.md's layers, bottom up: a module imports only from its own layer or below.
 # Rollouts (tasks, environments, evaluation, ...) sit beside the trainer, never inside it.
 LAYERS: list[set[str]] = [
-    {"types", "data", "logging_sinks", "tokenizer", "dotted_paths", "run_records"},
+    {"types", "data", "logging_sinks", "tokenizer", "finder", "run_records"},
     {"algo"},
     {"engine"},
     {"clients"},

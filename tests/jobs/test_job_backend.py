@@ -55,7 +55,7 @@ def test_backend_names_resolve_or_list_the_known_ones():
         assert parse_config({"run": {"backend": name}}).run.backend == name
     with pytest.raises(
         ValueError,
-        match=r"^\[run\] unknown backend 'rey'; known backends: local, ray, tinker\. Did you mean 'ray'\?",
+        match=r"^\[run\] unknown backend 'rey'; did you mean 'ray'\? \(known backends: local, ray, tinker;",
     ):
         parse_config({"run": {"backend": "rey"}})
     with pytest.raises(ValueError, match=r"\[run\] backend 'pkg\.mod:' is not a dotted path"):
