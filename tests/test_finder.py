@@ -57,12 +57,14 @@ def test_a_builtin_is_its_table_entry(widgets):
 def test_a_dotted_path_names_a_module_attribute_or_a_nested_one(widgets):
     found = find("finder_widgets:Gear", widgets)
     assert (found.source, found.target) == ("path", "finder_widgets:Gear")
+    assert "finder_widgets" not in sys.modules  # finding imports nothing
     gear = found.load()
-    assert gear is sys.modules["finder_widgets"].Gear
-    assert load("finder_widgets:Gear.Inner", widgets) is gear.Inner
+    module = sys.modules["finder_widgets"]
+    assert gear is module.Gear
+    assert load("finder_widgets:Gear.Inner", widgets) is module.Gear.Inner
     assert load("finder_widgets:Gear.teeth", widgets) == 12
-    assert target_of(gear.Inner) == "finder_widgets:Gear.Inner"
-    assert target_of(gear()) == "finder_widgets:Gear"  # an instance: its class
+    assert target_of(module.Gear.Inner) == "finder_widgets:Gear.Inner"
+    assert target_of(module.Gear()) == "finder_widgets:Gear"  # an instance: its class
 
 
 def test_an_entry_point_of_an_installed_distribution(widgets):
