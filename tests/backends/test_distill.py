@@ -25,8 +25,8 @@ from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import LocalRLOptions
+from posttrain.backends.plugins.schema import option_schema
 from posttrain.backends.preflight import PreflightError
-from posttrain.backends.schema import option_schema
 from posttrain.backends.tinker import TinkerRLConfig, TinkerRLOptions
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local_sampling import LocalSamplingClient

@@ -263,8 +263,8 @@ def test_pairs_from_chat_are_the_templates_tokens(tiny_model_dir):
 
 
 def test_train_dpo_options_are_declared_and_checked_per_backend():
+    from posttrain.backends.plugins.registry import describe
     from posttrain.backends.preflight import PreflightError, preflight_dpo
-    from posttrain.backends.registry import describe
     from posttrain.trainer.config import DPOConfig, from_options
 
     local, tinker = describe("local"), describe("tinker")

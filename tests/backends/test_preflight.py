@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.backends import preflight, registry
+from posttrain.backends import preflight
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
+from posttrain.backends.plugins import registry
 from posttrain.backends.preflight import (
     PreflightError,
     preflight_rl,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.backends import registry
 from posttrain.backends.capabilities import LOCAL
+from posttrain.backends.plugins import registry
 from posttrain.backends.preflight import PreflightError, preflight_rl
 from posttrain.backends.probe import probe_advantage_flow
 from posttrain.trainer.config import RLConfig, from_options

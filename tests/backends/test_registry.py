@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 
 import posttrain.backends
-from posttrain.backends import registry
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
 from posttrain.backends.options import HELP, LocalRLOptions, SFTOptions, option_names
+from posttrain.backends.plugins import registry
 from posttrain.cli.main import main
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "backends.schema.json").read_text())
@@ -149,7 +149,7 @@ def test_entry_point_plugin_with_module_hooks(installed_plugin):
     backend = factory("/tmp/x", endpoint="http://h")
     assert type(backend).__name__ == "Remote" and vars(backend)["retries"] == 3
     assert "acme" in [i.name for i in registry.all_backends()]
-    with pytest.raises(ValueError, match=r"known backends: local, ray, tinker, acme\."):
+    with pytest.raises(ValueError, match=r"known backends: local, ray, tinker, acme;"):
         registry.resolve("acne")
 
 
@@ -167,13 +167,13 @@ def test_importing_the_package_is_light():
 def test_bad_specs_give_clear_errors():
     with pytest.raises(
         ValueError,
-        match=r"unknown backend 'locl'; known backends: local, ray, tinker.*Did you mean 'local'",
+        match=r"unknown backend 'locl'; did you mean 'local'\? \(known backends: local, ray, tinker;",
     ):
         registry.resolve("locl")
     with pytest.raises(ValueError, match="is not a dotted path"):
         registry.resolve("pkg:")
     with pytest.raises(
-        ImportError, match=r"cannot import module 'no_such_pkg\.mod'.*ModuleNotFoundError"
+        ImportError, match=r"module 'no_such_pkg\.mod' does not import: ModuleNotFoundError"
     ):
         registry.load("no_such_pkg.mod:Backend")
     with pytest.raises(ImportError, match="has no attribute 'Missing'"):

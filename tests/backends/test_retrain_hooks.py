@@ -14,11 +14,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from posttrain.backends import registry
-from posttrain.backends.backend_options import with_backend_options
 from posttrain.backends.capabilities import CONSERVATIVE, Capabilities
-from posttrain.backends.hooks import read_declarations
-from posttrain.backends.schema import constructor_schema
+from posttrain.backends.plugins import registry
+from posttrain.backends.plugins.backend_options import with_backend_options
+from posttrain.backends.plugins.hooks import read_declarations
+from posttrain.backends.plugins.schema import constructor_schema
 from posttrain.cli.main import main
 from posttrain.jobs.backend import job_problems
 from posttrain.jobs.config import parse_config

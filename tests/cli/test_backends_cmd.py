@@ -50,14 +50,17 @@ def plugin_on_path(monkeypatch):
         ),
         (
             "locl",
-            "unknown backend 'locl'; known backends: local, ray, tinker. Did you mean 'local'?",
+            "unknown backend 'locl'; did you mean 'local'? (known backends: local, ray, tinker;",
         ),
         (
             "no_such_pkg.backends:Mine",
-            "cannot import module 'no_such_pkg.backends' for backend 'no_such_pkg.backends:Mine': "
+            "backend 'no_such_pkg.backends:Mine': module 'no_such_pkg.backends' does not import: "
             "ModuleNotFoundError: No module named 'no_such_pkg'",
         ),
-        ("plugin_example:Nope", "module 'plugin_example' has no attribute 'Nope'"),
+        (
+            "plugin_example:Nope",
+            "backend 'plugin_example:Nope': 'plugin_example' has no attribute 'Nope'",
+        ),
         ("plugin_example:", "is not a dotted path; write it as 'package.module:ClassName'"),
         (
             "plugin_example:RaisingBackend",

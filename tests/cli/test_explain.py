@@ -195,7 +195,7 @@ def test_explain_reports_preflight_problems(tmp_path, capsys):
         ("[rl]\nstep = 3\n", "[rl] unknown key 'step'; did you mean 'steps'?"),
         (
             '[run]\nbackend = "locl"\n',
-            "[run] unknown backend 'locl'; known backends: local, ray, tinker",
+            "[run] unknown backend 'locl'; did you mean 'local'? (known backends: local, ray, tinker",
         ),
         ("[rl\n", "invalid TOML"),
     ],

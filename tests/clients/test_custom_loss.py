@@ -107,7 +107,7 @@ def test_unknown_and_builtin_names_are_refused(monkeypatch):
         ValueError, match="option loss='hand_ppo' is invalid: expected one of 'ppo'"
     ):
         from_options(RLConfig, {"loss": LossName("hand_ppo")})
-    with pytest.raises(ValueError, match="no custom loss named 'nope'"):
+    with pytest.raises(ValueError, match="unknown custom loss 'nope'"):
         custom_loss("nope")
     with pytest.raises(ValueError, match="built-in loss"):
         register_loss("ppo", _constant)

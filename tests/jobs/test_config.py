@@ -96,7 +96,10 @@ def test_unknown_keys_name_the_table_the_key_and_the_nearest(data, message):
             r"the seed after the size must be an integer",
         ),
         ({"run": {"task": "revers"}}, r"\[run\] unknown task 'revers'; did you mean 'reverse'"),
-        ({"run": {"backend": "rey"}}, r"\[run\] unknown backend 'rey'; known backends: local"),
+        (
+            {"run": {"backend": "rey"}},
+            r"\[run\] unknown backend 'rey'; did you mean 'ray'\? \(known backends: local",
+        ),
         ({"eval": {"held_out": 0}}, r"\[eval\] held_out must be >= 1"),
         ({"rl": 3}, r"\[rl\] must be a table"),
         ({"rl": {"steps": {"a": 1}}}, r"\[rl\] steps must be a value, got a table"),

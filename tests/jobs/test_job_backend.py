@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.backends.local import LocalBackend
-from posttrain.backends.registry import describe
+from posttrain.backends.plugins.registry import describe
 from posttrain.jobs.backend import JobPreflightError, call_options, constructor_kwargs, job_problems
 from posttrain.jobs.config import parse_config
 from posttrain.jobs.train_job import run_job
@@ -55,7 +55,7 @@ def test_backend_names_resolve_or_list_the_known_ones():
         assert parse_config({"run": {"backend": name}}).run.backend == name
     with pytest.raises(
         ValueError,
-        match=r"^\[run\] unknown backend 'rey'; known backends: local, ray, tinker\. Did you mean 'ray'\?",
+        match=r"^\[run\] unknown backend 'rey'; did you mean 'ray'\? \(known backends: local, ray, tinker;",
     ):
         parse_config({"run": {"backend": "rey"}})
     with pytest.raises(ValueError, match=r"\[run\] backend 'pkg\.mod:' is not a dotted path"):

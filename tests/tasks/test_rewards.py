@@ -126,7 +126,10 @@ def test_math_without_the_extra_names_it(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"spec": "exactly"}, r"unknown reward 'exactly': use one of exact, contains"),
+        (
+            {"spec": "exactly"},
+            r"unknown reward 'exactly'; did you mean 'exact'\? \(known rewards: exact, contains",
+        ),
         ({"spec": "exact", "tolerance": 0.1}, r"tolerance is for reward 'number' only"),
         ({"spec": "number", "pattern": "x"}, r"pattern is for reward 'regex' only"),
         ({"spec": "regex"}, r"reward 'regex' needs a pattern"),

@@ -11,13 +11,14 @@ nested config without a second copy of any option. A config's `__post_init__` ca
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 import types
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
+
+from posttrain.finder import did_you_mean
 
 ConfigValue = float | str | bool | None
 T = TypeVar("T")
@@ -171,8 +172,7 @@ def from_options(config_type: type[C], options: Mapping[str, object]) -> C:
     known = option_fields(config_type)
     for key in options:
         if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, known)
             raise TypeError(f"{config_type.__name__} has no option {key!r}{hint}")
     return cast(C, _build(config_type, options, None))
 
@@ -230,10 +230,7 @@ def check_value(name: str, annotation: object, value: object) -> None:
     """Raise ValueError unless `value` fits `annotation` (Literal choices included); a string
     that is not one of the choices names the nearest one."""
     if not _accepts(annotation, value):
-        hint = ""
-        if isinstance(value, str):
-            close = difflib.get_close_matches(value, _string_choices(annotation), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(value, _string_choices(annotation)) if isinstance(value, str) else ""
         raise ValueError(
             f"option {name}={value!r} is invalid: expected {_describe(annotation)}{hint}"
         )
@@ -292,10 +289,9 @@ def reject_unknown_keys(keys: Collection[str], valid: Collection[str], what: str
     for key in keys:
         if key in valid:
             continue
-        close = difflib.get_close_matches(key, list(valid), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"unknown {what} key {key!r}{hint} (valid keys: {', '.join(sorted(valid))})"
+            f"unknown {what} key {key!r}{did_you_mean(key, valid)} "
+            f"(valid keys: {', '.join(sorted(valid))})"
         )
 
 

@@ -19,7 +19,6 @@ the completion's mean advantage, which the episode estimator set.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 from posttrain.algo.config_fields import NON_NEGATIVE, Check, check_fields, option
 from posttrain.algo.planning import parse_grams
 from posttrain.algo.uncertainty import MAX_UNCERTAINTY, UNCERTAINTY_KINDS
+from posttrain.finder import did_you_mean
 
 TokenTransform = Literal["none", "gtpo", "gtpo_hicra", "gtpo_sepa", "entropy_mask"]
 TOKEN_TRANSFORMS: tuple[TokenTransform, ...] = get_args(TokenTransform)
@@ -43,10 +43,8 @@ def check_uncertainty_kind(kind: str) -> None:
     """A built-in kind or a dotted path 'package.module:function'; else the nearest built-in."""
     if kind in UNCERTAINTY_KINDS or ":" in kind:
         return
-    close = difflib.get_close_matches(kind, list(UNCERTAINTY_KINDS), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ValueError(
-        f"option uncertainty_kind={kind!r} is invalid{hint} (one of {list(UNCERTAINTY_KINDS)}, "
+        f"option uncertainty_kind={kind!r} is invalid{did_you_mean(kind, UNCERTAINTY_KINDS)} (one of {list(UNCERTAINTY_KINDS)}, "
         "or a custom kind as 'package.module:function')"
     )
 

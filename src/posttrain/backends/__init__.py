@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from posttrain.backends.registry import describe, load
+    from posttrain.backends.plugins.registry import describe, load
 
 __all__ = ["describe", "load"]
 
 
 def __getattr__(name: str) -> object:
     if name in __all__:
-        from posttrain.backends import registry
+        from posttrain.backends.plugins import registry
 
         return getattr(registry, name)
     raise AttributeError(f"module 'posttrain.backends' has no attribute {name!r}")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
+
+from posttrain.finder import nearest
 
 DEVICE_KINDS = ("cpu", "cuda", "remote")
 # retrain's BackendCapabilities: its four flags, and two fields posttrain reads but has no flag for.
@@ -98,8 +99,8 @@ class Capabilities:
             data = {n: getattr(values, n) for n in names if hasattr(values, n)}
         known = sorted({*posttrain_flags, *RETRAIN_ONLY})
         for key in sorted(set(data) - set(known)):
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = nearest(key, known)
+            hint = f" (did you mean {close!r}?)" if close else ""
             raise ValueError(f"{source} returned an unknown capability {key!r}{hint}; {expected}")
         missing = [k for k in RETRAIN_FLAGS if k not in data]
         if missing:

@@ -10,9 +10,10 @@ registered models through the backend's public methods: the dependency points do
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
+
+from posttrain.finder import entry_points, import_object
 
 if TYPE_CHECKING:
     from posttrain.backends.model import OpenAIEndpoint, TrainableModel
@@ -38,11 +39,12 @@ OpenAIServerFactory = Callable[[object], OpenAIServer]
 
 def start_openai_server(backend: object, name: str = "local") -> OpenAIServer:
     """Start the server registered as `name` for `backend` (its factory is called with it)."""
-    found = [e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if e.name == name]
-    if not found:
+    installed = entry_points(ENTRY_POINT_GROUP)
+    if name not in installed:
         raise ImportError(
             f"no OpenAI-compatible server {name!r} is registered under the {ENTRY_POINT_GROUP!r} "
             f"entry points; install posttrain with the server extra ({INSTALL_HINT})"
         )
-    factory: OpenAIServerFactory = found[0].load()
+    what = f"OpenAI-compatible server {name!r} (entry point in {ENTRY_POINT_GROUP})"
+    factory = cast(OpenAIServerFactory, import_object(installed[name], what))
     return factory(backend)

@@ -11,7 +11,6 @@ else is looked at. `HELP` and each set's documentation are derived from the fiel
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Literal, get_type_hints
 
@@ -27,6 +26,7 @@ from posttrain.algo.ratios import ImportanceSamplingLevel, KLEstimator
 from posttrain.algo.sepa import SEPASchedule
 from posttrain.algo.token_transforms import TokenTransform
 from posttrain.clients.teacher import Teacher
+from posttrain.finder import did_you_mean
 from posttrain.trainer.config import (
     AssistantTurns,
     DPOConfig,
@@ -187,11 +187,9 @@ def check_options(
     call = call or ("train_sft" if options_type is SFTOptions else "train")
     for name in options:
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(
                 f"{backend}.{call}() got an "
-                f"option it does not support: {name!r}{hint} "
+                f"option it does not support: {name!r}{did_you_mean(name, known)} "
                 f"(supported: {', '.join(sorted(known))})"
             )
 

@@ -18,8 +18,8 @@ from posttrain.algo.losses import check_config
 from posttrain.algo.sepa import SEPAConfig
 from posttrain.algo.token_transforms import NEEDS_PLANNING, TOKEN_TRANSFORMS, TokenTransform
 from posttrain.backends.capabilities import Capabilities
+from posttrain.backends.plugins.schema import OptionSchema
 from posttrain.backends.probe import probe_advantage_flow
-from posttrain.backends.schema import OptionSchema
 from posttrain.clients.custom_loss import custom_loss, is_custom_loss, is_pair_loss
 from posttrain.data.trajectories import TrajectoryGroup
 from posttrain.trainer.config import (
@@ -222,7 +222,7 @@ def distill_conflicts(config: RLConfig) -> list[PreflightProblem]:
 
 def backends_with(flag: str) -> list[str]:
     """The built-in backends whose capabilities set `flag` (for error messages)."""
-    from posttrain.backends import registry  # here: the registry imports the backends
+    from posttrain.backends.plugins import registry  # here: the registry imports the backends
 
     names: list[str] = []
     for name in registry.BUILTINS:

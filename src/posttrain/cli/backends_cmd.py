@@ -12,14 +12,14 @@ import argparse
 import json
 import sys
 
-from posttrain.backends.registry import (
+from posttrain.backends.plugins.registry import (
     BackendInfo,
     all_backends,
     describe_or_report,
     plugin_contract,
     resolve,
 )
-from posttrain.backends.schema import ParameterSchema
+from posttrain.backends.plugins.schema import ParameterSchema
 from posttrain.cli.engine_table import (
     ENGINE_MODES,
     OPENAI_PROBED,

@@ -8,8 +8,8 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-from posttrain.backends.registry import BackendInfo, import_target
-from posttrain.backends.schema import constructor_parameters
+from posttrain.backends.plugins.registry import BackendInfo, import_target
+from posttrain.backends.plugins.schema import constructor_parameters
 from posttrain.inference import EngineCapabilities, InferenceConfig
 from posttrain.inference.config import EngineName
 from posttrain.inference.live import LIVE

@@ -15,7 +15,7 @@ import random
 import sys
 from pathlib import Path
 
-from posttrain.backends.registry import BackendInfo
+from posttrain.backends.plugins.registry import BackendInfo
 from posttrain.cli.engine_table import OPENAI_PROBED, accepts_inference, mode_of, where
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.inference import InferenceConfig

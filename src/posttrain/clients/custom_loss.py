@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import NewType, cast
 
@@ -28,7 +27,7 @@ import torch
 from posttrain.algo.loss_metrics import counted_values, summarize_values
 from posttrain.algo.losses import LOSSES, LossConfig, get_loss
 from posttrain.clients.token_metrics import run_builtin
-from posttrain.dotted_paths import DOTTED_PATH, import_object
+from posttrain.finder import DOTTED_PATH, Kind, entry_points, load
 from posttrain.types import Datum, ForwardBackwardOutput
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, Mapping[str, float]]]
@@ -52,9 +51,9 @@ def register_loss(name: str, fn: CustomLossFn, *, pairs: bool = False) -> LossNa
     return LossName(name)
 
 
-@functools.cache
-def _entry_points() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+@functools.cache  # option checks ask often; a test that installs one clears it
+def _entry_points() -> dict[str, str]:
+    return entry_points(ENTRY_POINT_GROUP)
 
 
 def custom_loss_names() -> list[str]:
@@ -83,22 +82,18 @@ def custom_loss(name: str, *, search: Path | None = None) -> CustomLossFn:
     """The loss registered as `name`, loading its entry point or importing its dotted path
     the first time (`search`: a directory to import from after `sys.path`, a job's config
     directory)."""
-    if name not in _registered and DOTTED_PATH.match(name) and name not in _entry_points():
-        loaded = import_object(name, "loss", search=search)
+    if name not in _registered:  # a Kind of this call's table: tests swap `_registered`
+        losses = Kind(
+            "custom loss",
+            _registered,
+            ENTRY_POINT_GROUP,
+            example="mypkg.losses:my_loss",
+            plural="custom losses",
+            also="register it with register_loss",
+        )
+        loaded = load(name, losses, search=search)
         if not callable(loaded):
             raise TypeError(f"loss {name!r} is not a function: {type(loaded).__name__}")
-        _registered[name] = cast(CustomLossFn, loaded)  # its result is checked at each call
-    if name not in _registered:
-        found = _entry_points().get(name)
-        if found is None:
-            known = custom_loss_names()
-            raise ValueError(
-                f"no custom loss named {name!r}; registered: {known or 'none'} (register one "
-                f"with register_loss or the {ENTRY_POINT_GROUP!r} entry point group)"
-            )
-        loaded = found.load()  # type: ignore[attr-defined]
-        if not callable(loaded):
-            raise TypeError(f"entry point {ENTRY_POINT_GROUP}:{name} is not callable")
         _registered[name] = cast(CustomLossFn, loaded)  # its result is checked at each call
     return _registered[name]
 

@@ -12,24 +12,26 @@ keep construction cheap and do an episode's setup in `reset`).
 
 from __future__ import annotations
 
-import difflib
 import functools
-import importlib.metadata
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from posttrain.dotted_paths import DOTTED_PATH, ImportTargetError, import_object, target_of
 from posttrain.environments.calculator import CalculatorEnv
 from posttrain.environments.protocol import ENVIRONMENT_METHODS, Environment, missing_methods
+from posttrain.finder import Kind, NotFound, find, target_of
+from posttrain.finder import entry_points as installed
 from posttrain.tasks.resolve import TaskError, check_options
 
 ENTRY_POINT_GROUP = "posttrain.environments"
 EnvironmentKind = Literal["builtin", "path", "entry_point", "verifiers"]
 VERIFIERS_PREFIX = "verifiers:"
 BUILTIN_ENVIRONMENTS: dict[str, type] = {"calculator": CalculatorEnv}
+ENVIRONMENTS = Kind(
+    "environment", BUILTIN_ENVIRONMENTS, ENTRY_POINT_GROUP, example="mypkg.envs:MyEnv"
+)
 
 
 class EnvironmentSpecError(ValueError):
@@ -53,7 +55,7 @@ class ResolvedEnvironment:
 
 def entry_points() -> dict[str, str]:
     """Installed environments: name -> dotted path, from the entry-point group."""
-    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return installed(ENTRY_POINT_GROUP)
 
 
 def environment_kind(spec: str) -> EnvironmentKind:
@@ -68,24 +70,10 @@ def environment_kind(spec: str) -> EnvironmentKind:
                 "vf.Taskset, e.g. 'verifiers:my_taskset')"
             )
         return "verifiers"
-    if ":" in spec:
-        if not DOTTED_PATH.match(spec):
-            raise EnvironmentSpecError(
-                f"environment {spec!r} is not a dotted path; write it as 'package.module:name'"
-            )
-        return "path"
-    if spec in BUILTIN_ENVIRONMENTS:
-        return "builtin"
-    installed = entry_points()
-    if spec in installed:
-        return "entry_point"
-    known = [*BUILTIN_ENVIRONMENTS, *sorted(set(installed) - set(BUILTIN_ENVIRONMENTS))]
-    close = difflib.get_close_matches(spec, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise EnvironmentSpecError(
-        f"unknown environment {spec!r}{hint} (built-in and installed: {', '.join(known)}; an "
-        "environment of your own is named by its dotted path, e.g. 'mypkg.envs:MyEnv')"
-    )
+    try:
+        return find(spec, ENVIRONMENTS).source
+    except NotFound as exc:
+        raise EnvironmentSpecError(str(exc)) from None
 
 
 def resolve_environment(
@@ -106,15 +94,10 @@ def resolve_environment(
         from posttrain.environments.verifiers_adapter import resolve_verifiers_environment
 
         return resolve_verifiers_environment(spec, options, search=search)
-    if kind == "builtin":
-        factory: object = BUILTIN_ENVIRONMENTS[spec]
-    else:
-        target = spec if kind == "path" else entry_points()[spec]
-        what = "environment" if kind == "path" else f"environment {spec!r} ({ENTRY_POINT_GROUP})"
-        try:
-            factory = import_object(target, what, search=search)
-        except ImportTargetError as exc:
-            raise EnvironmentSpecError(str(exc)) from exc
+    try:
+        factory = find(spec, ENVIRONMENTS).load(search=search)
+    except NotFound as exc:
+        raise EnvironmentSpecError(str(exc)) from exc
     made = _check_factory(factory, spec, options, options_name)
     make = functools.partial(factory, **options)  # type: ignore[arg-type]  # checked callable
     demonstrates = callable(getattr(made, "demonstration", None))

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from posttrain.data.openai_choices import message_of, sampled_turn, segments_from_turns
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
-from posttrain.dotted_paths import target_of
 from posttrain.environments.protocol import Environment
 from posttrain.environments.resolve import (
     VERIFIERS_PREFIX,
@@ -43,6 +42,7 @@ from posttrain.environments.resolve import (
 )
 from posttrain.environments.runner import EnvironmentEvaluation, EpisodeError, Episodes
 from posttrain.environments.verifiers_proxy import KEY_HEADER, Endpoint, Exchange, RecordingProxy
+from posttrain.finder import target_of
 
 if TYPE_CHECKING:
     from verifiers.v1 import Env, Episode, Task, Trace

@@ -10,7 +10,6 @@ The job calls `Factory(path=<[run] output_dir>, keep_checkpoints=<[run] keep_che
 from __future__ import annotations
 
 import contextlib
-import difflib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +17,13 @@ from pathlib import Path
 from typing import Literal
 
 from posttrain.backends.engine_options import trainer_device
+from posttrain.backends.plugins.registry import BackendInfo, Factory, describe, load
+from posttrain.backends.plugins.schema import (
+    OptionSchema,
+    ParameterSchema,
+    constructor_hints,
+    constructor_parameters,
+)
 from posttrain.backends.preflight import (
     PreflightError,
     preflight_dpo,
@@ -26,18 +32,11 @@ from posttrain.backends.preflight import (
 )
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.register_checks import model_problems
-from posttrain.backends.registry import BackendInfo, Factory, describe, load
-from posttrain.backends.schema import (
-    OptionSchema,
-    ParameterSchema,
-    constructor_hints,
-    constructor_parameters,
-)
 from posttrain.clients.custom_loss import custom_loss
-from posttrain.dotted_paths import DOTTED_PATH
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.environments.resolve import ResolvedEnvironment
+from posttrain.finder import DOTTED_PATH, did_you_mean
 from posttrain.inference.config import InferenceConfig, vllm_head_problem
 from posttrain.jobs.config import JobConfig, TeacherConfig
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
@@ -97,11 +96,9 @@ def constructor_kwargs(
                 f"[backend] {key}: the job sets it from {JOB_SUPPLIED[key]}; set it there instead"
             )
         if key not in accepted and not open_ended:
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
             takes = ", ".join(n for n in accepted if n not in JOB_SUPPLIED) or "nothing"
             raise ValueError(
-                f"[backend] unknown key {key!r} for backend {spec!r}{hint} "
+                f"[backend] unknown key {key!r} for backend {spec!r}{did_you_mean(key, accepted)} "
                 f"(its constructor takes: {takes})"
             )
         if key in hints:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, cast, get_type_hints
 
-from posttrain.backends.registry import resolve as resolve_backend
+from posttrain.backends.plugins.registry import resolve as resolve_backend
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model
@@ -39,8 +39,9 @@ from posttrain.environments.resolve import (
     EnvironmentSpecError,
     environment_kind,
 )
+from posttrain.finder import did_you_mean
 from posttrain.inference.config import InferenceConfig
-from posttrain.jobs.tables import build_table, hint, parse_tiny_spec
+from posttrain.jobs.tables import build_table, parse_tiny_spec
 from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.rewards import BUILTIN_REWARDS
 from posttrain.trainer.config import (
@@ -325,7 +326,7 @@ class DataConfig:
             raise ValueError("[data] train is required: the JSONL file of training problems")
         if ":" not in self.reward and self.reward not in BUILTIN_REWARDS:
             raise ValueError(
-                f"[data] reward {self.reward!r} is unknown{hint(self.reward, BUILTIN_REWARDS)} "
+                f"[data] reward {self.reward!r} is unknown{did_you_mean(self.reward, BUILTIN_REWARDS)} "
                 f"(built-in: {', '.join(BUILTIN_REWARDS)}; or a function 'pkg.module:function')"
             )
 
@@ -390,7 +391,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
     for name, value in data.items():
         if name not in names:
             raise ValueError(
-                f"unknown table [{name}]{hint(name, names)} (tables: {', '.join(names)})"
+                f"unknown table [{name}]{did_you_mean(name, names)} (tables: {', '.join(names)})"
             )
         if not isinstance(value, dict):
             raise ValueError(f"[{name}] must be a table, got {value!r}")

@@ -3,13 +3,13 @@ closest valid one), the secrets a table must not show, and the tiny-model spec."
 
 from __future__ import annotations
 
-import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import get_args
 
 from posttrain.engine.tiny import Arch, Size, resolve_arch
+from posttrain.finder import did_you_mean
 from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig, from_options, option_fields
 
 ARCHES: tuple[str, ...] = get_args(Arch)
@@ -67,7 +67,7 @@ def build_table(cls: type, table: dict[str, object], name: str) -> object:
     passthrough = set(option_fields(trainer_cls)) if trainer_cls else set[str]()
     for key, value in table.items():
         if key not in own and key not in passthrough:
-            raise ValueError(f"[{name}] unknown key {key!r}{hint(key, own | passthrough)}")
+            raise ValueError(f"[{name}] unknown key {key!r}{did_you_mean(key, own | passthrough)}")
         if isinstance(value, dict):
             raise ValueError(f"[{name}] {key} must be a value, got a table")
     kwargs = {k: v for k, v in table.items() if k in own}
@@ -79,8 +79,3 @@ def build_table(cls: type, table: dict[str, object], name: str) -> object:
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith("[") else f"[{name}] {message}") from None
-
-
-def hint(key: str, valid: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(valid), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""

@@ -36,8 +36,8 @@ from typing import cast
 
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import RLOptions, SFTOptions
+from posttrain.backends.plugins.registry import BackendInfo
 from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
-from posttrain.backends.registry import BackendInfo
 from posttrain.backends.sampling import ModelSampler
 from posttrain.data.trajectories import Trajectory
 from posttrain.environments.resolve import ResolvedEnvironment

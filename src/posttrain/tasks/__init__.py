@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import difflib
-
+from posttrain.finder import did_you_mean
 from posttrain.tasks.addition import AdditionTask
 from posttrain.tasks.dataset import DatasetTask
 from posttrain.tasks.protocol import Problem, Task, is_correct, is_held_out, missing_methods
@@ -25,10 +24,8 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        close = difflib.get_close_matches(name, sorted(TASKS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"unknown task {name!r}{hint} (choices: {', '.join(sorted(TASKS))})"
+            f"unknown task {name!r}{did_you_mean(name, TASKS)} (choices: {', '.join(sorted(TASKS))})"
         ) from None
 
 

@@ -9,15 +9,14 @@
 
 from __future__ import annotations
 
-import difflib
-import importlib.metadata
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from posttrain.dotted_paths import DOTTED_PATH, ImportTargetError, import_object, target_of
+from posttrain.finder import Kind, NotFound, did_you_mean, find, target_of
+from posttrain.finder import entry_points as installed
 from posttrain.tasks.addition import AdditionTask
 from posttrain.tasks.protocol import TASK_METHODS, Task, missing_methods
 from posttrain.tasks.reverse import ReverseTask
@@ -30,6 +29,7 @@ BUILTIN_TASKS: dict[str, type] = {
     "addition": AdditionTask,
     "word-problems": WordProblemsTask,
 }
+TASKS = Kind("task", BUILTIN_TASKS, ENTRY_POINT_GROUP, example="mypkg.tasks:make_task")
 
 
 class TaskError(ValueError):
@@ -52,30 +52,16 @@ class ResolvedTask:
 
 def entry_points() -> dict[str, str]:
     """Installed tasks: name -> dotted path, from the `posttrain.tasks` entry-point group."""
-    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return installed(ENTRY_POINT_GROUP)
 
 
 def task_kind(spec: str) -> TaskKind:
     """Which kind of spec this is, without importing anything; an unknown name lists the
     known ones."""
-    if ":" in spec:
-        if not DOTTED_PATH.match(spec):
-            raise TaskError(
-                f"task {spec!r} is not a dotted path; write it as 'package.module:name'"
-            )
-        return "path"
-    if spec in BUILTIN_TASKS:
-        return "builtin"
-    installed = entry_points()
-    if spec in installed:
-        return "entry_point"
-    known = [*BUILTIN_TASKS, *sorted(set(installed) - set(BUILTIN_TASKS))]
-    close = difflib.get_close_matches(spec, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise TaskError(
-        f"unknown task {spec!r}{hint} (built-in and installed: {', '.join(known)}; a task of "
-        "your own is named by its dotted path, e.g. 'mypkg.tasks:make_task')"
-    )
+    try:
+        return find(spec, TASKS).source
+    except NotFound as exc:
+        raise TaskError(str(exc)) from None
 
 
 def resolve_task(
@@ -92,18 +78,13 @@ def resolve_task(
     Every failure is a TaskError saying which module, attribute, option or method is at fault.
     """
     options = dict(options or {})
-    kind = task_kind(spec)
-    if kind == "builtin":
-        factory: object = BUILTIN_TASKS[spec]
-    else:
-        target = spec if kind == "path" else entry_points()[spec]
-        what = "task" if kind == "path" else f"task {spec!r} (entry point in {ENTRY_POINT_GROUP})"
-        try:
-            factory = import_object(target, what, search=search)
-        except ImportTargetError as exc:
-            raise TaskError(str(exc)) from exc
+    try:
+        found = find(spec, TASKS)
+        factory = found.load(search=search)
+    except NotFound as exc:
+        raise TaskError(str(exc)) from exc
     task = _build(factory, spec, options, options_name)
-    return ResolvedTask(task=task, spec=spec, kind=kind, target=target_of(factory))
+    return ResolvedTask(task=task, spec=spec, kind=found.source, target=target_of(factory))
 
 
 def _build(obj: object, spec: str, options: dict[str, object], options_name: str) -> Task:
@@ -158,11 +139,10 @@ def check_options(
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for key in options:
         if key not in named:
-            close = difflib.get_close_matches(key, named, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
             takes = ", ".join(named) or "nothing"
             raise TaskError(
-                f"{what} {spec!r}: unknown {options_name} key {key!r}{hint} ({label} takes: {takes})"
+                f"{what} {spec!r}: unknown {options_name} key {key!r}{did_you_mean(key, named)} "
+                f"({label} takes: {takes})"
             )
     required = [
         n

@@ -28,12 +28,14 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
-from posttrain.dotted_paths import import_object
+from posttrain.finder import Kind, load
 from posttrain.tasks.protocol import Problem, Task
 from posttrain.types import StopReason
 
 RewardFn = Callable[[Problem, str, StopReason], float | Awaitable[float]]
 BUILTIN_REWARDS = ("exact", "contains", "number", "regex", "math")
+# make_reward builds the built-ins itself (some take a tolerance or a pattern).
+REWARDS = Kind("reward", dict.fromkeys(BUILTIN_REWARDS), example="mypkg.rewards:score")
 DEFAULT_TOLERANCE = 1e-6
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 
@@ -146,12 +148,7 @@ def make_reward(
     if spec == "math":
         _math_verify()  # a missing extra is an error now, not at the first reward
         return math_equal
-    if ":" not in spec:
-        raise ValueError(
-            f"unknown reward {spec!r}: use one of {', '.join(BUILTIN_REWARDS)}, or a function "
-            "by dotted path, e.g. 'mypkg.rewards:score'"
-        )
-    function = import_object(spec, "reward", search=search)
+    function = load(spec, REWARDS, search=search)  # a built-in returned above
     if not callable(function):
         raise ValueError(f"reward {spec!r} is a {type(function).__name__}, not a function")
     return function  # type: ignore[return-value]

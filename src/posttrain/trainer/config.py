@@ -10,7 +10,6 @@ trainer never imports a backend module.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -43,6 +42,7 @@ from posttrain.clients.custom_loss import (
     policy_loss_names,
 )
 from posttrain.clients.teacher import Teacher
+from posttrain.finder import did_you_mean
 from posttrain.types import AdamParams
 
 __all__ = [
@@ -158,12 +158,10 @@ def loss_name_problem(
             "own loss option); train() takes a policy loss"
         )
     names = [*builtins, *policy_loss_names()]
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
     return (
         f"option loss={name!r} is invalid: expected one of {', '.join(map(repr, names))}, a "
         f"custom loss registered with register_loss or the 'posttrain.losses' entry point "
-        f"group, or a dotted path 'package.module:function'{hint}"
+        f"group, or a dotted path 'package.module:function'{did_you_mean(name, names)}"
     )
 
 

@@ -32,8 +32,14 @@ from posttrain.algo.uncertainty import (
     token_uncertainty,
 )
 from posttrain.data.trajectories import JSONScalar, Trajectory, TrajectoryGroup
-from posttrain.dotted_paths import import_object
+from posttrain.finder import Kind, load
 
+UNCERTAINTY = Kind(
+    "uncertainty_kind",
+    dict[str, object](UNCERTAINTY_KINDS.items()),  # keyed by str: a custom kind is any name
+    example="mypkg.kinds:my_kind",
+    plural="uncertainty kinds",
+)
 # The run_state key of the SEPA controller's state (keys the trainer owns in run_state).
 SEPA_STATE_KEY = "sepa_controller"
 TRAINER_RUN_STATE_KEYS = frozenset({SEPA_STATE_KEY})
@@ -46,9 +52,7 @@ def uses_token_path(config: AdvantageConfig) -> bool:
 
 def resolve_kind(kind: str) -> UncertaintyFn:
     """The function of an uncertainty kind: a built-in, or a callable named 'pkg.mod:fn'."""
-    if kind in UNCERTAINTY_KINDS:
-        return UNCERTAINTY_KINDS[kind]  # type: ignore[index]
-    fn = import_object(kind, "uncertainty_kind")
+    fn = load(kind, UNCERTAINTY)
     if not callable(fn):
         raise ValueError(
             f"uncertainty_kind={kind!r} is a {type(fn).__name__}, not a function "

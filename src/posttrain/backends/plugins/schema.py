@@ -6,7 +6,7 @@ dataclass (`trainer.config`, where each option is defined once), or `Annotated[.
 metadata on the TypedDict's field, else `backends.options.HELP`. An option with no description
 is an error, so the listing can never show an undocumented option.
 `constructor_schema` describes the keyword arguments a backend's constructor takes (what a job
-config's `[backend]` table may set); `backends.backend_options` adds what a plugin declares
+config's `[backend]` table may set); `backends.plugins.backend_options` adds what a plugin declares
 about them.
 """
 
@@ -24,7 +24,7 @@ from posttrain.backends.options import HELP, option_names
 from posttrain.trainer.config import option_defaults, option_help
 
 if TYPE_CHECKING:
-    from posttrain.backends.backend_options import BackendOption
+    from posttrain.backends.plugins.backend_options import BackendOption
 
 JSONScalar = str | int | float | bool | None
 OPTION_KEYS = ("name", "type", "default", "choices", "description")

@@ -6,25 +6,21 @@ A backend (a class, or any factory returning a backend) declares `capabilities` 
 `sft_config` / `dpo_config` (their defaults). A plugin may instead give hooks, on the factory or on its module:
 `posttrain_capabilities` giving a dict of every capability, and `posttrain_option_schema`
 giving `{"train": [...], "train_sft": [...], "train_dpo": [...]}` of option dicts (name, type, default, choices,
-description). retrain's hooks are read too (`backends.hooks` has the names, formats and which
+description). retrain's hooks are read too (`plugins.hooks` has the names, formats and which
 wins). Without hooks a plugin gets conservative capabilities and an empty schema, so preflight
 refuses any option set away from its default.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import importlib.metadata
 import importlib.util
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.backends.backend_options import with_backend_options
 from posttrain.backends.capabilities import CONSERVATIVE, Capabilities
-from posttrain.backends.hooks import (
+from posttrain.backends.plugins.backend_options import with_backend_options
+from posttrain.backends.plugins.hooks import (
     CAPABILITIES_HOOK,
     OPTION_SCHEMA_HOOK,
     PRECEDENCE,
@@ -33,10 +29,11 @@ from posttrain.backends.hooks import (
     CapabilitiesSource,
     read_declarations,
 )
-from posttrain.backends.schema import OptionSchema, ParameterSchema, constructor_schema
+from posttrain.backends.plugins.schema import OptionSchema, ParameterSchema, constructor_schema
+from posttrain.finder import Kind, find, import_object
+from posttrain.finder import entry_points as installed
 
 ENTRY_POINT_GROUP = "posttrain.backends"
-TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 Source = Literal["builtin", "entry_point", "plugin"]
 Factory = Callable[..., object]
 
@@ -61,6 +58,7 @@ class Resolved:
     target: str  # package.module:Attribute
     source: Source
     extra: str | None
+    what: str = "backend"  # how import errors name it (an entry point: with its name)
 
 
 HOOK_PARTS = ("capabilities", "option_schema", "backend_options")
@@ -118,26 +116,18 @@ class BackendInfo:
         }
 
 
-def import_target(target: str) -> Factory:
+BACKENDS = Kind(
+    "backend",
+    BUILTINS,
+    ENTRY_POINT_GROUP,
+    example="mypkg.backends:MyBackend",
+    form="package.module:ClassName",
+)
+
+
+def import_target(target: str, what: str = "backend") -> Factory:
     """`package.module:Attribute` to the object, with errors that say what to fix."""
-    if not TARGET.match(target):
-        raise ValueError(
-            f"backend {target!r} is not a dotted path; write it as 'package.module:ClassName'"
-        )
-    module_name, _, attr = target.partition(":")
-    try:
-        obj: object = importlib.import_module(module_name)
-    except Exception as exc:  # a plugin module may fail in any way; report it, never crash
-        raise ImportError(
-            f"cannot import module {module_name!r} for backend {target!r}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ImportError(
-                f"module {module_name!r} has no attribute {attr!r} (backend {target!r})"
-            )
-        obj = getattr(obj, part)
+    obj = import_object(target, what)
     if not callable(obj):
         raise ImportError(f"backend {target!r} is a {type(obj).__name__}, not a class or factory")
     return obj
@@ -145,40 +135,27 @@ def import_target(target: str) -> Factory:
 
 def entry_points() -> dict[str, str]:
     """Installed plugins: name -> target, from the `posttrain.backends` entry-point group."""
-    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return installed(ENTRY_POINT_GROUP)
 
 
 def known_names() -> list[str]:
-    return [*BUILTINS, *sorted(set(entry_points()) - set(BUILTINS))]
+    return BACKENDS.known()
 
 
 def resolve(spec: str) -> Resolved:
     """Where a backend name or dotted path points; an unknown name lists the known ones."""
-    if ":" in spec:
-        if not TARGET.match(spec):
-            raise ValueError(
-                f"backend {spec!r} is not a dotted path; write it as 'package.module:ClassName'"
-            )
-        return Resolved(spec, spec, "plugin", None)
-    if spec in BUILTINS:
-        return Resolved(spec, BUILTINS[spec].target, "builtin", BUILTINS[spec].extra)
-    installed = entry_points()
-    if spec in installed:
-        return Resolved(spec, installed[spec], "entry_point", None)
-    known = known_names()
-    close = difflib.get_close_matches(spec, known, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
-        f"unknown backend {spec!r}; known backends: {', '.join(known)}.{hint} "
-        "A plugin is named by its dotted path, e.g. 'mypkg.backends:MyBackend'."
-    )
+    found = find(spec, BACKENDS)
+    if found.source == "builtin":
+        return Resolved(spec, BUILTINS[spec].target, "builtin", BUILTINS[spec].extra, found.what)
+    source: Source = "plugin" if found.source == "path" else "entry_point"
+    return Resolved(spec, found.target, source, None, found.what)
 
 
 def load(spec: str) -> Factory:
     """The backend class (or factory) for a name, an entry-point name or a dotted path."""
     resolved = resolve(spec)
     try:
-        return import_target(resolved.target)
+        return import_target(resolved.target, resolved.what)
     except ImportError as exc:
         if resolved.extra:
             raise ImportError(
@@ -194,7 +171,7 @@ def describe(spec: str, backend_options: Mapping[str, object] | None = None) -> 
     `backend_options` (a job's `[backend]` table) go to hooks that take them."""
     r = resolve(spec)
     try:
-        backend = import_target(r.target)
+        backend = import_target(r.target, r.what)
     except ImportError as exc:
         return BackendInfo(r.name, r.target, r.source, r.extra, False, str(exc))
     found = read_declarations(backend, r.target, backend_options)

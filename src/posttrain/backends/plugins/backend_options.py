@@ -8,12 +8,12 @@ description, and the job checks each value and passes each default the table lea
 
 from __future__ import annotations
 
-import difflib
 import keyword
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from posttrain.backends.schema import JSONScalar, ParameterSchema, is_scalar
+from posttrain.backends.plugins.schema import JSONScalar, ParameterSchema, is_scalar
+from posttrain.finder import nearest
 
 Validator = Callable[[object], object]  # retrain's: returns an error message, or None when fine
 # retrain's option-schema entry: {type|value_type, default, choices?, validator?}; type names
@@ -65,8 +65,8 @@ class BackendOption:
         if isinstance(spec, Mapping):
             entry = {str(k): v for k, v in spec.items()}
             for key in sorted(set(entry) - set(RETRAIN_SPEC_KEYS)):
-                close = difflib.get_close_matches(key, RETRAIN_SPEC_KEYS, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                close = nearest(key, RETRAIN_SPEC_KEYS)
+                hint = f" (did you mean {close!r}?)" if close else ""
                 raise ValueError(
                     f"{where}: unknown key {key!r}{hint}; an entry takes {list(RETRAIN_SPEC_KEYS)}"
                 )

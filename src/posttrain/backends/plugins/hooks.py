@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.backends.backend_options import BackendOption
 from posttrain.backends.capabilities import CONSERVATIVE, Capabilities
-from posttrain.backends.schema import OptionSchema, option_schema
+from posttrain.backends.plugins.backend_options import BackendOption
+from posttrain.backends.plugins.schema import OptionSchema, option_schema
 from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig
 
 CAPABILITIES_HOOK = "posttrain_capabilities"
