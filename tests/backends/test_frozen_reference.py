@@ -38,7 +38,7 @@ async def test_full_fine_tuning_scores_kl_with_a_frozen_reference_client(tiny_mo
     await model.register(backend)
     got = await two_kl_steps(backend, model)
     assert got[1]["kl"] > 0  # the policy moved away from the reference
-    records = backend._models.registered_records()  # pyright: ignore[reportPrivateUsage]
+    records = backend._models._records.values()  # pyright: ignore[reportPrivateUsage]
     references = [id(r.model) for r in records if r.reference is not None]
     assert references == [id(model)]
     assert policy_worker(backend, model)._reference is None  # no copy inside the policy's worker

@@ -143,9 +143,6 @@ class ModelClients(Generic[ClientT]):
                 "call `await model.register(backend)` first"
             ) from None
 
-    def registered_records(self) -> list[ModelRecord[ClientT]]:
-        return list(self._records.values())
-
     def registered_models(self) -> list[TrainableModel]:
         """The registered models, the latest of each project and name."""
         latest = {(r.model.project, r.model.name): r.model for r in self._records.values()}
