@@ -38,8 +38,9 @@ async def test_full_fine_tuning_scores_kl_with_a_frozen_reference_client(tiny_mo
     await model.register(backend)
     got = await two_kl_steps(backend, model)
     assert got[1]["kl"] > 0  # the policy moved away from the reference
-    references = backend._models._references  # pyright: ignore[reportPrivateUsage]
-    assert list(references) == [id(model)]
+    records = backend._models._records.values()  # pyright: ignore[reportPrivateUsage]
+    references = [id(r.model) for r in records if r.reference is not None]
+    assert references == [id(model)]
     assert policy_worker(backend, model)._reference is None  # no copy inside the policy's worker
 
     # The same run scoring with the in-worker copy (the path before reference clients).

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from posttrain.backends.model import RunState, TrainableModel
+from posttrain.backends.model import TrainableModel
+from posttrain.trainer.steps import RunState
 
 ClientT = TypeVar("ClientT")
 ClientT_contra = TypeVar("ClientT_contra", contravariant=True)

@@ -6,27 +6,26 @@ checkpoint, close. What differs between backends sits behind the two small proto
 `checkpoint_index`: how a client is made, reloaded and freed (`ClientSource`: `in_process.InProcessClients`
 for LocalBackend and RayBackend), and where checkpoints are kept (`CheckpointIndex`).
 
-A step is all or nothing: the model's step advances only once its updates, plots and
-checkpoint are done. If any of them fails, the step and the checkpoints stay as they were and
-the client is reloaded from the checkpoint of the current step, so a retry starts from the
-last good state.
+Each registered model has one record (`model_record.ModelRecord`): its client, engine, critic
+and reference. Its critic's lifecycle is `critics.Critics`; its steps run through the trainer's
+step functions, all or nothing (`model_steps.ModelSteps`).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable
 from pathlib import Path
-from typing import Generic, TypeVar
-
-import torch
+from typing import Generic
 
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
+from posttrain.backends.critics import Critics, delete_saved_critic
 from posttrain.backends.inputs import group_list, pair_list, trajectory_list
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.model_json import check_model_json, write_model_json
+from posttrain.backends.model_record import ClientT, ModelRecord
+from posttrain.backends.model_steps import ModelSteps, WeightsHook, open_engine
 from posttrain.backends.preflight import (
     PreflightError,
     PreflightProblem,
@@ -36,33 +35,26 @@ from posttrain.backends.preflight import (
 )
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.sampling import ModelSampler
-from posttrain.clients.protocol import LogprobChunking, ReferenceScorer, TrainingClient
+from posttrain.clients.protocol import ReferenceScorer
+from posttrain.clients.teacher import VocabularyMismatch
 from posttrain.data.preferences import PreferencePair
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
-from posttrain.engine.checkpoint import (
-    delete_checkpoint,
-    is_complete_checkpoint,
-    list_checkpoints,
-    step_directories,
-)
+from posttrain.engine.checkpoint import delete_checkpoint, list_checkpoints
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.session import EngineSession
 from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig
-from posttrain.trainer.distill import score_groups
-from posttrain.trainer.dpo import dpo_batches, train_dpo_batches
+from posttrain.trainer.dpo import train_dpo
 from posttrain.trainer.metrics import StepMetrics
-from posttrain.trainer.rl import prepare_batch, train_rl_batch
-from posttrain.trainer.sft import sft_batches, train_sft_batches
+from posttrain.trainer.rl import train_rl_step
+from posttrain.trainer.sft import train_sft
+from posttrain.trainer.steps import RunUpdates
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import TrainResult
 
+__all__ = ["ClientT", "ModelClients", "WeightsHook"]
+
 log = logging.getLogger(__name__)
-ClientT = TypeVar("ClientT", bound=TrainingClient)
-CRITIC_DIR = "critic"  # a model's critic: its checkpoints, under the model's directory
 REFERENCE_DIR = "reference"  # a frozen reference's storage (it never saves anything)
-# Called with the model and its step once its client's weights changed: after a step's updates
-# (a failure fails the step), or after a failed step's reload (a failure becomes a note).
-WeightsHook = Callable[[TrainableModel, int], Awaitable[None]]
 
 
 class ModelClients(Generic[ClientT]):
@@ -87,21 +79,14 @@ class ModelClients(Generic[ClientT]):
         self.capabilities = capabilities
         self.clients = clients
         self.index = index
-        self.after_update = after_update
-        self.after_reload = after_reload
         self.inference = inference or InferenceConfig()
-        # Value models of PPO with a critic (`trainer.critic`), made at a model's first 'gae'
-        # step, checkpointed beside its policy under `critic/checkpoints/<step>`.
-        self.critics = critics
-        self._critics: dict[int, ClientT] = {}
-        # Frozen base models of fully fine-tuned policies: their KL (and DPO) reference, made
-        # at first use, in workers of their own (LoRA policies switch their adapters off).
+        self.critics = Critics(critics, backend)
+        self.steps = ModelSteps(
+            clients, index, self.critics, self.inference, after_update, after_reload
+        )
+        # Frozen base models of fully fine-tuned policies (`ModelRecord.reference`).
         self.references = references
-        self._references: dict[int, ClientT] = {}
-        self._warned_precision: set[int] = set()
-        self._clients: dict[int, ClientT] = {}
-        self._engines: dict[int, EngineSession] = {}
-        self._registered: dict[tuple[str, str], TrainableModel] = {}
+        self._records: dict[int, ModelRecord[ClientT]] = {}  # by id(model)
 
     def model_dir(self, model: TrainableModel) -> Path:
         return self.path / model.project / "models" / model.name
@@ -129,8 +114,8 @@ class ModelClients(Generic[ClientT]):
         try:
             # Right after the policy, whose load restored the RNG: the critic's checkpoint holds
             # the same RNG state (saved just before the policy's), so loading it changes nothing.
-            critic = await self._open_critic(model, directory, step) if step > 0 else None
-            session = await self._open_engine(model, client, directory, step)
+            critic = await self.critics.open_saved(model, directory, step) if step > 0 else None
+            session = await open_engine(self.inference, model, client, directory, step)
             model.attach(backend, directory, step)
             attached = True  # the metric sinks opened (they may refuse)
             write_model_json(directory, model)
@@ -141,104 +126,58 @@ class ModelClients(Generic[ClientT]):
             if session is not None:
                 await session.close()
             if critic is not None:
-                await self._release_critic(critic)
+                await self.critics.release(critic)
             await self.clients.release(client)
             raise
         if checkpoint is not None:  # last: a failed registration leaves the model as it was
             model.run_state = dict(checkpoint.run_state)
-        self._clients[id(model)] = client
-        if critic is not None:
-            self._critics[id(model)] = critic
-        self._engines[id(model)] = session
-        self._registered[(model.project, model.name)] = model
+        self._records[id(model)] = ModelRecord(model, client, session, critic=critic)
 
-    async def _open_critic(
-        self, model: TrainableModel, directory: Path, step: int
-    ) -> ClientT | None:
-        """The critic saved with `step`'s checkpoint, if the run has one (None otherwise)."""
-        if self.critics is None:
-            return None
-        saved = critic_checkpoint(directory, step)
-        if not is_complete_checkpoint(saved):
-            return None
-        return await self.critics.open(model, directory / CRITIC_DIR, str(saved))
-
-    async def _critic(self, model: TrainableModel) -> ClientT:
-        """The model's critic: the one it has, else a new one on the base model."""
-        critic = self._critics.get(id(model))
-        if critic is not None:
-            return critic
-        if self.critics is None:
-            raise RuntimeError(f"{self.backend} has no critic (supports_critic=false)")
-        earlier = step_directories(model.directory / CRITIC_DIR / "checkpoints")
-        if earlier:  # the run had a critic, but its step saved none (save_checkpoint=False)
-            log.warning(
-                "model %r starts a new critic at step %d: no critic was saved with that step "
-                "(the last was at step %s), so its values start from the base model",
-                model.name,
-                model.step,
-                earlier[-1].name,
-            )
-        critic = await self.critics.open(model, model.directory / CRITIC_DIR, None)
-        self._critics[id(model)] = critic
-        return critic
-
-    async def _reference(self, model: TrainableModel) -> ReferenceScorer | None:
-        """The frozen base model a fully fine-tuned policy's reference logprobs come from, in
-        workers of its own (placed and sharded like the policy's); None for a LoRA policy,
-        whose reference is itself with the adapters off, or without a reference source."""
-        if model.lora_rank is not None or self.references is None:
-            return None
-        reference = self._references.get(id(model))
-        if reference is None:
-            reference = await self.references.open(model, model.directory / REFERENCE_DIR, None)
-            self._references[id(model)] = reference
-        if not isinstance(reference, ReferenceScorer):
-            raise TypeError(f"{type(reference).__name__} cannot score reference logprobs")
-        return reference
-
-    async def _release_critic(self, critic: ClientT) -> None:
-        assert self.critics is not None
-        await self.critics.release(critic)
-
-    async def _open_engine(
-        self, model: TrainableModel, client: ClientT, directory: Path, version: int
-    ) -> EngineSession:
-        return await EngineSession.open(
-            self.inference,
-            client,
-            base_model=model.base_model,
-            lora_rank=model.lora_rank,
-            lora_alpha=model.lora_alpha,
-            version=version,
-            log_dir=directory / "logs",
-        )
-
-    def engine(self, model: TrainableModel) -> EngineSession:
-        """The engine session the model samples with."""
-        self.client(model)  # the clear "not registered" error
-        return self._engines[id(model)]
-
-    def registered_models(self) -> list[TrainableModel]:
-        return list(self._registered.values())
-
-    def client(self, model: TrainableModel) -> ClientT:
+    def record(self, model: TrainableModel) -> ModelRecord[ClientT]:
+        """The model's record; the one "not registered" error."""
         try:
-            return self._clients[id(model)]
+            return self._records[id(model)]
         except KeyError:
             raise RuntimeError(
                 f"model {model.name!r} is not registered with this backend; "
                 "call `await model.register(backend)` first"
             ) from None
 
+    def registered_models(self) -> list[TrainableModel]:
+        """The registered models, the latest of each project and name."""
+        latest = {(r.model.project, r.model.name): r.model for r in self._records.values()}
+        return list(latest.values())
+
+    def client(self, model: TrainableModel) -> ClientT:
+        return self.record(model).client
+
+    def engine(self, model: TrainableModel) -> EngineSession:
+        """The engine session the model samples with."""
+        return self.record(model).engine
+
     def critic(self, model: TrainableModel) -> ClientT | None:
         """The model's critic (a value model), None before its first 'gae' step."""
-        self.client(model)  # the clear "not registered" error
-        return self._critics.get(id(model))
+        return self.record(model).critic
 
     def sampling_client(self, model: TrainableModel) -> ModelSampler:
-        client = self.client(model)
-        return ModelSampler(client, client.get_tokenizer(), engine=self._engines[id(model)].engine)
+        record = self.record(model)
+        return ModelSampler(
+            record.client, record.client.get_tokenizer(), engine=record.engine.engine
+        )
+
+    async def _reference(self, record: ModelRecord[ClientT]) -> ReferenceScorer | None:
+        """The frozen base model a fully fine-tuned policy's reference logprobs come from, in
+        workers of its own (placed and sharded like the policy's); None for a LoRA policy,
+        whose reference is itself with the adapters off, or without a reference source."""
+        model = record.model
+        if model.lora_rank is not None or self.references is None:
+            return None
+        if record.reference is None:
+            directory = model.directory / REFERENCE_DIR
+            record.reference = await self.references.open(model, directory, None)
+        if not isinstance(record.reference, ReferenceScorer):
+            raise TypeError(f"{type(record.reference).__name__} cannot score reference logprobs")
+        return record.reference
 
     async def train(
         self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], config: RLConfig
@@ -246,188 +185,70 @@ class ModelClients(Generic[ClientT]):
         """Preflight, one RL step through the shared trainer, then a checkpoint and the step."""
         groups = group_list(trajectory_groups, f"{self.backend}.train()")  # read once, here
         preflight_rl(self.backend, self.capabilities, config, groups)
+        record = self.record(model)
         mismatch = precision_mismatch(
             model.dtype, self.inference.dtype, self.inference.engine, config
         )
-        if mismatch is not None and id(model) not in self._warned_precision:
-            self._warned_precision.add(id(model))
+        if mismatch is not None and not record.warned_precision:
+            record.warned_precision = True
             log.warning("%s: %s", model.name, mismatch)
-        client = self.client(model)
-        teacher_logprobs = await self._score_with_teacher(model, client, config, groups)
-        # Bad input fails here, before any update. The advantage flow reads its controller
-        # state (SEPA) from run_state; the tokenizer is fetched only to find planning tokens.
-        batch = prepare_batch(
-            groups,
-            config,
-            run_state=model.run_state,
-            tokenizer=client.get_tokenizer,
-            teacher_logprobs=teacher_logprobs,
-        )
-        if isinstance(client, LogprobChunking):
-            client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
-        critic = await self._critic(model) if config.advantages.estimator == "gae" else None
-        kl = config.loss.kl_penalty_coef > 0
-        reference = await self._reference(model) if kl else None
         step = model.step + 1
         plot = model.directory / "plots" / f"step_{step:05d}.png"
         before = dict(model.run_state)
 
-        async def run() -> StepMetrics:
-            metrics = await train_rl_batch(
-                client, batch, config, recorder=recorder, critic=critic, reference=reference
+        def trainer_step(run: RunUpdates) -> Awaitable[StepMetrics]:
+            return train_rl_step(
+                record.client,
+                groups,
+                config,
+                run_state=model.run_state,
+                recorder=recorder,
+                critic=lambda: self.critics.of(record),
+                reference=lambda: self._reference(record),
+                student=f"{model.name!r} (base_model={model.base_model!r})",
+                run=run,
             )
-            if recorder is not None:
-                recorder.save(plot)
-            model.run_state.update(batch.run_state)  # saved with this step's checkpoint
-            return metrics
 
         try:
-            return await self._step(model, step, run, config.save_checkpoint, leftovers=[plot])
+            plotted = (recorder, plot) if recorder is not None else None
+            return await self.steps.run(record, step, trainer_step, config.save_checkpoint, plotted)
+        except VocabularyMismatch as exc:  # before any update: a refused configuration
+            raise PreflightError(self.backend, [PreflightProblem("teacher", str(exc))]) from exc
         except BaseException:
             model.run_state.clear()  # a failed step leaves the controller state as it was
             model.run_state.update(before)
             raise
-
-    async def _score_with_teacher(
-        self,
-        model: TrainableModel,
-        client: ClientT,
-        config: RLConfig,
-        groups: Sequence[TrajectoryGroup],
-    ) -> list[list[torch.Tensor]] | None:
-        """With a teacher: refuse one whose vocabulary is not the student's (a PreflightError
-        naming both), then the teacher's logprobs of every trajectory. Before any update."""
-        teacher = config.distill.teacher
-        if teacher is None:
-            return None
-        student = f"{model.name!r} (base_model={model.base_model!r})"
-        try:
-            teacher.check_vocabulary(client.get_tokenizer(), student)
-        except ValueError as exc:
-            raise PreflightError(self.backend, [PreflightProblem("teacher", str(exc))]) from exc
-        return await score_groups(teacher, groups)
 
     async def train_sft(
         self, model: TrainableModel, trajectories: Iterable[Trajectory], config: SFTConfig
     ) -> TrainResult:
         listed = trajectory_list(trajectories, f"{self.backend}.train_sft()")  # read once, here
         preflight_sft(self.backend, self.capabilities, config)
-        client = self.client(model)
-        batches = sft_batches(listed, config)  # bad input fails here, before any update
+        record = self.record(model)
 
-        async def run() -> StepMetrics:
-            return await train_sft_batches(client, batches, config, num_trajectories=len(listed))
+        def trainer_step(run: RunUpdates) -> Awaitable[StepMetrics]:
+            return train_sft(record.client, listed, config, run=run)
 
-        return await self._step(model, model.step + 1, run, config.save_checkpoint)
+        return await self.steps.run(record, model.step + 1, trainer_step, config.save_checkpoint)
 
     async def train_dpo(
         self, model: TrainableModel, pairs: Iterable[PreferencePair], config: DPOConfig
     ) -> TrainResult:
         """Preference pairs -> DPO updates through the shared trainer, as one step."""
         listed = pair_list(pairs, f"{self.backend}.train_dpo()")  # read once, here
-        client = self.client(model)
-        batches = dpo_batches(listed, config)  # bad input fails here, before any update
-        reference = await self._reference(model) if config.reference == "base" else None
+        record = self.record(model)
 
-        async def run() -> StepMetrics:
-            return await train_dpo_batches(client, listed, batches, config, reference)
-
-        return await self._step(model, model.step + 1, run, config.save_checkpoint)
-
-    async def _step(
-        self,
-        model: TrainableModel,
-        step: int,
-        run: Callable[[], Awaitable[StepMetrics]],
-        save: bool,
-        leftovers: Sequence[Path] = (),
-    ) -> TrainResult:
-        """Run the updates of `step`, checkpoint it, then (only then) advance the model's step."""
-        path: str | None = None
-        engine = self._engines[id(model)]
-        try:
-            metrics = await run()
-            if self.after_update is not None:
-                await self.after_update(model, step)
-            await engine.sync(step)
-            if save:
-                # The critic first: a policy checkpoint of `step` then implies its critic's.
-                await self._save_critic(model, step)
-                path = await self.index.save(self.client(model), model, step)
-                self._prune_critics(model)
-        except Exception as exc:
-            for leftover in leftovers:
-                leftover.unlink(missing_ok=True)
-            await self._restore(model, exc)
-            raise
-        model.set_step(step)
-        result = metrics.as_dict() | engine.policy_gap(step)
-        return TrainResult(step=step, metrics=result, checkpoint_path=path)
-
-    async def _save_critic(self, model: TrainableModel, step: int) -> None:
-        critic = self._critics.get(id(model))
-        if critic is None:
-            return
-        await critic.save_state(str(step))
-
-    def _prune_critics(self, model: TrainableModel) -> None:
-        """Drop the critics of steps whose policy checkpoint the index pruned."""
-        if id(model) not in self._critics:
-            return
-        kept = {p.name for p in step_directories(model.directory / "checkpoints")}
-        for saved in step_directories(model.directory / CRITIC_DIR / "checkpoints"):
-            if saved.name not in kept and int(saved.name) < model.step:
-                shutil.rmtree(saved, ignore_errors=True)
-
-    async def _restore_critic(self, model: TrainableModel, error: Exception) -> None:
-        """After a failed step: the critic of the model's step, or none (made anew when next
-        needed) if that step saved no critic."""
-        critic = self._critics.get(id(model))
-        if critic is None:
-            return
-        saved = critic_checkpoint(model.directory, model.step)
-        try:
-            if is_complete_checkpoint(saved):
-                await critic.load_state(str(saved), with_optimizer=True)
-                return
-        except Exception as reload_error:
-            error.add_note(f"reloading the critic from {saved} failed: {reload_error!r}")
-        del self._critics[id(model)]
-        await self._release_critic(critic)
-
-    async def _restore(self, model: TrainableModel, error: Exception) -> None:
-        """After a failed step: reload the checkpoint of the model's (unchanged) step."""
-        await self._restore_critic(model, error)
-        last_good = self.index.checkpoint_of(model.directory, model.step)
-        if last_good is None:
-            error.add_note(
-                f"model {model.name!r} stays at step {model.step}, but no checkpoint of that step "
-                "exists to reload, so its weights may include part of the failed step; "
-                "register the model again to start from its latest checkpoint or base model"
+        def trainer_step(run: RunUpdates) -> Awaitable[StepMetrics]:
+            return train_dpo(
+                record.client, listed, config, reference=lambda: self._reference(record), run=run
             )
-            return
-        old = self.client(model)
-        try:
-            client = await self.clients.reload(old, last_good)
-        except Exception as reload_error:
-            error.add_note(f"reloading {last_good} after the failure failed too: {reload_error!r}")
-            return
-        if client is not old:
-            self._clients[id(model)] = client
-            await self.clients.release(old)  # the failed step's
-            await self._reopen_engine(model, client)
-        else:
-            await self._sync_after_reload(model, error)
-        if self.after_reload is not None:
-            try:
-                await self.after_reload(model, model.step)
-            except Exception as hook_error:
-                error.add_note(f"after reloading {last_good}: {hook_error}")
+
+        return await self.steps.run(record, model.step + 1, trainer_step, config.save_checkpoint)
 
     def checkpoint_steps(self, model: TrainableModel) -> list[int]:
         """The steps of the model's complete step-directory checkpoints, oldest first."""
-        self.client(model)  # raises unless registered here
+        self.record(model)  # raises unless registered here
         return [int(p.name) for p in list_checkpoints(model.directory / "checkpoints")]
 
     async def delete_checkpoints(self, model: TrainableModel, keep: set[int]) -> list[int]:
@@ -435,45 +256,21 @@ class ModelClients(Generic[ClientT]):
         doomed = [step for step in self.checkpoint_steps(model) if step not in keep]
         for step in doomed:
             delete_checkpoint(model.directory / "checkpoints" / str(step))
-            shutil.rmtree(critic_checkpoint(model.directory, step), ignore_errors=True)
+            delete_saved_critic(model.directory, step)
         return doomed
 
     async def checkpoint(self, model: TrainableModel) -> str:
         """Save the model's current state (its critic's too) as the checkpoint of its step."""
-        await self._save_critic(model, model.step)
-        path = await self.index.save(self.client(model), model, model.step)
-        self._prune_critics(model)
-        return path
-
-    async def _reopen_engine(self, model: TrainableModel, client: ClientT) -> None:
-        """A new client after a failed step: a new engine on it (the old one sampled the old
-        client)."""
-        await self._engines.pop(id(model)).close()
-        self._engines[id(model)] = await self._open_engine(
-            model, client, model.directory, model.step
-        )  # a failure here fails the step's recovery: the model cannot sample
-
-    async def _sync_after_reload(self, model: TrainableModel, error: Exception) -> None:
-        try:
-            await self._engines[id(model)].sync(model.step)
-        except Exception as sync_error:
-            error.add_note(f"syncing the engine to the reloaded weights failed: {sync_error!r}")
+        return await self.steps.save(self.record(model), model.step)
 
     async def close(self) -> None:
+        records = list(self._records.values())
         try:
-            for session in self._engines.values():
-                await session.close()
+            for record in records:
+                await record.engine.close()
         finally:
-            self._engines.clear()
-            others = [*self._critics.values(), *self._references.values()]
-            for client in [*self._clients.values(), *others]:
+            self._records.clear()
+            critics = [r.critic for r in records if r.critic is not None]
+            references = [r.reference for r in records if r.reference is not None]
+            for client in [*(r.client for r in records), *critics, *references]:
                 client.close()
-            self._clients.clear()
-            self._critics.clear()
-            self._references.clear()
-            self._registered.clear()
-
-
-def critic_checkpoint(directory: Path, step: int) -> Path:
-    """Where the critic saved with the policy checkpoint of `step` is."""
-    return directory / CRITIC_DIR / "checkpoints" / str(step)

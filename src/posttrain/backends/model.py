@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
 
-from posttrain.data.trajectories import JSONScalar, TrajectoryGroup
+from posttrain.data.trajectories import TrajectoryGroup
 from posttrain.logging_sinks import (
     Sink,
     SinkName,
@@ -24,6 +24,7 @@ from posttrain.logging_sinks import (
     sinks_from_env,
 )
 from posttrain.run_records import best_step, trajectory_record
+from posttrain.trainer.steps import RunState
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Split = Literal["train", "val", "test"]
-# What a model keeps in `run_state`: JSON saved with every checkpoint.
-RunState: TypeAlias = dict[str, JSONScalar | list[JSONScalar] | dict[str, JSONScalar]]
 # openai_client()'s client per event loop (its connections belong to that loop), with the
 # endpoint it was made for.
 LoopClients: TypeAlias = (

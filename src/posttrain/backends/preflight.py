@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from posttrain.algo.loss_checks import unused_options
 from posttrain.algo.losses import check_config
@@ -30,10 +29,8 @@ from posttrain.trainer.config import (
     option_fields,
     option_values,
 )
+from posttrain.trainer.datums import missing_logprobs
 from posttrain.trainer.token_advantages import kind_needs_entropies, uses_token_path
-
-if TYPE_CHECKING:
-    pass
 
 _RL_DEFAULTS = option_defaults(RLConfig)
 _SFT_DEFAULTS = option_defaults(SFTConfig)
@@ -336,21 +333,13 @@ def takes_custom_loss(option: OptionSchema, value: object) -> bool:
     return admits and is_custom_loss(value) and not is_pair_loss(value)
 
 
-def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[PreflightProblem]:
-    if config.loss.allow_training_without_logprobs:
-        return []
-    for gi, group in enumerate(groups):
-        for ti, trajectory in enumerate(group.trajectories):
-            if any(s.trainable and s.logprobs is None for s in trajectory.segments):
-                return [
-                    PreflightProblem(
-                        "allow_training_without_logprobs",
-                        f"group {gi} trajectory {ti} has a "
-                        "trainable segment without sampler logprobs; sample with logprobs or set "
-                        "allow_training_without_logprobs=True (ratio 1)",
-                    )
-                ]
-    return []
+def missing_logprobs_problem(
+    config: RLConfig, groups: Sequence[TrajectoryGroup]
+) -> list[PreflightProblem]:
+    """The trainer's rule (`trainer.datums.missing_logprobs`), reported with the options'."""
+    allowed = config.loss.allow_training_without_logprobs
+    found = missing_logprobs(groups, allowed=allowed)
+    return [] if found is None else [PreflightProblem("allow_training_without_logprobs", found)]
 
 
 def preflight_rl(
@@ -406,7 +395,7 @@ def preflight_rl(
         problem = token_advantage_problem(backend, config, preserves=preserves)
         if problem is not None:
             problems.append(problem)
-    problems += missing_logprobs(config, groups)
+    problems += missing_logprobs_problem(config, groups)
     if problems:
         raise PreflightError(backend, problems)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.backends.checkpoint_index import Checkpoint, ResumePoint
-from posttrain.backends.model import RunState, TrainableModel
+from posttrain.backends.model import TrainableModel
 from posttrain.backends.model_json import model_record
 from posttrain.clients.protocol import SavesTrainerState
 from posttrain.engine.checkpoint import (
@@ -29,6 +29,7 @@ from posttrain.engine.checkpoint import (
     remove_step_debris,
     step_directories,
 )
+from posttrain.trainer.steps import RunState
 
 
 class DirectoryCheckpoints:

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import ModelInput
 
-__all__ = ["LogprobScorer", "Teacher", "vocabulary_difference"]
+__all__ = ["LogprobScorer", "Teacher", "VocabularyMismatch", "vocabulary_difference"]
 
 # Probe text encoded by both tokenizers when either has no `get_vocab()` to compare.
 _PROBE_TEXT = "The quick brown fox: 12 + 30 = 42. reverse abc -> cba\n<|im_start|>é中"
@@ -121,6 +121,10 @@ def vocabulary_difference(teacher: Tokenizer, student: Tokenizer) -> str | None:
     return None
 
 
+class VocabularyMismatch(ValueError):
+    """A teacher whose vocabulary is not the student's: refused before any step."""
+
+
 class Teacher:
     """The model whose logprobs of the student's tokens become its per-token advantages.
 
@@ -176,12 +180,12 @@ class Teacher:
         return self._tokenizer
 
     def check_vocabulary(self, student: Tokenizer, student_name: str) -> None:
-        """Raise ValueError unless the student's tokenizer has the teacher's vocabulary."""
+        """Raise VocabularyMismatch unless the student's tokenizer has the teacher's vocabulary."""
         if any(student is seen for seen in self._checked):
             return
         why = vocabulary_difference(self.tokenizer(), student)
         if why is not None:
-            raise ValueError(
+            raise VocabularyMismatch(
                 f"teacher {self.name!r} and student {student_name} do not share a vocabulary: "
                 f"{why}. Distillation scores the student's token ids with the teacher, so both "
                 "need the same tokenizer; pick a teacher from the student's model family"

@@ -164,8 +164,14 @@ class Worker:
             max_positions=self.max_positions,
         )
         with torch.no_grad():
-            return self._run(
-                datums, loss_fn, loss_config, self._micro_batches(datums), backward=False
+            return loss_pass(
+                self.model,
+                self.config,
+                datums,
+                loss_fn,
+                loss_config,
+                self._micro_batches(datums),
+                backward=False,
             )
 
     def forward_backward(
@@ -193,7 +199,9 @@ class Worker:
         params = self.trainable_parameters()
         self._earlier_grads = placement.detach_grads(params)
         try:
-            result = self._run(datums, loss_fn, loss_config, plan, backward=True)
+            result = loss_pass(
+                self.model, self.config, datums, loss_fn, loss_config, plan, backward=True
+            )
         except BaseException:
             self.discard_gradients()
             raise
@@ -212,50 +220,6 @@ class Worker:
         if self._earlier_grads is not None:
             placement.attach_grads(self.trainable_parameters(), self._earlier_grads)
             self._earlier_grads = None
-
-    def _run(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_config: LossConfig,
-        plan: Sequence[MicroBatch],
-        *,
-        backward: bool,
-    ) -> PassResult:
-        fn = get_loss(loss_fn)
-        logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
-        entropies: list[torch.Tensor] | None = [torch.empty(0)] * len(datums)
-        diagnostics: dict[str, list[torch.Tensor]] = {}
-        loss_sum, num_tokens = 0.0, 0
-        for micro in plan:
-            rows = micro.rows
-            batch = pad_datums([datums[r] for r in rows], device=self.config.device)
-            logp_BT, entropy_BT = target_logprobs(
-                self.model,
-                batch.input_ids_BT,
-                batch.pad_mask_BT,
-                batch.inputs["target_tokens"],
-                chunk_size=self.config.logprob_chunk_size,
-                with_entropy=True,
-                prefix_groups=micro.groups,
-            )
-            out = fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT, entropy_BT), loss_config)
-            if backward:
-                out.loss.backward()
-            loss_sum += float(out.loss.detach())
-            num_tokens += (
-                int((out.mask_BT != 0).sum()) if out.mask_BT is not None else batch.num_tokens
-            )
-            for key, flat in counted_values(out).items():
-                diagnostics.setdefault(key, []).append(flat)
-            for i, (row, length) in enumerate(zip(rows, batch.lengths, strict=True)):
-                logprobs[row] = logp_BT[i, :length].detach().float().cpu()
-                if entropy_BT is None:
-                    entropies = None
-                elif entropies is not None:
-                    entropies[row] = entropy_BT[i, :length].detach().float().cpu()
-        merged = {k: torch.cat(v) for k, v in diagnostics.items()}
-        return PassResult(logprobs, loss_sum, num_tokens, merged, entropies)
 
     def reference_logprobs(self, datums: Sequence[Datum]) -> list[torch.Tensor]:
         """Target logprobs under the reference policy: the base model (LoRA off) or a frozen copy."""
@@ -412,3 +376,49 @@ class Worker:
             raise RuntimeError(
                 "the last forward_backward(commit=False) was neither committed nor discarded"
             )
+
+
+def loss_pass(
+    model: nn.Module,
+    config: WorkerConfig,
+    datums: Sequence[Datum],
+    loss_fn: str,
+    loss_config: LossConfig,
+    plan: Sequence[MicroBatch],
+    *,
+    backward: bool,
+) -> PassResult:
+    """Logprobs and loss of `datums`, one micro-batch of `plan` at a time; with `backward`,
+    each micro-batch's loss gradient is added to the parameters' `.grad`."""
+    fn = get_loss(loss_fn)
+    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(datums)
+    entropies: list[torch.Tensor] | None = [torch.empty(0)] * len(datums)
+    diagnostics: dict[str, list[torch.Tensor]] = {}
+    loss_sum, num_tokens = 0.0, 0
+    for micro in plan:
+        rows = micro.rows
+        batch = pad_datums([datums[r] for r in rows], device=config.device)
+        logp_BT, entropy_BT = target_logprobs(
+            model,
+            batch.input_ids_BT,
+            batch.pad_mask_BT,
+            batch.inputs["target_tokens"],
+            chunk_size=config.logprob_chunk_size,
+            with_entropy=True,
+            prefix_groups=micro.groups,
+        )
+        out = fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT, entropy_BT), loss_config)
+        if backward:
+            out.loss.backward()
+        loss_sum += float(out.loss.detach())
+        num_tokens += int((out.mask_BT != 0).sum()) if out.mask_BT is not None else batch.num_tokens
+        for key, flat in counted_values(out).items():
+            diagnostics.setdefault(key, []).append(flat)
+        for i, (row, length) in enumerate(zip(rows, batch.lengths, strict=True)):
+            logprobs[row] = logp_BT[i, :length].detach().float().cpu()
+            if entropy_BT is None:
+                entropies = None
+            elif entropies is not None:
+                entropies[row] = entropy_BT[i, :length].detach().float().cpu()
+    merged = {k: torch.cat(v) for k, v in diagnostics.items()}
+    return PassResult(logprobs, loss_sum, num_tokens, merged, entropies)

@@ -24,12 +24,8 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import shutil
-import threading
 import time
 import traceback
-import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +36,7 @@ from posttrain.engine.checkpoint import is_complete_checkpoint
 from posttrain.engine.threads import ComputeThread
 from posttrain.server.config import ServerConfig
 from posttrain.server.lanes import Job, Lane, UserError, category_of
+from posttrain.server.sampler_cache import SamplerCache
 from posttrain.server.sources import UnknownModelError
 from posttrain.server.store import FutureRow, ModelRow, SamplerRow, Store
 
@@ -59,8 +56,7 @@ class Runtime:
         self.live_sessions: dict[str, str] = {}  # live model id -> its session id
         self._reaper: asyncio.Task[None] | None = None
         self._events: dict[str, asyncio.Event] = {}
-        self._samplers: OrderedDict[str, LocalTrainingClient] = OrderedDict()
-        self._sampler_lock = threading.Lock()
+        self.samplers = SamplerCache(config.sampler_cache_size, self._load_sampler)
         self.compute = ComputeThread("compute")  # the only thread where torch computes
         self.admin = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="admin")
         # Deletes get their own thread: they must not wait behind a client.close on admin.
@@ -269,45 +265,20 @@ class Runtime:
             self.unload_session(session_id)
 
     # samplers
-    def sampler_client(self, weights_dir: str | None, lora: dict[str, int | bool] | None):
+    def sampler_client(
+        self, weights_dir: str | None, lora: dict[str, int | bool] | None
+    ) -> LocalTrainingClient:
         """A cached sampling model: the base model (weights_dir None) or saved weights.
-
-        Called on the compute thread only (sampling jobs run there; `sampler` sends it there),
-        so the lock, held through a load, is never held by a thread waiting for compute."""
-        key = _cache_key(weights_dir)
-        with self._sampler_lock:
-            client = self._samplers.get(key)
-            if client is not None:
-                self._samplers.move_to_end(key)
-                return client
-            client = self._load_sampler(weights_dir, lora)
-            self._samplers[key] = client
-            while len(self._samplers) > self.config.sampler_cache_size:
-                # Dropped, not closed: a request that already holds it finishes on it, and the
-                # model is freed with the last reference.
-                self._samplers.popitem(last=False)
-            return client
+        Called on the compute thread only (`server.sampler_cache`)."""
+        return self.samplers.get(weights_dir, lora)
 
     def evict_weights(self, weights_dir: str) -> None:
-        """Forget the sampler loaded from `weights_dir` (its files changed or went away).
-
-        Loads hold the same lock, so a sampler being loaded from the old files is evicted
-        too, once loaded. A request that already holds it finishes on it.
-        """
-        with self._sampler_lock:
-            self._samplers.pop(_cache_key(weights_dir), None)
+        """Forget the sampler loaded from `weights_dir` (its files changed or went away)."""
+        self.samplers.evict(weights_dir)
 
     def drop_weights(self, weights_dir: str) -> None:
-        """Evict the sampler of `weights_dir`, then delete the directory (on a worker thread).
-
-        The directory is renamed away under the sampler lock, so no request loads it again
-        between the eviction and the deletion; the slow part, deleting, runs outside.
-        """
-        with self._sampler_lock:
-            self._samplers.pop(_cache_key(weights_dir), None)
-            hidden = hide_dir(Path(weights_dir))
-        if hidden is not None:
-            shutil.rmtree(hidden, ignore_errors=True)
+        """Evict the sampler of `weights_dir`, then delete the directory."""
+        self.samplers.drop(weights_dir)
 
     def _load_sampler(
         self, weights_dir: str | None, lora: dict[str, int | bool] | None
@@ -360,20 +331,6 @@ def not_loaded(model_id: str) -> str:
         f"model {model_id} is not loaded: its session finished or expired, or the server "
         "restarted; create a training client from one of its checkpoints"
     )
-
-
-def hide_dir(directory: Path) -> Path | None:
-    """Rename `directory` to a hidden sibling (None if there is none), for deletion: a crash
-    mid-delete leaves a hidden directory, not a half checkpoint."""
-    if not directory.is_dir():
-        return None
-    hidden = directory.with_name(f".{directory.name}.deleting-{uuid.uuid4().hex}")
-    directory.rename(hidden)
-    return hidden
-
-
-def _cache_key(weights_dir: str | None) -> str:
-    return "" if weights_dir is None else str(Path(weights_dir))
 
 
 def _context_length(model_path: str) -> int | None:

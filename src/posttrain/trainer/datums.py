@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain.data.trajectories import Trajectory
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.types import Datum, ModelInput
 
 
@@ -25,6 +25,22 @@ def require_sequence(items: object, name: str) -> None:
             f"{name} must be a sequence (a list or tuple), got a {type(items).__name__}: "
             "it is read more than once; pass list(...) of it"
         )
+
+
+def missing_logprobs(groups: Sequence[TrajectoryGroup], *, allowed: bool) -> str | None:
+    """The first trajectory with a trainable segment but no sampler logprobs, unless `allowed`
+    (allow_training_without_logprobs: ratio 1), as the error that names it; else None."""
+    if allowed:
+        return None
+    for gi, group in enumerate(groups):
+        for ti, trajectory in enumerate(group.trajectories):
+            if any(s.trainable and s.logprobs is None for s in trajectory.segments):
+                return (
+                    f"group {gi} trajectory {ti} has a "
+                    "trainable segment without sampler logprobs; sample with logprobs or set "
+                    "allow_training_without_logprobs=True (ratio 1)"
+                )
+    return None
 
 
 def trajectory_arrays(

@@ -2,8 +2,8 @@
 trainable token's advantage is teacher − student logprob (`algo.distill`), on the exact tokens
 the student sampled and with the student's logprobs as its sampler recorded them.
 
-Before any of it, the caller refuses a teacher whose vocabulary differs from the student's
-(`Teacher.check_vocabulary`). `score_groups` sends one `compute_logprobs` per trajectory (prompt and
+Before any of it, `teacher_logprobs` refuses a teacher whose vocabulary differs from the
+student's (`Teacher.check_vocabulary`). `score_groups` sends one `compute_logprobs` per trajectory (prompt and
 completion together), all at once. `distill_token_advantages` then gives the per-token
 advantages `prepare_batch` puts in the datums, and the step's reverse-KL estimate
 (`teacher_kl`). Every group trains: a group whose rewards are all equal still has a teacher to
@@ -20,12 +20,13 @@ import torch
 
 from posttrain.algo.advantages import AdvantageResult
 from posttrain.algo.distill import ReverseKLSums, distill_advantages, reverse_kl_sums
+from posttrain.clients.protocol import TrainingClient
 from posttrain.clients.teacher import Teacher
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.trainer.datums import trajectory_arrays
 from posttrain.trainer.token_advantages import TokenAdvantages
 
-__all__ = ["distill_token_advantages", "score_groups"]
+__all__ = ["distill_token_advantages", "score_groups", "teacher_logprobs"]
 
 
 def _tokens(trajectory: Trajectory) -> list[int]:
@@ -53,6 +54,20 @@ async def score_groups(
     ]
     flat = iter(await asyncio.gather(*calls))
     return [[next(flat) for _ in group.trajectories] for group in groups]
+
+
+async def teacher_logprobs(
+    teacher: Teacher | None,
+    student: TrainingClient,
+    groups: Sequence[TrajectoryGroup],
+    student_name: str,
+) -> list[list[torch.Tensor]] | None:
+    """With a teacher: refuse one whose vocabulary is not the student's (`VocabularyMismatch`,
+    naming both), then the teacher's logprobs of every trajectory. Before any update."""
+    if teacher is None:
+        return None
+    teacher.check_vocabulary(student.get_tokenizer(), student_name)
+    return await score_groups(teacher, groups)
 
 
 def distill_token_advantages(

@@ -32,6 +32,7 @@ from posttrain.data.preferences import PreferencePair, check_pairs
 from posttrain.trainer.config import DPOConfig
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
+from posttrain.trainer.steps import Opener, RunUpdates, run_now
 from posttrain.types import Datum, ModelInput
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
@@ -160,10 +161,19 @@ for _loss in get_args(PairLoss):  # named losses, for forward_backward_custom on
 
 
 async def train_dpo(
-    client: TrainingClient, pairs: Sequence[PreferencePair], config: DPOConfig
+    client: TrainingClient,
+    pairs: Sequence[PreferencePair],
+    config: DPOConfig,
+    *,
+    reference: Opener[ReferenceScorer | None] | None = None,
+    run: RunUpdates = run_now,
 ) -> StepMetrics:
-    """All of a `train_dpo` call: reference logprobs, then one update per batch of pairs."""
-    return await train_dpo_batches(client, pairs, dpo_batches(pairs, config), config)
+    """All of a `train_dpo` call: reference logprobs, then one update per batch of pairs.
+    Bad input fails in `dpo_batches`, before the base reference (`reference`, opened for
+    reference 'base'; None: the client's own) and before `run` runs the updates."""
+    batches = dpo_batches(pairs, config)
+    scorer = await reference() if reference is not None and config.reference == "base" else None
+    return await run(lambda: train_dpo_batches(client, pairs, batches, config, scorer))
 
 
 async def train_dpo_batches(

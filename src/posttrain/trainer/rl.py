@@ -16,14 +16,20 @@ from posttrain.algo.agreement import AgreementSums, sample_train_agreement
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.custom_loss import custom_loss, is_custom_loss
 from posttrain.clients.futures import APIFuture
-from posttrain.clients.protocol import CustomLossClient, ReferenceScorer, TrainingClient
+from posttrain.clients.protocol import (
+    CustomLossClient,
+    LogprobChunking,
+    ReferenceScorer,
+    TrainingClient,
+)
 from posttrain.data.trajectories import JSONScalar, TrajectoryGroup
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.critic import gae_batch, score_values, update_critic
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
-from posttrain.trainer.distill import distill_token_advantages, score_groups
+from posttrain.trainer.distill import distill_token_advantages, teacher_logprobs
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
+from posttrain.trainer.steps import Opener, RunState, RunUpdates, run_now
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.trainer.token_advantages import token_advantages, uses_token_path
 from posttrain.types import Datum, ForwardBackwardOutput
@@ -195,17 +201,42 @@ async def train_rl_step(
     groups: Sequence[TrajectoryGroup],
     config: RLConfig,
     *,
+    run_state: RunState | None = None,
     recorder: TensorRecorder | None = None,
+    critic: Opener[TrainingClient] | None = None,
+    reference: Opener[ReferenceScorer | None] | None = None,
+    student: str | None = None,
+    run: RunUpdates = run_now,
 ) -> StepMetrics:
     """One call of `backend.train`: as many optimizer steps as mini-batches (a distillation
-    step when the config has a teacher: it scores the groups first)."""
-    teacher = config.distill.teacher
-    teacher_logprobs = None
-    if teacher is not None:
-        teacher.check_vocabulary(client.get_tokenizer(), f"({type(client).__name__})")
-        teacher_logprobs = await score_groups(teacher, groups)
-    batch = prepare_batch(groups, config, teacher_logprobs=teacher_logprobs)
-    return await train_rl_batch(client, batch, config, recorder=recorder)
+    step when the config has a teacher: it scores the groups first).
+
+    Bad input fails before any update: the teacher's vocabulary (`student` names the student
+    in that error), then the batch. `run_state` is the model's: its controller state (SEPA) is
+    read, and the step's written into it once the updates are done. `critic` is opened for
+    advantage_estimator 'gae', `reference` for a KL penalty (None: the client's own).
+    """
+    name = student if student is not None else f"({type(client).__name__})"
+    scored = await teacher_logprobs(config.distill.teacher, client, groups, name)
+    # The tokenizer is fetched only to find planning tokens.
+    batch = prepare_batch(
+        groups, config, run_state=run_state, tokenizer=client.get_tokenizer, teacher_logprobs=scored
+    )
+    if isinstance(client, LogprobChunking):
+        client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
+    gae, kl = config.advantages.estimator == "gae", config.loss.kl_penalty_coef > 0
+    value_model = await critic() if critic is not None and gae else None
+    scorer = await reference() if reference is not None and kl else None
+
+    async def updates() -> StepMetrics:
+        metrics = await train_rl_batch(
+            client, batch, config, recorder=recorder, critic=value_model, reference=scorer
+        )
+        if run_state is not None:
+            run_state.update(batch.run_state)  # saved with this step's checkpoint
+        return metrics
+
+    return await run(updates)
 
 
 async def train_rl_batch(

@@ -14,6 +14,7 @@ from posttrain.trainer.config import SFTConfig
 from posttrain.trainer.datums import pad_masks, require_sequence, sft_datum, with_weights
 from posttrain.trainer.metrics import StepMetrics
 from posttrain.trainer.progress import Progress
+from posttrain.trainer.steps import RunUpdates, run_now
 
 # Called after each update with its index and {"loss": ..., "learning_rate": ...}.
 OnUpdate = Callable[[int, Mapping[str, float]], None]
@@ -78,11 +79,15 @@ async def train_sft(
     config: SFTConfig,
     *,
     on_update: OnUpdate | None = None,
+    run: RunUpdates = run_now,
 ) -> StepMetrics:
-    """Token-mean cross-entropy over each batch, with the configured learning-rate schedule."""
+    """Token-mean cross-entropy over each batch, with the configured learning-rate schedule.
+    Bad input fails in `sft_batches`, before `run` runs the updates."""
     batches = sft_batches(trajectories, config)
-    return await train_sft_batches(
-        client, batches, config, num_trajectories=len(trajectories), on_update=on_update
+    return await run(
+        lambda: train_sft_batches(
+            client, batches, config, num_trajectories=len(trajectories), on_update=on_update
+        )
     )
 
 
