@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from posttrain.backends.model import RunState
 from posttrain.backends.tinker_index import INDEX as TINKER_INDEX
 from posttrain.backends.tinker_index import parse
 from posttrain.engine.checkpoint import step_directories
@@ -17,6 +16,7 @@ from posttrain.jobs.config import JobConfig
 from posttrain.jobs.job_task import file_digest
 from posttrain.jobs.tables import parse_tiny_spec, redact_secrets
 from posttrain.trainer.config import option_values
+from posttrain.trainer.steps import RunState
 from posttrain.trainer.token_advantages import TRAINER_RUN_STATE_KEYS
 
 # Settings a resumed run may change: where the run is, how long it goes on, how it is evaluated,
