@@ -156,7 +156,7 @@ class _LogitsLogprob(torch.autograd.Function):
     """Chunked log-softmax gather over given logits; saves only logits (an input) and lse."""
 
     @staticmethod
-    def forward(  # pyright: ignore[reportIncompatibleMethodOverride]
+    def forward(
         ctx: _Ctx,
         logits_NV: torch.Tensor,
         targets_N: torch.Tensor,
@@ -200,7 +200,7 @@ class _HiddenLogprob(torch.autograd.Function):
     """Chunked lm_head (+ a LoRA term) + log-softmax gather; saves the inputs and lse."""
 
     @staticmethod
-    def forward(  # pyright: ignore[reportIncompatibleMethodOverride]
+    def forward(
         ctx: _Ctx,
         hidden_NH: torch.Tensor,
         weight_VH: torch.Tensor,

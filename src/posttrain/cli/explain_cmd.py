@@ -82,7 +82,7 @@ def _jsonable(value: object) -> object:
     if isinstance(value, tuple | list):
         return [_jsonable(v) for v in value]
     if isinstance(value, frozenset | set):
-        return sorted(map(str, value))  # pyright: ignore[reportUnknownArgumentType]
+        return sorted(map(str, value))
     if isinstance(value, Path):
         return str(value)
     return value
@@ -270,19 +270,19 @@ def _print_table(title: str, rows: dict[str, object], indent: str = "  ") -> Non
     print(title)
     for key, value in rows.items():
         if isinstance(value, dict) and value:
-            _print_table(f"{indent}{key}:", value, indent + "  ")  # type: ignore[arg-type]
+            _print_table(f"{indent}{key}:", value, indent + "  ")
         else:
             print(f"{indent}{key} = {value!r}")
 
 
 def _print(path: Path, report: dict[str, object]) -> None:
-    _print_table(f"config ({path}):", report["config"])  # type: ignore[arg-type]
-    _print_table("base model:", report["base_model"])  # type: ignore[arg-type]
+    _print_table(f"config ({path}):", report["config"])  # pyright: ignore[reportArgumentType]
+    _print_table("base model:", report["base_model"])  # pyright: ignore[reportArgumentType]
     for what in ("task", "environment"):
         if what in report:
-            _print_table(f"{what}:", report[what])  # type: ignore[arg-type]
-    _print_table("backend:", report["backend"])  # type: ignore[arg-type]
-    _print_table("sampling engine:", report["engine"])  # type: ignore[arg-type]
+            _print_table(f"{what}:", report[what])  # pyright: ignore[reportArgumentType]
+    _print_table("backend:", report["backend"])  # pyright: ignore[reportArgumentType]
+    _print_table("sampling engine:", report["engine"])  # pyright: ignore[reportArgumentType]
     preflight = report["preflight"]
     assert isinstance(preflight, dict)
     print("preflight: ok" if preflight["ok"] else "preflight: problems")
@@ -291,8 +291,8 @@ def _print(path: Path, report: dict[str, object]) -> None:
         print(f"  - {where}: {p['message']}")
     print("plan:")
     notes = report["plan_notes"]
-    for key, value in report["plan"].items():  # type: ignore[attr-defined]
-        print(f"  {key} = {value!r}  # {notes[key]}")  # type: ignore[index]
+    for key, value in report["plan"].items():  # pyright: ignore[reportAttributeAccessIssue]
+        print(f"  {key} = {value!r}  # {notes[key]}")  # pyright: ignore[reportIndexIssue]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,4 +306,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print(args.config, report)
-    return 0 if report["preflight"]["ok"] else 1  # type: ignore[index]
+    return 0 if report["preflight"]["ok"] else 1  # pyright: ignore[reportIndexIssue]

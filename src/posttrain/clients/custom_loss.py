@@ -96,7 +96,7 @@ def custom_loss(name: str, *, search: Path | None = None) -> CustomLossFn:
                 f"no custom loss named {name!r}; registered: {known or 'none'} (register one "
                 f"with register_loss or the {ENTRY_POINT_GROUP!r} entry point group)"
             )
-        loaded = found.load()  # type: ignore[attr-defined]
+        loaded = found.load()  # pyright: ignore[reportAttributeAccessIssue]
         if not callable(loaded):
             raise TypeError(f"entry point {ENTRY_POINT_GROUP}:{name} is not callable")
         _registered[name] = cast(CustomLossFn, loaded)  # its result is checked at each call
@@ -145,10 +145,10 @@ def custom_gradients(
     finite, or a loss that is not 0-d (ValueError naming what was wrong)."""
     leaves = [lp.detach().to(torch.float32).clone().requires_grad_(True) for lp in logprobs]
     result = loss_fn(list(data), leaves)
-    if not isinstance(result, tuple) or len(result) != 2:  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not isinstance(result, tuple) or len(result) != 2:
         raise ValueError("a custom loss must return (loss, metrics), a 0-d tensor and a dict")
     loss, metrics = result
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(
             f"a custom loss must return a scalar (0-d) tensor, got {shape}: reduce it with "

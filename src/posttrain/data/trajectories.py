@@ -115,7 +115,7 @@ def finite_reward(value: object) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         number = float(value)
     elif not isinstance(value, bool | str | bytes) and hasattr(value, "__float__"):
-        number = float(value)  # type: ignore[arg-type]  # numpy and torch scalars  # pyright: ignore[reportArgumentType]
+        number = float(value)  # pyright: ignore[reportArgumentType]  # numpy and torch scalars
     if number is None:
         raise ValueError(
             f"Trajectory.reward must be a finite number, got {type(value).__name__} {value!r}"
@@ -322,7 +322,7 @@ class TrajectoryGroup:
             if isinstance(item, Trajectory):
                 done.append(item)
             elif inspect.isawaitable(item):
-                pending.append(item)  # pyright: ignore[reportUnknownArgumentType]
+                pending.append(item)
             else:
                 raise ValueError(
                     f"TrajectoryGroup.trajectories[{index}] is a {type(item).__name__}, not a "

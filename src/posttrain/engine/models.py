@@ -220,7 +220,7 @@ def _get_peft_model(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
         # PEFT reads transformers' renamed `is_gradient_checkpointing`; nothing a caller can
         # change, and transformers repeats it for every adapter built.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-        return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[return-value]
+        return get_peft_model(model, config, autocast_adapter_dtype=True)
 
 
 class _TransposedFactor(nn.Module):

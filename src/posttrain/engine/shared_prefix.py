@@ -151,7 +151,7 @@ def _plain_kv_cache(config: object) -> bool:
     Asked of transformers itself each time (~60 us): a cache keyed by the config's id could
     answer for another model once the config is freed and its address reused.
     """
-    layers = DynamicCache(config=config).layers  # type: ignore[arg-type]
+    layers = DynamicCache(config=config).layers  # pyright: ignore[reportArgumentType]
     return all(type(layer) is DynamicLayer for layer in layers)
 
 
@@ -225,8 +225,8 @@ def _shared_pass(
     owner = torch.tensor([gi for gi, _ in members], device=device)
     counts = [len(g.rows) for g in shared]
     for layer in cache.layers:
-        layer.keys = repeat_rows(layer.keys, counts)  # type: ignore[attr-defined]
-        layer.values = repeat_rows(layer.values, counts)  # type: ignore[attr-defined]
+        layer.keys = repeat_rows(layer.keys, counts)
+        layer.values = repeat_rows(layer.values, counts)
     starts = [shared[gi].length for gi, _ in members]
     own = [lengths[r] - s for (_, r), s in zip(members, starts, strict=True)]
     width = max(own)

@@ -86,7 +86,7 @@ def evaluate_expression(expression: str) -> float:
 
 def _value(node: ast.expr) -> float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return _bounded(node.value)  # type: ignore[arg-type]  # an int or float, checked
+        return _bounded(node.value)  # pyright: ignore[reportArgumentType]  # an int or float, checked
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         value = _value(node.operand)
         return -value if isinstance(node.op, ast.USub) else value

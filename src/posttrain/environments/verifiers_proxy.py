@@ -170,7 +170,7 @@ def _stream_events(data: Mapping[str, object], *, chat: bool) -> bytes:
     if chat:
         chunk["object"] = "chat.completion.chunk"
         choices: list[dict[str, object]] = []
-        for choice in data.get("choices") or []:  # type: ignore[union-attr]
+        for choice in data.get("choices") or []:  # pyright: ignore[reportGeneralTypeIssues]
             delta = dict(choice.get("message") or {})
             calls = delta.get("tool_calls")
             if calls:  # a streamed tool call carries its position

@@ -87,7 +87,7 @@ class InferenceConfig:
     ) -> InferenceConfig:
         """From a TOML table or keyword dict; an unknown key names the nearest valid one."""
         reject_unknown_keys(values, [f.name for f in fields(cls)], source)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)  # pyright: ignore[reportArgumentType]
 
     @property
     def split(self) -> bool:

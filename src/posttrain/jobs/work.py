@@ -211,9 +211,9 @@ class EnvironmentWork:
             reset = await _resolved(env.reset(seed, "train"))
             if not isinstance(reset, Reset):
                 raise ValueError(f"reset() returned a {type(reset).__name__}, not a Reset")
-            messages = await _resolved(env.demonstration())  # type: ignore[attr-defined]
+            messages = await _resolved(env.demonstration())  # pyright: ignore[reportAttributeAccessIssue]
             return conversation_to_trajectory(
-                [dict(m) for m in messages],  # type: ignore[union-attr]
+                [dict(m) for m in messages],  # pyright: ignore[reportGeneralTypeIssues]
                 tokenizer,
                 closing,
                 tools=reset.tools,

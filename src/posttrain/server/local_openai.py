@@ -186,7 +186,7 @@ class BearerKey:
 
     async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
         if scope["type"] == "http":
-            headers = dict(scope["headers"])  # type: ignore[arg-type]
+            headers = dict(scope["headers"])  # pyright: ignore[reportCallIssue, reportArgumentType]
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await _unauthorized(send)
@@ -200,8 +200,8 @@ async def _unauthorized(send: object) -> None:
     error = OpenAIError(401, "missing or wrong API key", code="invalid_api_key")
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 401, "headers": headers})  # type: ignore[operator]
-    await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})  # pyright: ignore[reportCallIssue]
+    await send({"type": "http.response.body", "body": body})  # pyright: ignore[reportCallIssue]
 
 
 def _check_installed() -> None:

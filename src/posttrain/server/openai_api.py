@@ -233,10 +233,10 @@ def _completion_prompt(
                 "batched prompts are not supported: send one prompt per request",
                 param="prompt",
             )
-        prompt = prompt[0]  # type: ignore[assignment]
+        prompt = prompt[0]
     if isinstance(prompt, str):
         return [int(t) for t in tokenizer.encode(prompt)]
-    return [int(t) for t in prompt]  # type: ignore[arg-type]
+    return [int(t) for t in prompt]  # pyright: ignore[reportArgumentType]
 
 
 async def _chat(source: SamplerSource, batchers: Batchers, request: Request) -> Json:

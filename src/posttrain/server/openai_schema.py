@@ -126,7 +126,7 @@ def _call_for_template(call: object) -> object:
         parsed = json.loads(arguments)
     except json.JSONDecodeError:
         return call  # not JSON: the template gets the string as it is
-    return {**call, "function": {**function, "arguments": parsed}}  # type: ignore[dict-item]
+    return {**call, "function": {**function, "arguments": parsed}}  # pyright: ignore[reportGeneralTypeIssues]
 
 
 class FunctionSpec(BaseModel):

@@ -114,7 +114,7 @@ def _build(obj: object, spec: str, options: dict[str, object], options_name: str
                 f"task {spec!r} is a Task object, not a factory: it takes no {options_name} "
                 f"(got {', '.join(options)}); name a factory to pass them to"
             )
-        return obj  # type: ignore[return-value]
+        return obj  # pyright: ignore[reportReturnType]
     if not callable(obj):
         raise TaskError(
             f"task {spec!r} is a {type(obj).__name__}, neither a factory nor a Task (it lacks "
@@ -135,7 +135,7 @@ def _build(obj: object, spec: str, options: dict[str, object], options_name: str
             f"lacks {', '.join(missing)} (a Task has {', '.join(TASK_METHODS)}; see "
             "posttrain.tasks.Task)"
         )
-    return task  # type: ignore[return-value]  # missing_methods checked it
+    return task  # pyright: ignore[reportReturnType]  # missing_methods checked it
 
 
 def check_options(
@@ -150,7 +150,7 @@ def check_options(
     """A TaskError unless `options` are keyword arguments `factory` takes, all it needs;
     `what` is how errors name the spec ("task", "environment")."""
     try:
-        params = inspect.signature(factory).parameters  # type: ignore[arg-type]
+        params = inspect.signature(factory).parameters  # pyright: ignore[reportArgumentType]
     except (TypeError, ValueError):  # not introspectable (a builtin): the call will tell
         return
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):

@@ -65,7 +65,7 @@ class ShardedWorker:
         self.worker = worker
         self.rank = dist.get_rank()
         self.device = torch.device(worker.config.device)
-        decoder = causal_lm(worker.model).get_decoder()  # type: ignore[operator]
+        decoder = causal_lm(worker.model).get_decoder()  # pyright: ignore[reportCallIssue]
         layers = getattr(decoder, "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
             raise ValueError(
@@ -173,7 +173,7 @@ def tied_embedding_parameters(model: nn.Module) -> set[nn.Parameter]:
     lm = causal_lm(model)
     if not ties_embeddings(lm):
         return set()
-    return set(lm.get_input_embeddings().parameters())  # type: ignore[operator]
+    return set(lm.get_input_embeddings().parameters())  # pyright: ignore[reportCallIssue]
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -220,7 +220,7 @@ class ShardedCheckpoints:
                     state[key] = described  # a plain value, sent with the layout
                     continue
                 shape, dtype = cast(tuple[tuple[int, ...], torch.dtype], described)
-                value = cast(torch.Tensor, saved["state"][name][key]) if saved else None  # type: ignore[index]
+                value = cast(torch.Tensor, saved["state"][name][key]) if saved else None  # pyright: ignore[reportIndexIssue]
                 like = param if shape == _full_shape(param) else torch.empty(shape, dtype=dtype)
                 state[key] = self._broadcast(value, like.detach()).to(dtype)
             optimizer.state[param] = state
