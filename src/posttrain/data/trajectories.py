@@ -35,6 +35,8 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeAlias, TypeVar, cast, overload
 
+from posttrain.data.checks import is_instance
+
 if TYPE_CHECKING:  # the openai SDK is optional: its types name what the messages are
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
@@ -216,7 +218,7 @@ class Trajectory:
         if not segments:
             raise ValueError("Trajectory.segments is empty: a trajectory needs tokens")
         for index, segment in enumerate(segments):
-            if not isinstance(segment, TokenSegment):  # pyright: ignore[reportUnnecessaryIsInstance]
+            if not is_instance(segment, TokenSegment):
                 raise ValueError(
                     f"Trajectory.segments[{index}] is a {type(segment).__name__}, not a "
                     "TokenSegment"
