@@ -20,9 +20,9 @@ from posttrain.logging_sinks import SINK_NAMES, SINK_PACKAGES, is_installed
 
 def test_unknown_sink_names_the_setting_and_the_choices():
     with pytest.raises(ValueError, match=r"report_metrics: unknown sink 'tensorbord'.*tensorboard"):
-        TrainableModel(name="m", project="p", base_model="x", report_metrics=["tensorbord"])  # type: ignore[list-item]
+        TrainableModel(name="m", project="p", base_model="x", report_metrics=["tensorbord"])
     with pytest.raises(ValueError, match=r"a list of sink names, e\.g\. \['wandb'\]"):
-        TrainableModel(name="m", project="p", base_model="x", report_metrics="wandb")  # type: ignore[arg-type]
+        TrainableModel(name="m", project="p", base_model="x", report_metrics="wandb")
 
 
 @pytest.mark.parametrize("sink", SINK_NAMES)
@@ -98,7 +98,7 @@ async def test_a_sink_that_fails_to_open_leaves_the_model_as_it_was(
     def unreachable(name: str) -> None:
         raise ConnectionError(f"mlflow tracking server unreachable (experiment {name!r})")
 
-    mlflow.set_experiment = unreachable  # type: ignore[attr-defined]
+    mlflow.set_experiment = unreachable
     monkeypatch.setitem(sys.modules, "mlflow", mlflow)
     writers = _tensorboard_writers()
     backend = LocalBackend(tmp_path)

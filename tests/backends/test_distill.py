@@ -101,7 +101,7 @@ async def test_a_teacher_with_another_vocabulary_is_refused_before_any_step(
     backend = LocalBackend(tmp_path)
     model = tiny("student", tiny_model_dir)
     await model.register(backend)
-    teacher = Teacher(OtherVocabulary(), name="qwen-teacher")  # type: ignore[arg-type]
+    teacher = Teacher(OtherVocabulary(), name="qwen-teacher")
     with pytest.raises(PreflightError) as caught:
         await backend.train(model, synthetic_groups(0), teacher=teacher)
     message = str(caught.value)

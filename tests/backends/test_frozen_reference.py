@@ -22,12 +22,12 @@ def full_model(tiny_model_dir) -> TrainableModel:
 
 
 def policy_worker(backend: LocalBackend, model: TrainableModel):
-    return backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    return backend.client(model).dispatch.executor.workers[0]
 
 
 async def two_kl_steps(backend: LocalBackend, model: TrainableModel) -> list[dict[str, float]]:
     return [
-        (await backend.train(model, synthetic_groups(s), **KL)).metrics  # type: ignore[arg-type]
+        (await backend.train(model, synthetic_groups(s), **KL)).metrics
         for s in range(2)
     ]
 
@@ -66,8 +66,8 @@ async def test_dpo_base_reference_of_a_full_model_is_the_frozen_client(tiny_mode
     model = full_model(tiny_model_dir)
     await model.register(backend)
     pairs = [PreferencePair((5, 6, 7), (8, 9), (10, 11)), PreferencePair((5, 6), (12,), (13,))]
-    first = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)  # type: ignore[attr-defined]
-    second = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)  # type: ignore[attr-defined]
+    first = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)
+    second = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)
     # Before any update the policy is the reference: implicit rewards 0. After a step they are
     # not, so the reference stayed the base model rather than following the policy.
     assert first.metrics["rewards/margin"] == 0.0

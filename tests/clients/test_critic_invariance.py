@@ -54,7 +54,7 @@ def set_head(client: LocalTrainingClient, seed: int) -> None:
 
 
 def zero(client: LocalTrainingClient) -> None:
-    for worker in client.dispatch.executor.workers:  # type: ignore[attr-defined]
+    for worker in client.dispatch.executor.workers:
         worker.zero_grad()
 
 
@@ -66,7 +66,7 @@ def test_critic_gradient_is_invariant_to_the_cut(tiny_model_dir, tmp_path, lora_
             lora_rank=lora_rank,
             head="value",
             storage_dir=tmp_path / name,
-            **kwargs,  # type: ignore[arg-type]
+            **kwargs,
         )
         set_head(made, seed=1)
         return made

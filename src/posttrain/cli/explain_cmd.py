@@ -275,24 +275,32 @@ def _print_table(title: str, rows: dict[str, object], indent: str = "  ") -> Non
             print(f"{indent}{key} = {value!r}")
 
 
+def _section(report: dict[str, object], key: str) -> dict[str, object]:
+    """One table of the report `explain` built (each of its values is a dict)."""
+    section = report[key]
+    assert isinstance(section, dict)
+    return section
+
+
 def _print(path: Path, report: dict[str, object]) -> None:
-    _print_table(f"config ({path}):", report["config"])  # pyright: ignore[reportArgumentType]
-    _print_table("base model:", report["base_model"])  # pyright: ignore[reportArgumentType]
+    _print_table(f"config ({path}):", _section(report, "config"))
+    _print_table("base model:", _section(report, "base_model"))
     for what in ("task", "environment"):
         if what in report:
-            _print_table(f"{what}:", report[what])  # pyright: ignore[reportArgumentType]
-    _print_table("backend:", report["backend"])  # pyright: ignore[reportArgumentType]
-    _print_table("sampling engine:", report["engine"])  # pyright: ignore[reportArgumentType]
-    preflight = report["preflight"]
-    assert isinstance(preflight, dict)
+            _print_table(f"{what}:", _section(report, what))
+    _print_table("backend:", _section(report, "backend"))
+    _print_table("sampling engine:", _section(report, "engine"))
+    preflight = _section(report, "preflight")
     print("preflight: ok" if preflight["ok"] else "preflight: problems")
-    for p in preflight["problems"]:
+    problems = preflight["problems"]
+    assert isinstance(problems, list)
+    for p in problems:
         where = p["option"] if p["call"] in PLAIN_CALLS else f"{p['call']}() {p['option']}"
         print(f"  - {where}: {p['message']}")
     print("plan:")
-    notes = report["plan_notes"]
-    for key, value in report["plan"].items():  # pyright: ignore[reportAttributeAccessIssue]
-        print(f"  {key} = {value!r}  # {notes[key]}")  # pyright: ignore[reportIndexIssue]
+    notes = _section(report, "plan_notes")
+    for key, value in _section(report, "plan").items():
+        print(f"  {key} = {value!r}  # {notes[key]}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,4 +314,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print(args.config, report)
-    return 0 if report["preflight"]["ok"] else 1  # pyright: ignore[reportIndexIssue]
+    return 0 if _section(report, "preflight")["ok"] else 1
