@@ -51,7 +51,7 @@ async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
         critic = backend.critic_client(model)
         assert critic is not None
         gathered = critic.executor.full_tensors("weights")[0]
-        assert rel_error(weights(local.critic_client(expected)), gathered) < AMPLIFIED_TOL
+        assert rel_error(weights(local.critic_client(expected)), gathered) < AMPLIFIED_TOL  # pyright: ignore[reportArgumentType]
         await backend.close()
     await local.close()
 

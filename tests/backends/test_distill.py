@@ -49,7 +49,7 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = make_tiny_model(tmp_path_factory.mktemp("sharp-teacher"), seed=0)
     model = load_hf_model(path)
     with torch.no_grad():
-        model.lm_head.weight.mul_(SHARPEN)  # pyright: ignore[reportAttributeAccessIssue]
+        model.lm_head.weight.mul_(SHARPEN)
     model.save_pretrained(path)
     return path
 

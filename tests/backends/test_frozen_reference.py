@@ -22,11 +22,11 @@ def full_model(tiny_model_dir) -> TrainableModel:
 
 
 def policy_worker(backend: LocalBackend, model: TrainableModel):
-    return backend.client(model).dispatch.executor.workers[0]
+    return backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
 
 
 async def two_kl_steps(backend: LocalBackend, model: TrainableModel) -> list[dict[str, float]]:
-    return [
+    return [  # pyright: ignore[reportReturnType]
         (await backend.train(model, synthetic_groups(s), **KL)).metrics
         for s in range(2)
     ]
@@ -38,13 +38,13 @@ async def test_full_fine_tuning_scores_kl_with_a_frozen_reference_client(tiny_mo
     await model.register(backend)
     got = await two_kl_steps(backend, model)
     assert got[1]["kl"] > 0  # the policy moved away from the reference
-    references = backend._models._references  # pyright: ignore[reportPrivateUsage]
+    references = backend._models._references
     assert list(references) == [id(model)]
     assert policy_worker(backend, model)._reference is None  # no copy inside the policy's worker
 
     # The same run scoring with the in-worker copy (the path before reference clients).
     old = LocalBackend(tmp_path / "copy")
-    old._models.references = None  # pyright: ignore[reportPrivateUsage]
+    old._models.references = None
     other = full_model(tiny_model_dir)
     await other.register(old)
     expected = await two_kl_steps(old, other)

@@ -209,8 +209,8 @@ def test_exact_resume_through_the_client(tiny_model_dir, tmp_path):
     )
     second.load_state(path, with_optimizer=True).result()
     train(second, 2, seed=2)
-    a = straight.dispatch.executor.workers[0].trainable_parameters()
-    b = second.dispatch.executor.workers[0].trainable_parameters()
+    a = straight.dispatch.executor.workers[0].trainable_parameters()  # pyright: ignore[reportAttributeAccessIssue]
+    b = second.dispatch.executor.workers[0].trainable_parameters()  # pyright: ignore[reportAttributeAccessIssue]
     for name in a:
         assert torch.equal(a[name], b[name]), name
     for c in (straight, first, second):
@@ -237,7 +237,7 @@ def policy_datums(
         inputs.update({key: [value] * length for key, value in (common or {}).items()})
         if i == count - 1:
             inputs.update(late)
-        out.append(Datum(ModelInput.from_ints(ids[:-1].tolist()), inputs))
+        out.append(Datum(ModelInput.from_ints(ids[:-1].tolist()), inputs))  # pyright: ignore[reportArgumentType]
     return out
 
 
@@ -283,7 +283,7 @@ def test_bad_input_raises_and_leaves_no_gradient_behind(tiny_model_dir, tmp_path
     clean = create_training_client(
         tiny_model_dir, storage_dir=tmp_path / "b", micro_batch_tokens=budget
     )
-    worker = exposed.dispatch.executor.workers[0]
+    worker = exposed.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     for datums, loss, config, message in LATE_FAILURES:
         with pytest.raises(ValueError, match=message):
             exposed.forward_backward(datums, loss, config).result()
@@ -375,7 +375,7 @@ def test_bad_input_raises_and_the_client_keeps_working(tiny_model_dir, tmp_path)
         # case that used to leave their gradients behind.
         (policy_datums(logprobs=[-5.5, NAN, -5.5, -5.5, -5.5, -5.5]), "ppo", "NaN"),
     ]
-    worker = client.dispatch.executor.workers[0]
+    worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     for datums, loss, message in bad_cases:
         with pytest.raises(ValueError, match=message):
             client.forward_backward(datums, loss).result()

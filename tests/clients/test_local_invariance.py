@@ -153,18 +153,18 @@ def assert_cut_invariant(
     """
     out = whole.forward_backward(datums, loss_fn, cfg).result()
     reference = grads_of(whole)
-    whole.dispatch.executor.workers[0].zero_grad()
+    whole.dispatch.executor.workers[0].zero_grad()  # pyright: ignore[reportAttributeAccessIssue]
     assert sum(float(g.norm()) for g in reference.values()) > 0
     out_micro = micro.forward_backward(datums, loss_fn, cfg).result()
     assert rel_error(reference, grads_of(micro)) < REL_TOL
-    micro.dispatch.executor.workers[0].zero_grad()
+    micro.dispatch.executor.workers[0].zero_grad()  # pyright: ignore[reportAttributeAccessIssue]
     loss = pytest.approx(out.metrics["loss:sum"], rel=REL_TOL, abs=LOSS_ATOL)
     assert out_micro.metrics["loss:sum"] == loss
     parts = [datums[:2], datums[2:3], datums[3:]]
     losses = [whole.forward_backward(p, loss_fn, cfg).result().metrics["loss:sum"] for p in parts]
     assert rel_error(reference, grads_of(whole)) < REL_TOL
     assert sum(losses) == loss
-    whole.dispatch.executor.workers[0].zero_grad()
+    whole.dispatch.executor.workers[0].zero_grad()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 @pytest.mark.parametrize("loss_fn", sorted(LOSSES))

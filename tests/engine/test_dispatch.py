@@ -95,7 +95,7 @@ def test_a_move_that_fails_on_one_worker_is_redone(tiny_model_dir, tmp_path, mon
     (worker 0 would refuse the next forward_backward forever) nor forget them (offload() must
     park worker 1's). The run then ends where one without the fault does."""
     faulty, clean = (two_workers(tiny_model_dir, tmp_path / name) for name in ("faulty", "clean"))
-    second = faulty.dispatch.executor.workers[1]
+    second = faulty.dispatch.executor.workers[1]  # pyright: ignore[reportAttributeAccessIssue]
     real = second.parking.offload
 
     def fails_on_grads(group):
@@ -111,12 +111,12 @@ def test_a_move_that_fails_on_one_worker_is_redone(tiny_model_dir, tmp_path, mon
     monkeypatch.setattr(second.parking, "offload", real)
     assert "grads" not in faulty.dispatch.resident
     faulty.offload().result()  # parks worker 1's gradients; worker 0's stay parked as they were
-    for worker in faulty.dispatch.executor.workers:
+    for worker in faulty.dispatch.executor.workers:  # pyright: ignore[reportAttributeAccessIssue]
         assert worker.parking.offloaded == {"weights", "grads", "optimizer"}
     for client in (faulty, clean):
         client.forward_backward(datums(1), "cross_entropy").result()
         client.optim_step(AdamParams(learning_rate=1e-2)).result()
-    pairs = zip(faulty.dispatch.executor.workers, clean.dispatch.executor.workers, strict=True)
+    pairs = zip(faulty.dispatch.executor.workers, clean.dispatch.executor.workers, strict=True)  # pyright: ignore[reportAttributeAccessIssue]
     for a, b in pairs:
         wa, wb = a.trainable_parameters(), b.trainable_parameters()
         assert all(torch.equal(wa[n], wb[n]) for n in wb)

@@ -129,7 +129,7 @@ def test_a_tied_embedding_stays_tied_and_replicated(tied_model_dir, tmp_path, lo
         for _ in range(2):
             got = made.forward_backward(PassShard(data, "cross_entropy", config))
             want = plain.forward_backward(data, "cross_entropy", config)
-            for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            for a, b in zip(got.logprobs, want.logprobs, strict=True):  # pyright: ignore[reportAttributeAccessIssue, reportOptionalMemberAccess]
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
             made.optim_step(AdamParams(learning_rate=1e-2))
             plain.optim_step(AdamParams(learning_rate=1e-2))

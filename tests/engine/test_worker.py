@@ -138,7 +138,7 @@ def test_a_failed_forward_backward_leaves_gradients_untouched(
     after = worker.grads()
     assert {n: id(g) for n, g in after.items()} == before_ids  # the very same tensors
     for name, grad in before.items():
-        assert torch.equal(after[name], grad), name
+        assert torch.equal(after[name], grad), name  # pyright: ignore[reportArgumentType]
 
 
 def test_offloaded_state_is_refused_until_reloaded(worker: Worker) -> None:
@@ -154,7 +154,7 @@ def test_offloaded_state_is_refused_until_reloaded(worker: Worker) -> None:
     with pytest.raises(RuntimeError, match="weights"):
         worker.forward(datums(1), "cross_entropy", CE)
     worker.move([], ["weights", "grads", "optimizer"])
-    assert all(torch.equal(g, worker.grads()[n]) for n, g in grads.items())
+    assert all(torch.equal(g, worker.grads()[n]) for n, g in grads.items())  # pyright: ignore[reportArgumentType]
     assert worker.optim_step(AdamParams())["skipped:sum"] == 0.0
 
 
@@ -236,7 +236,7 @@ def test_the_up_front_check_holds_one_micro_batch_at_a_time(
     with pytest.raises(ValueError, match=r"'logprobs'.*NaN"):
         worker.forward_backward(policy_datums(True), "importance_sampling", CE)
     after = worker.grads()
-    assert all(torch.equal(g, after[n]) for n, g in grads.items())
+    assert all(torch.equal(g, after[n]) for n, g in grads.items())  # pyright: ignore[reportArgumentType]
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
