@@ -22,7 +22,7 @@ import random
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.rewards import BUILTIN_REWARDS, RewardFn, make_reward, number_value
@@ -92,7 +92,7 @@ def json_object(line: str) -> dict[str, Any]:
         raise ValueError(f"invalid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise ValueError(f"each line must be a JSON object, got {type(record).__name__}")
-    return cast(dict[str, Any], record)
+    return record
 
 
 def _problem(

@@ -76,10 +76,7 @@ class ShardedWorker:
         self.units: list[FSDPModule] = []
         kept = tied_embedding_parameters(worker.model)
         for module in [*layers, decoder]:
-            unit = cast(
-                FSDPModule,
-                fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=kept),
-            )
+            unit = fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=kept)
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
             self.units.append(unit)
