@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.engine.dispatch import merge_results
 from posttrain.engine.executor import PassShard, TensorKind
-from posttrain.engine.logprob_pass import causal_lm
+from posttrain.engine.logprob_pass import causal_lm, lm_part
 from posttrain.engine.models import ties_embeddings
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.ray.fsdp_checkpoint import ShardedCheckpoints
@@ -65,7 +65,7 @@ class ShardedWorker:
         self.worker = worker
         self.rank = dist.get_rank()
         self.device = torch.device(worker.config.device)
-        decoder = causal_lm(worker.model).get_decoder()  # pyright: ignore[reportCallIssue]
+        decoder = lm_part(causal_lm(worker.model), "get_decoder")
         layers = getattr(decoder, "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
             raise ValueError(
@@ -170,7 +170,7 @@ def tied_embedding_parameters(model: nn.Module) -> set[nn.Parameter]:
     lm = causal_lm(model)
     if not ties_embeddings(lm):
         return set()
-    return set(lm.get_input_embeddings().parameters())  # pyright: ignore[reportCallIssue]
+    return set(lm_part(lm, "get_input_embeddings").parameters())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
