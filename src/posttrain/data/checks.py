@@ -9,8 +9,11 @@ states that the check is at a boundary. The callers keep their own error message
 from __future__ import annotations
 
 from types import UnionType
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def is_integer(value: object) -> bool:
@@ -32,3 +35,11 @@ def is_instance(value: object, kind: type | UnionType) -> bool:
     """isinstance for a value whose annotation already says `kind`, checked because callers
     outside the type system (untyped code, JSON) reach it too."""
     return isinstance(value, kind)
+
+
+def expect(value: object, kind: type[T], what: str) -> T:
+    """`value`, checked to be a `kind` (a container's items are not checked): for what a file
+    or another process hands back; TypeError naming `what` otherwise."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
