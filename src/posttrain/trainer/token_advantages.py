@@ -149,7 +149,7 @@ def _uncertainties(
     """u [T] of each completion by the configured kind, errors naming the trajectory."""
     kind = config.tokens.uncertainty_kind
     fn = resolve_kind(kind)
-    reads_logprobs = KIND_NEEDS.get(kind) == "logprobs"  # pyright: ignore[reportArgumentType]
+    reads_logprobs = kind in KIND_NEEDS and KIND_NEEDS[kind] == "logprobs"
     reads_entropies = kind_needs_entropies(kind)
     out: list[list[torch.Tensor]] = []
     for g, row in enumerate(all_targets):
