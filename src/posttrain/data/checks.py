@@ -8,8 +8,9 @@ states that the check is at a boundary. The callers keep their own error message
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from types import UnionType
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,16 @@ def is_number(value: object) -> bool:
 def is_name(value: object) -> bool:
     """A non-empty string."""
     return isinstance(value, str) and value != ""
+
+
+def is_sequence(value: object) -> TypeGuard[Sequence[object]]:
+    """A list, tuple or other sequence, but not a str or bytes (sequences of characters)."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def is_mapping(value: object) -> TypeGuard[Mapping[object, object]]:
+    """A dict or other mapping, its keys and values not yet known."""
+    return isinstance(value, Mapping)
 
 
 def is_instance(value: object, kind: type | UnionType) -> bool:
