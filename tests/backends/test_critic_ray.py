@@ -31,8 +31,7 @@ async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
     expected = new_model(tiny_model_dir)
     await expected.register(local)
     expected_results = [
-        await local.train(expected, synthetic_groups(s, groups=2, size=3), **GAE)
-        for s in range(2)
+        await local.train(expected, synthetic_groups(s, groups=2, size=3), **GAE) for s in range(2)
     ]
     # Two groups of two actors (policy and critic) share the 2 CPUs: half a CPU each.
     with ray_session(num_cpus=2):
@@ -64,10 +63,7 @@ async def test_fsdp2_frozen_reference_matches_local(tiny_model_dir, tmp_path):
     local = LocalBackend(tmp_path / "local")
     expected = TrainableModel(name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None)
     await expected.register(local)
-    expected_results = [
-        await local.train(expected, synthetic_groups(s), **kl)
-        for s in range(2)
-    ]
+    expected_results = [await local.train(expected, synthetic_groups(s), **kl) for s in range(2)]
     with ray_session(num_cpus=2):
         backend = RayBackend(
             tmp_path / "ray",

@@ -27,8 +27,7 @@ def policy_worker(backend: LocalBackend, model: TrainableModel):
 
 async def two_kl_steps(backend: LocalBackend, model: TrainableModel) -> list[dict[str, float]]:
     return [  # pyright: ignore[reportReturnType]
-        (await backend.train(model, synthetic_groups(s), **KL)).metrics
-        for s in range(2)
+        (await backend.train(model, synthetic_groups(s), **KL)).metrics for s in range(2)
     ]
 
 
