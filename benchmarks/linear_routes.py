@@ -40,7 +40,7 @@ Product = Callable[[], object]
 
 def layer_shapes(size: str) -> dict[str, tuple[int, int]]:
     """(in, out) of each distinct linear layer of the model `size` (the unembedding included)."""
-    config = build_config(size=size)  # type: ignore[arg-type]
+    config = build_config(size=size)  # pyright: ignore[reportArgumentType]
     hidden, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     return {
@@ -54,7 +54,7 @@ def layer_shapes(size: str) -> dict[str, tuple[int, int]]:
 
 def layer_counts(size: str) -> dict[str, int]:
     """How many of each shape a forward runs (q and o share a shape, as do k and v)."""
-    layers = build_config(size=size).num_hidden_layers  # type: ignore[arg-type]
+    layers = build_config(size=size).num_hidden_layers  # pyright: ignore[reportArgumentType]
     return {
         "q_proj/o_proj": 2 * layers,
         "k_proj/v_proj": 2 * layers,

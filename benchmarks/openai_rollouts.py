@@ -52,7 +52,7 @@ async def openai_groups(
         client = model.openai_client()
         completion = await client.chat.completions.create(
             model=model.get_inference_name(),
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,  # pyright: ignore[reportArgumentType]
             max_tokens=args.new_tokens,
             n=n,
         )

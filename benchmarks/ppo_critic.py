@@ -59,7 +59,7 @@ async def measure(args: argparse.Namespace, base: str, path: str) -> dict[str, l
     for round_ in range(args.repeats + 1):
         for kind, extra in kinds.items():
             began = time.perf_counter()
-            await backend.train(model, groups, learning_rate=1e-5, **common, **extra)  # type: ignore[arg-type]
+            await backend.train(model, groups, learning_rate=1e-5, **common, **extra)
             if round_ > 0:  # the first round warms up (and makes the critic)
                 seconds[kind].append(time.perf_counter() - began)
     await backend.close()

@@ -119,7 +119,7 @@ def child(args: argparse.Namespace) -> None:
     )
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
-    model_path = tiny_model_path(size=config.model_size)  # type: ignore[arg-type]
+    model_path = tiny_model_path(size=config.model_size)  # pyright: ignore[reportArgumentType]
     problems = make_problems(config)
     batches = [problems[i : i + config.prompts] for i in range(0, len(problems), config.prompts)]
     with tempfile.TemporaryDirectory(prefix="posttrain-profile-") as tmp:

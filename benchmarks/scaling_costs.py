@@ -197,7 +197,7 @@ class SavedBytes:
 
     @staticmethod
     def unpack(packed: object) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Held) else packed  # type: ignore[return-value]
+        return packed.tensor if isinstance(packed, _Held) else packed  # pyright: ignore[reportReturnType]
 
 
 class _Held:

@@ -83,7 +83,7 @@ async def step(
         groups_of(prompts, responses, k),
         learning_rate=1e-5,
         save_checkpoint=False,
-        **options,  # type: ignore[arg-type]
+        **options,  # pyright: ignore[reportArgumentType]
     )
     return time.perf_counter() - start
 

@@ -177,7 +177,7 @@ class PosttrainSide:
 
     def torch_model(self) -> torch.nn.Module:
         executor = self.backend.client(self.model).dispatch.executor
-        return executor.workers[0].model  # type: ignore[attr-defined]
+        return executor.workers[0].model  # pyright: ignore[reportAttributeAccessIssue]
 
     def matmul_parameters(self) -> int:
         return matmul_parameters(self.torch_model())
@@ -600,7 +600,7 @@ def print_report(report: dict[str, dict]) -> None:
 
 def model_directory(config: BenchConfig) -> Path:
     if config.model_dir is None:
-        return tiny_model_path(size=config.model_size)  # type: ignore[arg-type]
+        return tiny_model_path(size=config.model_size)  # pyright: ignore[reportArgumentType]
     path = Path(config.model_dir).expanduser()
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model {config.model_dir}: no config.json there (a model directory)")
@@ -612,7 +612,7 @@ def ratios(sides: dict[str, dict[str, float | None]]) -> dict[str, float]:
         return {}
     ours, theirs = sides["posttrain"], sides["trl"]
     return {
-        key: float(ours[key]) / float(theirs[key])  # type: ignore[arg-type]
+        key: float(ours[key]) / float(theirs[key])  # pyright: ignore[reportArgumentType]
         for key in ("steps_per_s", "completion_tokens_per_s")
     }
 

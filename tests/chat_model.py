@@ -63,7 +63,7 @@ def conversations(rng: random.Random, tokenizer: object) -> list[int]:
     else:
         messages = tool_call_messages()
         tools = [ADD_TOOL]
-    return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+    return tokenizer.apply_chat_template(  # pyright: ignore[reportAttributeAccessIssue]
         messages, tools=tools, tokenize=True, return_dict=False
     )
 
@@ -118,9 +118,9 @@ def greedy_lead(model: torch.nn.Module, tokenizer: object) -> float:
     """The smallest lead of the right token over the next best, over every token of the two
     assistant replies of the tool-call conversation (teacher-forced: one forward pass)."""
     messages = tool_call_messages()
-    render = tokenizer.apply_chat_template  # type: ignore[attr-defined]
+    render = tokenizer.apply_chat_template  # pyright: ignore[reportAttributeAccessIssue]
     ids = render(messages, tools=[ADD_TOOL], tokenize=True, return_dict=False)
-    eos = tokenizer.eos_token_id  # type: ignore[attr-defined]
+    eos = tokenizer.eos_token_id  # pyright: ignore[reportAttributeAccessIssue]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]
     leads = []

@@ -31,5 +31,5 @@ def synthetic_groups(seed: int, groups: int = 3, size: int = 4) -> list[Trajecto
 
 
 def weights_of(backend: LocalBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}

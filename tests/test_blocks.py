@@ -43,7 +43,7 @@ def test_compute_device_map_single_gpu():
     assert compute_device_map_single_gpu("cuda", 4) == {"": 4}
     assert compute_device_map_single_gpu("cpu", 0) is None
     with pytest.raises(ValueError, match=r"device_type must be 'cuda' or 'cpu', got 'tpu'"):
-        compute_device_map_single_gpu("tpu", 0)  # type: ignore[arg-type]
+        compute_device_map_single_gpu("tpu", 0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"gpu_rank must be an int >= 0, got -1"):
         compute_device_map_single_gpu("cuda", -1)
 

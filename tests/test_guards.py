@@ -154,3 +154,33 @@ def test_docs_and_recipes_import_from_the_top_level():
     assert not deep, "import these from `posttrain` (add to posttrain._EXPORTS if needed):\n" + (
         "\n".join(sorted(deep))
     )
+
+
+# Only pyright runs, and pyproject turns mypy-style ignore comments off (pyright would read each
+# as silencing every rule on its line); a pyright ignore without a rule silences them all too.
+SUPPRESSION = re.compile(r"#\s*(type|pyright):\s*ignore(\[[^\]]*\])?")
+MAX_ESCAPES_IN_SRC = 60  # suppressions plus casts in src/posttrain (issue 25)
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return [p for p in tracked_files() if p.suffix == ".py" and p.parts[len(ROOT.parts)] in folders]
+
+
+def test_each_suppression_names_its_pyright_rule():
+    bad = [
+        f"{path.relative_to(ROOT)}:{number}: {match.group(0)}"
+        for path in _python_files("src", "tests", "benchmarks", "recipes", "scripts")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for match in SUPPRESSION.finditer(line)
+        if match.group(1) == "type" or not match.group(2)
+    ]
+    assert not bad, "write these as `# pyright: ignore[rule]`:\n" + "\n".join(bad)
+
+
+def test_src_keeps_its_type_escapes_few():
+    text = "\n".join(path.read_text() for path in _python_files("src"))
+    escapes = len(SUPPRESSION.findall(text)) + len(re.findall(r"\bcast\(", text))
+    assert escapes <= MAX_ESCAPES_IN_SRC, (
+        f"{escapes} suppressions and casts in src (at most {MAX_ESCAPES_IN_SRC}): fix a type "
+        "instead (a TypeGuard, a Protocol, posttrain.data.checks for values from outside)"
+    )

@@ -20,9 +20,9 @@ from posttrain.logging_sinks import SINK_NAMES, SINK_PACKAGES, is_installed
 
 def test_unknown_sink_names_the_setting_and_the_choices():
     with pytest.raises(ValueError, match=r"report_metrics: unknown sink 'tensorbord'.*tensorboard"):
-        TrainableModel(name="m", project="p", base_model="x", report_metrics=["tensorbord"])  # type: ignore[list-item]
+        TrainableModel(name="m", project="p", base_model="x", report_metrics=["tensorbord"])  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"a list of sink names, e\.g\. \['wandb'\]"):
-        TrainableModel(name="m", project="p", base_model="x", report_metrics="wandb")  # type: ignore[arg-type]
+        TrainableModel(name="m", project="p", base_model="x", report_metrics="wandb")  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize("sink", SINK_NAMES)
@@ -58,7 +58,7 @@ async def test_the_environment_variable_is_checked_at_register(
 
 async def test_tensorboard_sink_writes_the_logged_scalars(tiny_model_dir, tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (optional)")
-    from tensorboard.backend.event_processing.event_accumulator import (  # pyright: ignore[reportMissingImports]
+    from tensorboard.backend.event_processing.event_accumulator import (
         EventAccumulator,
     )
 
@@ -98,7 +98,7 @@ async def test_a_sink_that_fails_to_open_leaves_the_model_as_it_was(
     def unreachable(name: str) -> None:
         raise ConnectionError(f"mlflow tracking server unreachable (experiment {name!r})")
 
-    mlflow.set_experiment = unreachable  # type: ignore[attr-defined]
+    mlflow.set_experiment = unreachable  # pyright: ignore[reportAttributeAccessIssue]
     monkeypatch.setitem(sys.modules, "mlflow", mlflow)
     writers = _tensorboard_writers()
     backend = LocalBackend(tmp_path)

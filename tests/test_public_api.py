@@ -52,7 +52,7 @@ def test_every_name_loads_from_the_module_that_defines_it(name: str):
 
 def test_a_wrong_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'posttrain' has no attribute 'LocalBackends'"):
-        posttrain.LocalBackends  # type: ignore[attr-defined]  # noqa: B018
+        posttrain.LocalBackends  # pyright: ignore[reportAttributeAccessIssue]  # noqa: B018
 
 
 def test_star_import_gives_the_exports():

@@ -16,6 +16,8 @@ from typing import Literal, TypeAlias
 import numpy as np
 import torch
 
+from posttrain.data.checks import is_instance, is_integer, is_name, is_number
+
 __all__ = [
     "INT_KEYS",
     "AdamParams",
@@ -60,7 +62,7 @@ def _check_integer(name: str, value: int | None, expected: str, ok: Callable[[in
     """ValueError naming `name` unless `value` (if not None) is an integer that passes `ok`."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not is_integer(value):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if not ok(value):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
@@ -72,7 +74,7 @@ def _token_ids(name: str, tokens: Sequence[int]) -> tuple[int, ...]:
     for i, token in enumerate(tokens):
         # bool is an int subclass but never a token id; numpy integers are accepted. Typed int,
         # but tokens also arrive from untyped JSON and numpy.
-        if isinstance(token, bool) or not isinstance(token, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+        if not is_integer(token):
             raise ValueError(f"{name}[{i}] is {token!r}; token ids must be integers >= 0")
         if token < 0:
             raise ValueError(f"{name}[{i}] is {token}; token ids must be integers >= 0")
@@ -106,7 +108,7 @@ class ModelInput:
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunks", tuple(self.chunks))
         for chunk in self.chunks:
-            if not isinstance(chunk, EncodedTextChunk):  # pyright: ignore[reportUnnecessaryIsInstance]
+            if not is_instance(chunk, EncodedTextChunk):
                 raise ValueError(
                     f"ModelInput.chunks accepts EncodedTextChunk only, got {type(chunk).__name__}"
                 )
@@ -187,14 +189,14 @@ class Datum:
     ) -> None:
         # A custom __init__ so that callers may pass lists and arrays while the field is typed
         # as tensors; the checks live in __post_init__, called last.
-        if not isinstance(loss_fn_inputs, Mapping | None):  # pyright: ignore[reportUnnecessaryIsInstance]
+        if not is_instance(loss_fn_inputs, Mapping | None):
             raise ValueError(
                 f"Datum.loss_fn_inputs must be a mapping of key -> per-token values, got "
                 f"{type(loss_fn_inputs).__name__}"
             )
         values = dict(loss_fn_inputs or {})
         for key in values:
-            if not isinstance(key, str) or not key:  # pyright: ignore[reportUnnecessaryIsInstance]
+            if not is_name(key):
                 raise ValueError(
                     f"Datum.loss_fn_inputs keys must be non-empty strings, got {key!r}"
                 )
@@ -204,7 +206,7 @@ class Datum:
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_input, ModelInput):  # pyright: ignore[reportUnnecessaryIsInstance]
+        if not is_instance(self.model_input, ModelInput):
             raise ValueError(
                 f"Datum.model_input must be a posttrain.types.ModelInput (e.g. "
                 f"ModelInput.from_ints(tokens)), got {type(self.model_input).__name__}"
@@ -258,7 +260,7 @@ class SamplingParams:
             lambda v: 0.0 <= v < math.inf,
         )
         _check_range("SamplingParams.top_p", self.top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
-        if not isinstance(self.entropies, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+        if not is_instance(self.entropies, bool):
             raise ValueError(
                 f"SamplingParams.entropies must be true or false, got {self.entropies!r}"
             )
@@ -378,9 +380,9 @@ class TrainResult:
     deployed: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int):  # pyright: ignore[reportUnnecessaryIsInstance]
+        if isinstance(self.step, bool) or not is_instance(self.step, int):
             raise ValueError(f"TrainResult.step must be an int >= 0, got {self.step!r}")
-        if not isinstance(self.deployed, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+        if not is_instance(self.deployed, bool):
             raise ValueError(f"TrainResult.deployed must be a bool, got {self.deployed!r}")
         if self.artifact_name is not None and not self.artifact_name:
             raise ValueError("TrainResult.artifact_name must be None or a non-empty name")
@@ -388,9 +390,9 @@ class TrainResult:
             raise ValueError(f"TrainResult.step must be an int >= 0, got {self.step}")
         metrics: dict[str, float] = {}
         for key, value in self.metrics.items():
-            if not isinstance(key, str) or not key:  # pyright: ignore[reportUnnecessaryIsInstance]
+            if not is_name(key):
                 raise ValueError(f"TrainResult.metrics keys must be non-empty strings, got {key!r}")
-            if isinstance(value, bool) or not isinstance(value, int | float | np.number):  # pyright: ignore[reportUnnecessaryIsInstance]
+            if not is_number(value):
                 raise ValueError(
                     f"TrainResult.metrics[{key!r}] must be a number (NaN/inf allowed), got "
                     f"{value!r}"

@@ -204,7 +204,7 @@ def test_group_advantages_rejects_bad_input():
     with pytest.raises(ValueError, match="rewards_G must be 1-D"):
         group_advantages(torch.zeros(2, 2))
     with pytest.raises(ValueError, match=r"estimator must be one of \['grpo', 'rloo', 'dr_grpo'"):
-        group_advantages(torch.tensor([0.0, 1.0]), estimator="ppo")  # type: ignore[arg-type]
+        group_advantages(torch.tensor([0.0, 1.0]), estimator="ppo")  # pyright: ignore[reportArgumentType]
     for eps in (0.0, -1e-6, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="eps"):
             group_advantages(torch.tensor([0.0, 1.0]), eps=eps)
@@ -258,7 +258,7 @@ def test_advantage_config_validation(kwargs, name):
 
 def test_advantage_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        AdvantageConfig().advantage_balance = 1.0  # type: ignore[misc]
+        AdvantageConfig().advantage_balance = 1.0  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def test_compute_group_advantages_drops_zero_variance():

@@ -38,7 +38,7 @@ def pair_from_tokens(
         seq(ref_chosen_T),
         seq(ref_rejected_T),
         beta,
-        loss,  # type: ignore[arg-type]
+        loss,  # pyright: ignore[reportArgumentType]
     )
 
 
@@ -56,8 +56,8 @@ def test_sigmoid_loss_and_gradient_by_hand():
     out.loss_B.sum().backward()
     assert out.loss_B.item() == pytest.approx(math.log(1 + math.exp(-0.5)), rel=TOL)
     assert out.loss_B.item() == pytest.approx(0.474077, abs=1e-6)
-    assert chosen.grad.tolist() == pytest.approx([-0.188770] * 2, abs=1e-6)  # type: ignore[union-attr]
-    assert rejected.grad.tolist() == pytest.approx([0.188770] * 2, abs=1e-6)  # type: ignore[union-attr]
+    assert chosen.grad.tolist() == pytest.approx([-0.188770] * 2, abs=1e-6)  # pyright: ignore[reportOptionalMemberAccess]
+    assert rejected.grad.tolist() == pytest.approx([0.188770] * 2, abs=1e-6)  # pyright: ignore[reportOptionalMemberAccess]
     sums = out.metric_sums()
     assert sums["rewards/chosen"] == pytest.approx(0.25, rel=TOL)
     assert sums["rewards/rejected"] == pytest.approx(-0.25, rel=TOL)
@@ -78,8 +78,8 @@ def test_ipo_loss_and_gradient_by_hand_on_averaged_logprobs():
     )
     out.loss_B.sum().backward()
     assert out.loss_B.item() == pytest.approx(1.0, rel=TOL)
-    assert chosen.grad.tolist() == pytest.approx([-2 / 3] * 3, rel=TOL)  # type: ignore[union-attr]
-    assert rejected.grad.tolist() == pytest.approx([1.0] * 2, rel=TOL)  # type: ignore[union-attr]
+    assert chosen.grad.tolist() == pytest.approx([-2 / 3] * 3, rel=TOL)  # pyright: ignore[reportOptionalMemberAccess]
+    assert rejected.grad.tolist() == pytest.approx([1.0] * 2, rel=TOL)  # pyright: ignore[reportOptionalMemberAccess]
     sums = out.metric_sums()
     assert sums["rewards/chosen"] == pytest.approx(0.125, rel=TOL)  # 0.25 · 0.5
     assert sums["rewards/margin"] == pytest.approx(0.25, rel=TOL)

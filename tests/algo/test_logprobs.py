@@ -225,7 +225,7 @@ class _LargestTensor(TorchDispatchMode):
         super().__init__()
         self.largest = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # pyright: ignore[reportMissingParameterType]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.is_view:  # a view allocates nothing
             return out
@@ -352,7 +352,7 @@ def test_bad_inputs() -> None:
         token_logprobs_from_hidden(hidden.bfloat16(), weight, targets)
     for bad_chunk in (0, 2.0, True):
         with pytest.raises(ValueError, match=rf"chunk_size must be an int >= 1, got {bad_chunk}"):
-            token_logprobs_from_hidden(hidden, weight, targets, chunk_size=bad_chunk)  # type: ignore[arg-type]
+            token_logprobs_from_hidden(hidden, weight, targets, chunk_size=bad_chunk)  # pyright: ignore[reportArgumentType]
     for bad_temperature in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match=r"temperature must be a finite number > 0"):
             token_logprobs_from_hidden(hidden, weight, targets, temperature=bad_temperature)

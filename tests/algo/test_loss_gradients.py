@@ -148,7 +148,7 @@ def test_kl_penalty_loss_mode_gradient(estimator: str, seed: int):
     # so d ℓ / d lp = −A·r + β·(1 for k1, 1 − e^{ref − lp} for k3), times w.
     rows = seeded_rows(seed)
     beta = 0.3
-    config = LossConfig(kl_penalty_coef=beta, kl_estimator=estimator)  # type: ignore[arg-type]
+    config = LossConfig(kl_penalty_coef=beta, kl_estimator=estimator)  # pyright: ignore[reportArgumentType]
     _, grad, _ = run("importance_sampling", rows, [*W, "ref_logprobs"], config)
     width = grad.shape[1]
     x = _tokens(rows, width)

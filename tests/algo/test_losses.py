@@ -167,7 +167,7 @@ def test_truncated_importance_sampling_hand_values(cap: float, expected: float):
 def test_kl_loss_hand_values(estimator: str, expected: float):
     row = {"lp": [math.log(0.5)], "logprobs": [math.log(0.5)], "advantages": [0.0]}
     row["ref_logprobs"] = [math.log(0.25)]
-    config = LossConfig(kl_penalty_coef=0.1, kl_estimator=estimator)  # type: ignore[arg-type]
+    config = LossConfig(kl_penalty_coef=0.1, kl_estimator=estimator)  # pyright: ignore[reportArgumentType]
     keys = ["logprobs", "advantages", "ref_logprobs"]
     loss, _, out = run("importance_sampling", [row], keys, config)
     assert loss == pytest.approx(expected, rel=1e-12)
@@ -459,7 +459,7 @@ def test_from_mapping_rejects(values: dict[str, float | str | bool | None], matc
 )
 def test_config_post_init_rejects(kwargs: dict[str, object], match: str):
     with pytest.raises(ValueError, match=match):
-        LossConfig(**kwargs)  # type: ignore[arg-type]
+        LossConfig(**kwargs)  # pyright: ignore[reportArgumentType]
 
 
 def test_config_checked_against_the_loss():

@@ -44,7 +44,7 @@ def test_each_kind_matches_the_naive_per_token_loop(kind):
     gen = torch.Generator().manual_seed(1)
     logprobs = (-torch.rand(40, generator=gen, dtype=torch.float64) * 60).tolist()
     entropies = (torch.rand(40, generator=gen, dtype=torch.float64) * 60).tolist()
-    got = token_uncertainty(kind, UNCERTAINTY_KINDS[kind], logprobs, entropies)  # type: ignore[index]
+    got = token_uncertainty(kind, UNCERTAINTY_KINDS[kind], logprobs, entropies)
     # p - p*p and p*(1 - p) differ by an ulp or so of values <= 0.25.
     assert got.tolist() == pytest.approx(
         naive_kind(kind, logprobs, entropies), rel=1e-14, abs=1e-16

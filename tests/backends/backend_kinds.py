@@ -56,13 +56,13 @@ def make(kind: str, path: Path, server: ServerProcess | None) -> TrainableBacken
 
 
 def tiny(name: str, base_model: Path | str, **kwargs: object) -> TrainableModel:
-    return TrainableModel(name=name, project="p", base_model=str(base_model), lora_rank=4, **kwargs)  # type: ignore[arg-type]
+    return TrainableModel(name=name, project="p", base_model=str(base_model), lora_rank=4, **kwargs)  # pyright: ignore[reportArgumentType]
 
 
 async def state_of(kind: str, backend: TrainableBackend, model: TrainableModel) -> State:
     if kind == "tinker":
         return (await backend.sampling_client(model).compute_logprobs(PROMPT))[1:]
-    client = backend.client(model)  # type: ignore[attr-defined]
+    client = backend.client(model)  # pyright: ignore[reportAttributeAccessIssue]
     weights = client.dispatch.executor.full_tensors("weights")[0]  # rank 0's, whole
     return {n: w.detach().clone() for n, w in weights.items() if w is not None}
 
@@ -83,7 +83,7 @@ def indexed_steps(kind: str, model: TrainableModel) -> list[int]:
 
 
 def model_id(backend: TrainableBackend, model: TrainableModel) -> str:
-    return str(backend.client(model).sdk_client.model_id)  # type: ignore[attr-defined]
+    return str(backend.client(model).sdk_client.model_id)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def training_runs(server: ServerProcess | None) -> set[str]:

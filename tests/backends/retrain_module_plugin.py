@@ -17,7 +17,7 @@ def make_backend(path: str | Path = ".posttrain", **options: object) -> Remote:
     return Remote(path, options)
 
 
-make_backend.RETRAIN_BACKEND_CAPABILITIES = {  # type: ignore[attr-defined]
+make_backend.RETRAIN_BACKEND_CAPABILITIES = {  # pyright: ignore[reportFunctionMemberAccess]
     "reports_sync_loss": False,
     "preserves_token_advantages": False,
     "supports_checkpoint_resume": False,

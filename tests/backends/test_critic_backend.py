@@ -34,13 +34,13 @@ GAE = {
 
 def weights(client: LocalTrainingClient | None) -> dict[str, torch.Tensor]:
     assert client is not None
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}
 
 
 async def gae_step(backend: LocalBackend, model: TrainableModel, **extra: object) -> TrainResult:
     groups = synthetic_groups(model.step, groups=2, size=3)
-    return await backend.train(model, groups, **GAE, **extra)  # type: ignore[arg-type]
+    return await backend.train(model, groups, **GAE, **extra)  # pyright: ignore[reportArgumentType]
 
 
 def new_model(tiny_model_dir) -> TrainableModel:
@@ -124,7 +124,7 @@ async def test_critic_options_are_refused_where_there_is_no_critic(tmp_path):
     backend = TinkerBackend(tmp_path)
     model = TrainableModel(name="m", project="p", base_model="Qwen/Qwen3-0.6B")
     with pytest.raises(TypeError, match="does not support: 'gae_lambda'"):
-        await backend.train(model, [], gae_lambda=0.9)  # type: ignore[call-arg]
+        await backend.train(model, [], gae_lambda=0.9)  # pyright: ignore[reportCallIssue]
 
 
 async def test_checkpoint_saves_and_prunes_the_critic_too(tiny_model_dir, tmp_path):
@@ -150,7 +150,7 @@ async def test_a_failed_step_puts_the_critic_back(tiny_model_dir, tmp_path, monk
     async def broken_save(*args: object) -> str:
         raise OSError("disk full")
 
-    monkeypatch.setattr(backend._models.index, "save", broken_save)  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setattr(backend._models.index, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
         await gae_step(backend, model)  # updates both models, then fails to checkpoint
     assert model.step == 1

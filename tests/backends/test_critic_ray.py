@@ -31,8 +31,7 @@ async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
     expected = new_model(tiny_model_dir)
     await expected.register(local)
     expected_results = [
-        await local.train(expected, synthetic_groups(s, groups=2, size=3), **GAE)  # type: ignore[arg-type]
-        for s in range(2)
+        await local.train(expected, synthetic_groups(s, groups=2, size=3), **GAE) for s in range(2)
     ]
     # Two groups of two actors (policy and critic) share the 2 CPUs: half a CPU each.
     with ray_session(num_cpus=2):
@@ -46,12 +45,12 @@ async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
         model = new_model(tiny_model_dir)
         await model.register(backend)
         for s, reference in enumerate(expected_results):
-            result = await backend.train(model, synthetic_groups(s, groups=2, size=3), **GAE)  # type: ignore[arg-type]
+            result = await backend.train(model, synthetic_groups(s, groups=2, size=3), **GAE)
             assert_same_metrics(result, reference, rel=REL_TOL if s == 0 else AMPLIFIED_TOL)
         critic = backend.critic_client(model)
         assert critic is not None
         gathered = critic.executor.full_tensors("weights")[0]
-        assert rel_error(weights(local.critic_client(expected)), gathered) < AMPLIFIED_TOL  # type: ignore[arg-type]
+        assert rel_error(weights(local.critic_client(expected)), gathered) < AMPLIFIED_TOL  # pyright: ignore[reportArgumentType]
         await backend.close()
     await local.close()
 
@@ -64,10 +63,7 @@ async def test_fsdp2_frozen_reference_matches_local(tiny_model_dir, tmp_path):
     local = LocalBackend(tmp_path / "local")
     expected = TrainableModel(name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None)
     await expected.register(local)
-    expected_results = [
-        await local.train(expected, synthetic_groups(s), **kl)  # type: ignore[arg-type]
-        for s in range(2)
-    ]
+    expected_results = [await local.train(expected, synthetic_groups(s), **kl) for s in range(2)]
     with ray_session(num_cpus=2):
         backend = RayBackend(
             tmp_path / "ray",
@@ -81,7 +77,7 @@ async def test_fsdp2_frozen_reference_matches_local(tiny_model_dir, tmp_path):
         )
         await model.register(backend)
         results = [
-            await backend.train(model, synthetic_groups(s), **kl)  # type: ignore[arg-type]
+            await backend.train(model, synthetic_groups(s), **kl)
             for s in range(len(expected_results))
         ]
         for result, reference in zip(results, expected_results, strict=True):

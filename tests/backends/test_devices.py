@@ -25,7 +25,7 @@ async def test_auto_is_the_default_and_picks_this_machines_device(tiny_model_dir
     assert backend.device == HERE
     model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     await model.register(backend)
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     assert next(worker.model.parameters()).device.type == HERE
     await backend.close()
     # Ray workers may run elsewhere: "auto" follows their GPU share, not this machine.

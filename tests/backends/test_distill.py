@@ -49,7 +49,7 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = make_tiny_model(tmp_path_factory.mktemp("sharp-teacher"), seed=0)
     model = load_hf_model(path)
     with torch.no_grad():
-        model.lm_head.weight.mul_(SHARPEN)  # pyright: ignore[reportAttributeAccessIssue]
+        model.lm_head.weight.mul_(SHARPEN)
     model.save_pretrained(path)
     return path
 
@@ -101,7 +101,7 @@ async def test_a_teacher_with_another_vocabulary_is_refused_before_any_step(
     backend = LocalBackend(tmp_path)
     model = tiny("student", tiny_model_dir)
     await model.register(backend)
-    teacher = Teacher(OtherVocabulary(), name="qwen-teacher")  # type: ignore[arg-type]
+    teacher = Teacher(OtherVocabulary(), name="qwen-teacher")
     with pytest.raises(PreflightError) as caught:
         await backend.train(model, synthetic_groups(0), teacher=teacher)
     message = str(caught.value)

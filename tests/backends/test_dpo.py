@@ -187,7 +187,7 @@ async def test_every_backend_gives_local_backends_losses(
             options["reference"] = "initial"
         runs = []
         for loss in ("sigmoid", "ipo", "sigmoid"):
-            result = await backend.train_dpo(  # type: ignore[attr-defined]
+            result = await backend.train_dpo(  # pyright: ignore[reportAttributeAccessIssue]
                 model,
                 make_pairs(4),
                 loss=loss,
@@ -231,17 +231,17 @@ async def test_unknown_and_wrong_options_are_errors_before_anything(tmp_path):
     backend = LocalBackend(tmp_path)
     model = tiny("m", tmp_path / "missing")  # never registered
     with pytest.raises(TypeError, match=r"LocalBackend.train_dpo\(\).*'bta'.*did you mean 'beta'"):
-        await backend.train_dpo(model, [], bta=0.1)  # type: ignore[call-arg]
+        await backend.train_dpo(model, [], bta=0.1)  # pyright: ignore[reportCallIssue]
     with pytest.raises(ValueError, match=r"option beta="):
         await backend.train_dpo(model, [], beta=0.0)
     with pytest.raises(ValueError, match=r"option loss="):
-        await backend.train_dpo(model, [], loss="hinge")  # type: ignore[typeddict-item]
+        await backend.train_dpo(model, [], loss="hinge")  # pyright: ignore[reportArgumentType]
     pytest.importorskip("tinker")
     from posttrain.backends.tinker import TinkerBackend
 
     remote = TinkerBackend(tmp_path / "t", base_url="http://127.0.0.1:9", api_key="tml-x")
     with pytest.raises(TypeError, match=r"TinkerBackend.train_dpo\(\).*'reference'"):
-        await remote.train_dpo(model, [], reference="base")  # type: ignore[call-arg]
+        await remote.train_dpo(model, [], reference="base")  # pyright: ignore[reportCallIssue]
 
 
 def test_pairs_from_chat_are_the_templates_tokens(tiny_model_dir):

@@ -22,13 +22,12 @@ def full_model(tiny_model_dir) -> TrainableModel:
 
 
 def policy_worker(backend: LocalBackend, model: TrainableModel):
-    return backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    return backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
 
 
 async def two_kl_steps(backend: LocalBackend, model: TrainableModel) -> list[dict[str, float]]:
-    return [
-        (await backend.train(model, synthetic_groups(s), **KL)).metrics  # type: ignore[arg-type]
-        for s in range(2)
+    return [  # pyright: ignore[reportReturnType]
+        (await backend.train(model, synthetic_groups(s), **KL)).metrics for s in range(2)
     ]
 
 
@@ -38,14 +37,14 @@ async def test_full_fine_tuning_scores_kl_with_a_frozen_reference_client(tiny_mo
     await model.register(backend)
     got = await two_kl_steps(backend, model)
     assert got[1]["kl"] > 0  # the policy moved away from the reference
-    records = backend._models._records.values()  # pyright: ignore[reportPrivateUsage]
+    records = backend._models._records.values()
     references = [id(r.model) for r in records if r.reference is not None]
     assert references == [id(model)]
     assert policy_worker(backend, model)._reference is None  # no copy inside the policy's worker
 
     # The same run scoring with the in-worker copy (the path before reference clients).
     old = LocalBackend(tmp_path / "copy")
-    old._models.references = None  # pyright: ignore[reportPrivateUsage]
+    old._models.references = None
     other = full_model(tiny_model_dir)
     await other.register(old)
     expected = await two_kl_steps(old, other)
@@ -67,8 +66,8 @@ async def test_dpo_base_reference_of_a_full_model_is_the_frozen_client(tiny_mode
     model = full_model(tiny_model_dir)
     await model.register(backend)
     pairs = [PreferencePair((5, 6, 7), (8, 9), (10, 11)), PreferencePair((5, 6), (12,), (13,))]
-    first = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)  # type: ignore[attr-defined]
-    second = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)  # type: ignore[attr-defined]
+    first = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)
+    second = await backend.train_dpo(model, pairs, learning_rate=1e-2, batch_size=2)
     # Before any update the policy is the reference: implicit rewards 0. After a step they are
     # not, so the reference stayed the base model rather than following the policy.
     assert first.metrics["rewards/margin"] == 0.0

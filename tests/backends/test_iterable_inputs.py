@@ -49,11 +49,11 @@ async def test_what_is_not_an_iterable_of_groups_is_refused_before_any_work(
     with pytest.raises(
         TypeError, match=r"LocalBackend.train\(\) takes an iterable.*TrajectoryGroup"
     ):
-        await backend.train(model, group)  # type: ignore[arg-type]
+        await backend.train(model, group)  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"item 0 is a Trajectory.*TrajectoryGroup\(\.\.\.\)"):
-        await backend.train(model, list(group.trajectories))  # type: ignore[arg-type]
+        await backend.train(model, list(group.trajectories))  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"train_sft\(\): item 1 is a TrajectoryGroup"):
-        await backend.train_sft(model, [group.trajectories[0], group])  # type: ignore[list-item]
+        await backend.train_sft(model, [group.trajectories[0], group])  # pyright: ignore[reportArgumentType]
     assert model.step == 0 and not (model.directory / "checkpoints").exists()
     await backend.close()
 
@@ -62,7 +62,7 @@ def test_the_trainer_refuses_a_one_shot_iterable():
     """Power users calling the trainer directly get an error, never an empty second read."""
     groups = synthetic_groups(0)
     with pytest.raises(TypeError, match=r"must be a sequence.*generator.*list"):
-        prepare_batch((g for g in groups), RLConfig())  # type: ignore[arg-type]
+        prepare_batch((g for g in groups), RLConfig())  # pyright: ignore[reportArgumentType]
     trajectories = (t for g in groups for t in g.trajectories)
     with pytest.raises(TypeError, match="must be a sequence"):
-        sft_batches(trajectories, SFTConfig())  # type: ignore[arg-type]
+        sft_batches(trajectories, SFTConfig())  # pyright: ignore[reportArgumentType]

@@ -36,7 +36,7 @@ async def test_train_checkpoint_log_and_peft_loadable(tiny_model_dir, tmp_path):
     assert (model.directory / "trajectories" / "train" / "00003.jsonl").exists()
     # The adapter loads with plain peft and gives the worker's logits.
     peft_model = PeftModel.from_pretrained(load_hf_model(tiny_model_dir), result.checkpoint_path)
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         expected = worker.model(input_ids=ids).logits
@@ -128,7 +128,7 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
         await backend.train(model, synthetic_groups(0), truncated_importance_sampling=2.0)
     assert model.step == 1
     result = await backend.train(model, synthetic_groups(0), logprob_calculation_chunk_size=7)
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     assert worker.config.logprob_chunk_size == 7 and result.step == 2
     await backend.close()
 

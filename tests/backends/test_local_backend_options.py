@@ -105,7 +105,7 @@ async def test_precalculated_logprobs_give_ratio_one_and_the_tis_weighted_loss(
     learner = torch.cat(recorder.rows["logprobs"]).double()[mask]
     advantages = torch.cat(recorder.rows["advantages"]).double()[mask]
     sampler = torch.tensor(
-        [lp for g in varying(groups) for t in g.trajectories for lp in t.segments[1].logprobs],  # type: ignore[union-attr]
+        [lp for g in varying(groups) for t in g.trajectories for lp in t.segments[1].logprobs],  # pyright: ignore[reportOptionalIterable]
         dtype=torch.float64,
     )
     tis = torch.exp(learner - sampler).clamp(max=2.0)
@@ -214,7 +214,7 @@ async def test_sft_last_turn_trains_exactly_the_last_assistant_turn(tiny_model_d
         ("c", trajectories, "all"),
     ):
         backend, model = await registered(tiny_model_dir, tmp_path / name)
-        results.append(await backend.train_sft(model, data, assistant_turns=turns, **options))  # type: ignore[arg-type]
+        results.append(await backend.train_sft(model, data, assistant_turns=turns, **options))  # pyright: ignore[reportArgumentType]
         weights.append(weights_of(backend, model))
         await backend.close()
     assert results[0].metrics["num_trainable_tokens"] == 6 * 5  # 5 tokens in each last turn
@@ -243,6 +243,6 @@ async def test_sft_learning_rate_follows_the_schedule(tiny_model_dir, tmp_path):
     hand.append(1e-3 * (0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4))))
     assert result.metrics["num_updates"] == 6
     assert result.metrics["learning_rate"] == pytest.approx(statistics.fmean(hand), rel=1e-12)
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(hand[-1], rel=1e-12)
     await backend.close()

@@ -39,7 +39,7 @@ async def test_local_backend_adapts_the_chosen_layers(tiny_model_dir, tmp_path):
         backend = LocalBackend(tmp_path / str(len(expected)) / "-".join(sorted(flags)))
         m = model(tiny_model_dir, **flags)
         await m.register(backend)
-        worker = backend.client(m).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+        worker = backend.client(m).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
         assert adapted(worker.trainable_parameters()) == expected, flags
         await backend.close()
 
@@ -51,7 +51,7 @@ async def test_a_tied_unembedding_is_adapted_only_when_asked(tied_model_dir, tmp
         backend = LocalBackend(tmp_path / str(len(flags)))
         m = model(tied_model_dir, **flags)
         await m.register(backend)
-        names = backend.client(m).dispatch.executor.workers[0].trainable_parameters()  # type: ignore[attr-defined]
+        names = backend.client(m).dispatch.executor.workers[0].trainable_parameters()  # pyright: ignore[reportAttributeAccessIssue]
         assert adapted(names) == expected, flags
         assert any("embed_tokens.lora_embedding" in n for n in names) == bool(flags)
         await backend.close()

@@ -80,7 +80,7 @@ async def test_a_failed_step_leaves_the_last_good_state(
         model.run_state["cursor"] = float("nan")
 
     def not_json() -> None:
-        model.run_state["cursor"] = object()  # type: ignore[assignment]
+        model.run_state["cursor"] = object()  # pyright: ignore[reportArgumentType]
 
     def stray_directory() -> None:
         stray.mkdir()
@@ -97,7 +97,7 @@ async def test_a_failed_step_leaves_the_last_good_state(
         failed_model = model_id(backend, model) if kind == "tinker" else ""
         fail()
         with pytest.raises(error, match=match):
-            await backend.train(model, synthetic_groups(1), learning_rate=LR, **plots)  # type: ignore[arg-type]
+            await backend.train(model, synthetic_groups(1), learning_rate=LR, **plots)  # pyright: ignore[reportArgumentType]
         assert model.step == 1 and indexed_steps(kind, model) == [1]
         assert same(kind, await state_of(kind, backend, model), straight[1])
         assert not (model.directory / "plots" / "step_00002.png").exists()
@@ -185,7 +185,7 @@ async def test_a_damaged_latest_checkpoint_is_an_error_naming_it_and_the_way_out
     assert "resume_step=1" in message and "--resume-step 1" in message
     assert model.step == 0 and model.run_state == {}  # not registered, nothing resumed
     with pytest.raises(RuntimeError, match="not registered"):
-        backend.client(model)  # type: ignore[attr-defined]
+        backend.client(model)  # pyright: ignore[reportAttributeAccessIssue]
 
     # The way out it names: step 1, exactly; step 2 is moved aside, whole, not deleted.
     await model.register(backend, resume_step=1)
@@ -305,7 +305,7 @@ async def test_debris_of_an_interrupted_write_is_cleaned_quietly(
     states = await trained(kind, make_backend, tmp_path, tiny_model_dir, steps=2)
     backend, model = await registered(make_backend, tmp_path, tiny_model_dir)
     model.run_state = {"cursor": 9}
-    await backend.checkpoint(model)  # type: ignore[attr-defined]
+    await backend.checkpoint(model)  # pyright: ignore[reportAttributeAccessIssue]
     await backend.close()
     directory = tmp_path / "p" / "models" / "m"
     interrupt_writes(kind, directory)
@@ -326,12 +326,12 @@ class _LatestOnly:
     """A plugin backend that registers from wherever it likes and knows no resume_step."""
 
     async def register(self, model: TrainableModel) -> None:
-        model.attach(self, Path("."), 0)  # type: ignore[arg-type]
+        model.attach(self, Path("."), 0)  # pyright: ignore[reportArgumentType]
 
 
 async def test_a_backend_that_ignores_resume_step_is_an_error() -> None:
     model = TrainableModel(name="m", project="p", base_model="unused", report_metrics=[])
     with pytest.raises(ValueError, match=r"_LatestOnly cannot resume model 'm' from a chosen"):
-        await model.register(_LatestOnly(), resume_step=3)  # type: ignore[arg-type]
+        await model.register(_LatestOnly(), resume_step=3)  # pyright: ignore[reportArgumentType]
     with pytest.raises(RuntimeError, match="not registered"):
         model.backend  # noqa: B018 - detached again

@@ -38,7 +38,7 @@ def groups(seed: int, size: int = 4, length: int = 6) -> list[TrajectoryGroup]:
 
 
 def weights_of(backend: LocalBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}
 
 
@@ -63,13 +63,13 @@ async def test_chat_through_openai_client_serves_the_latest_weights(
         logprobs=True,
     )
     assert chat.choices[0].model_extra is not None
-    assert len(chat.choices[0].model_extra["token_ids"]) == len(chat.choices[0].logprobs.content)  # type: ignore[union-attr]
+    assert len(chat.choices[0].model_extra["token_ids"]) == len(chat.choices[0].logprobs.content)  # pyright: ignore[reportArgumentType, reportOptionalMemberAccess]
 
     async def served(seed: int) -> tuple[list[int], list[float]]:
         out = await client.completions.create(
             model="agent", prompt=PROMPT, seed=seed, max_tokens=10, logprobs=0
         )
-        return out.choices[0].model_extra["token_ids"], out.choices[0].logprobs.token_logprobs  # type: ignore[index, union-attr, return-value]
+        return out.choices[0].model_extra["token_ids"], out.choices[0].logprobs.token_logprobs  # pyright: ignore[reportOptionalSubscript, reportReturnType, reportOptionalMemberAccess]
 
     before_tokens, before_logprobs = await served(3)
     await backend.train(model, groups(0), learning_rate=5e-2)
@@ -140,9 +140,9 @@ async def test_sampling_while_training_is_serialized_and_changes_nothing(
         out = await client.completions.create(
             model="busy", prompt=PROMPT, seed=9, max_tokens=8, logprobs=0
         )
-        return out.choices[0].model_extra["token_ids"], out.choices[0].logprobs.token_logprobs  # type: ignore[index, union-attr, return-value]
+        return out.choices[0].model_extra["token_ids"], out.choices[0].logprobs.token_logprobs  # pyright: ignore[reportOptionalSubscript, reportReturnType, reportOptionalMemberAccess]
 
-    def as_pair(sequence) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
+    def as_pair(sequence) -> tuple[list[int], list[float]]:
         return sequence.tokens, sequence.logprobs
 
     old = as_pair((await backend.sampling_client(busy).sample(PROMPT, 1, params)).sequences[0])
@@ -187,7 +187,7 @@ async def test_clear_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
         pass
 
     stranded = tiny("s", tiny_model_dir)
-    stranded.attach(NoServing(), tmp_path / "s", 0)  # type: ignore[arg-type]
+    stranded.attach(NoServing(), tmp_path / "s", 0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(NotImplementedError, match="NoServing cannot serve"):
         stranded.openai_client()
 

@@ -40,7 +40,7 @@ async def forward_logprobs(
         ModelInput.from_ints(tokens[:-1]),
         {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
     )
-    out = await backend.client(model).forward([datum], "cross_entropy")  # type: ignore[attr-defined]
+    out = await backend.client(model).forward([datum], "cross_entropy")  # pyright: ignore[reportAttributeAccessIssue]
     return out.loss_fn_outputs[0]["logprobs"].tolist()
 
 
@@ -75,7 +75,7 @@ async def rollout(model: art.TrainableModel, word: str) -> art.Trajectory:
         model=model.get_inference_name(), messages=trajectory.messages(), max_tokens=8
     )
     choice = completion.choices[0]
-    trajectory.messages_and_choices.append(choice)  # type: ignore[union-attr]
+    trajectory.messages_and_choices.append(choice)  # pyright: ignore[reportOptionalMemberAccess]
     trajectory.reward = letters(choice.message.content)
     trajectory.metrics["length"] = len(choice.message.content or "")
     return trajectory
@@ -89,7 +89,7 @@ async def art_step(backend: object, model: art.TrainableModel) -> list[art.Traje
         max_exceptions=0,
     )
     step = await model.get_step()
-    result = await backend.train(model, groups, learning_rate=1e-3, save_checkpoint=False)  # type: ignore[attr-defined]
+    result = await backend.train(model, groups, learning_rate=1e-3, save_checkpoint=False)  # pyright: ignore[reportAttributeAccessIssue]
     assert result.step == step + 1 == await model.get_step()
     await model.log(groups, metrics=result.metrics)
     return groups
@@ -144,7 +144,7 @@ async def test_n_samples_per_request_are_trajectories_of_their_own(
         model=model.get_inference_name(),
         messages=messages,
         max_tokens=6,
-        n=4,  # type: ignore[arg-type]
+        n=4,
     )
     text = await client.completions.create(
         model=model.get_inference_name(), prompt="hello ", max_tokens=5, n=3
@@ -153,7 +153,7 @@ async def test_n_samples_per_request_are_trajectories_of_their_own(
     trajectories += [art.Trajectory(messages_and_choices=[c]) for c in text.choices]
     assert len({tuple(t.tokens) for t in trajectories}) == 7  # unseeded: 7 different samples
     for trajectory, choice in zip(trajectories, [*chat.choices, *text.choices], strict=True):
-        assert list(trajectory.segments[-1].tokens) == choice.model_extra["token_ids"]  # type: ignore[index]
+        assert list(trajectory.segments[-1].tokens) == choice.model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
         await assert_exact(backend, model, trajectory)
     assert trajectories[0].messages()[-1] == {
         "role": "assistant",
@@ -186,42 +186,42 @@ async def test_multi_turn_tool_call_trains_exactly_the_assistant_tokens(
         messages=trajectory.messages(),
         tools=[ADD_TOOL],
         temperature=0,
-        max_tokens=80,  # type: ignore[arg-type]
+        max_tokens=80,
     )
     call = first.choices[0]
     assert call.finish_reason == "tool_calls" and call.message.tool_calls
-    function = call.message.tool_calls[0].function  # type: ignore[union-attr]
+    function = call.message.tool_calls[0].function  # pyright: ignore[reportAttributeAccessIssue]
     assert (function.name, json.loads(function.arguments)) == (
         ADD_CALL["name"],
         ADD_CALL["arguments"],
     )
-    trajectory.messages_and_choices.append(call)  # type: ignore[union-attr]
+    trajectory.messages_and_choices.append(call)  # pyright: ignore[reportOptionalMemberAccess]
     args = json.loads(function.arguments)
     result = {
         "role": "tool",
         "tool_call_id": call.message.tool_calls[0].id,
         "content": str(args["a"] + args["b"]),
-    }  # type: ignore[index]
-    trajectory.messages_and_choices.append(result)  # type: ignore[union-attr]
+    }
+    trajectory.messages_and_choices.append(result)  # pyright: ignore[reportOptionalMemberAccess]
     second = await client.chat.completions.create(
         model=name,
         messages=trajectory.messages(),
         tools=[ADD_TOOL],
         temperature=0,
-        max_tokens=20,  # type: ignore[arg-type]
+        max_tokens=20,
     )
     answer = second.choices[0]
     assert answer.message.content == "five" and answer.finish_reason == "stop"
-    trajectory.messages_and_choices.append(answer)  # type: ignore[union-attr]
+    trajectory.messages_and_choices.append(answer)  # pyright: ignore[reportOptionalMemberAccess]
     trajectory.reward = 1.0
 
     # Exactly the two sampled replies are trainable; the prompt, the tool result and the
     # template's tokens between them are context.
     trainable = [list(s.tokens) for s in trajectory.segments if s.trainable]
-    assert trainable == [call.model_extra["token_ids"], answer.model_extra["token_ids"]]  # type: ignore[index]
+    assert trainable == [call.model_extra["token_ids"], answer.model_extra["token_ids"]]  # pyright: ignore[reportOptionalSubscript]
     assert [s.trainable for s in trajectory.segments] == [False, True, False, True]
     tokenizer = backend.sampling_client(model).tokenizer
-    between = tokenizer.decode(trajectory.segments[2].tokens)  # type: ignore[attr-defined]
+    between = tokenizer.decode(trajectory.segments[2].tokens)  # pyright: ignore[reportArgumentType]
     assert between == "<|im_start|>tool\n5<|eos|><|im_start|>assistant\n"
     assert second.model_extra is not None and answer.model_extra is not None
     assert (
@@ -230,7 +230,7 @@ async def test_multi_turn_tool_call_trains_exactly_the_assistant_tokens(
     )
     await assert_exact(backend, model, trajectory)
     # The tool call goes back to the server as the SDK gave it, with arguments as a string.
-    assert trajectory.messages()[1]["tool_calls"][0]["function"]["name"] == "add"  # type: ignore[index]
+    assert trajectory.messages()[1]["tool_calls"][0]["function"]["name"] == "add"  # pyright: ignore[reportGeneralTypeIssues, reportTypedDictNotRequiredAccess, reportIndexIssue]
     await backend.close()
 
 
@@ -358,15 +358,15 @@ async def test_concurrent_requests_are_sampled_in_few_batched_calls(
     calls: list[int] = []
     original = openai_batching.ModelSampler.sample_many
 
-    async def counted(self, prompts, num_samples, params):  # type: ignore[no-untyped-def]
+    async def counted(self, prompts, num_samples, params):
         calls.append(len(prompts))
         return await original(self, prompts, num_samples, params)
 
-    openai_batching.ModelSampler.sample_many = counted  # type: ignore[method-assign]
+    openai_batching.ModelSampler.sample_many = counted
     try:
         trajectories = await asyncio.gather(*(rollout(model, w) for w in WORDS for _ in range(16)))
     finally:
-        openai_batching.ModelSampler.sample_many = original  # type: ignore[method-assign]
+        openai_batching.ModelSampler.sample_many = original
     assert sum(calls) == 64 and len(calls) <= 8, calls
     for trajectory in trajectories[:4]:
         await assert_exact(backend, model, trajectory)

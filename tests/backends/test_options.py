@@ -151,7 +151,7 @@ def test_pyright_rejects_each_unsupported_option():
     assert expected, "the case file lost its markers"
     assert error_lines == expected, (error_lines, expected)
     for number in expected:
-        name = re.search(r"# expect: (\w+)", lines[number - 1]).group(1)  # type: ignore[union-attr]
+        name = re.search(r"# expect: (\w+)", lines[number - 1]).group(1)  # pyright: ignore[reportOptionalMemberAccess]
         messages = [
             d["message"]
             for d in report["generalDiagnostics"]
@@ -166,9 +166,9 @@ async def test_runtime_rejects_unknown_option_before_looking_at_anything(tmp_pat
     with pytest.raises(
         TypeError, match=r"LocalBackend.train\(\).*'learning_rat'.*did you mean 'learning_rate'"
     ):
-        await backend.train(model, [], learning_rat=1e-5)  # type: ignore[call-arg]
+        await backend.train(model, [], learning_rat=1e-5)  # pyright: ignore[reportCallIssue]
     with pytest.raises(TypeError, match=r"LocalBackend.train_sft\(\).*'kl_penalty_coef'"):
-        await backend.train_sft(model, [], kl_penalty_coef=0.1)  # type: ignore[call-arg]
+        await backend.train_sft(model, [], kl_penalty_coef=0.1)  # pyright: ignore[reportCallIssue]
 
 
 # At least one wrong value per option, each wrong in its own way (type, choice, range, NaN).

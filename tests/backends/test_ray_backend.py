@@ -44,11 +44,11 @@ def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def ray_weights(backend: RayBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
     """Rank 0's whole trainable weights (gathered under FSDP)."""
-    return backend.client(model).executor.full_tensors("weights")[0]  # type: ignore[return-value]
+    return backend.client(model).executor.full_tensors("weights")[0]  # pyright: ignore[reportReturnType]
 
 
 def local_weights(backend: LocalBackend, model: TrainableModel) -> dict[str, torch.Tensor]:
-    worker = backend.client(model).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = backend.client(model).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     return {n: p.detach().clone() for n, p in worker.trainable_parameters().items()}
 
 
@@ -135,11 +135,11 @@ async def test_runtime_rejects_options_ray_backend_lacks(tmp_path):
     with pytest.raises(
         TypeError, match=r"RayBackend.train\(\).*'check_weight_in_sync'.*did you mean"
     ):
-        await backend.train(model, [], check_weight_in_sync=True)  # type: ignore[call-arg]
+        await backend.train(model, [], check_weight_in_sync=True)  # pyright: ignore[reportCallIssue]
     with pytest.raises(ValueError, match="check_weights_in_sync"):
-        await backend.train(model, [], check_weights_in_sync="yes")  # type: ignore[arg-type]
+        await backend.train(model, [], check_weights_in_sync="yes")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"RayBackend.train_sft\(\).*'kl_penalty_coef'"):
-        await backend.train_sft(model, [], kl_penalty_coef=0.1)  # type: ignore[call-arg]
+        await backend.train_sft(model, [], kl_penalty_coef=0.1)  # pyright: ignore[reportCallIssue]
     with pytest.raises(RuntimeError, match="not registered"):
         await backend.train(model, [], kl_penalty_coef=0.1, check_weights_in_sync=True)
     with pytest.raises(ValueError, match="num_workers"):

@@ -222,10 +222,10 @@ async def test_a_node_worker_killed_mid_step_fails_it_and_the_checkpoint_resumes
         def killed(*args: object, **kwargs: object) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # after the gradient all-reduce
 
-        host.worker.optim_step = killed  # type: ignore[method-assign]
+        host.worker.optim_step = killed  # pyright: ignore[reportAttributeAccessIssue]
 
     ray = import_ray()
-    ray.get(client.executor._actors[0].__ray_call__.remote(die_in_optim_step))  # type: ignore[attr-defined]
+    ray.get(client.executor._actors[0].__ray_call__.remote(die_in_optim_step))  # pyright: ignore[reportAttributeAccessIssue]
     start = time.monotonic()
     with pytest.raises(WorkerGroupError, match=r"rank 0 died during optim_step") as failed:
         await backend.train(model, synthetic_groups(2), learning_rate=1e-3)

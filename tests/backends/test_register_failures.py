@@ -34,7 +34,7 @@ def assert_not_registered(backend: TrainableBackend, model: TrainableModel) -> N
     with pytest.raises(RuntimeError, match="not registered"):
         model.directory  # noqa: B018 - not attached
     with pytest.raises(RuntimeError, match="not registered"):
-        backend.client(model)  # type: ignore[attr-defined]
+        backend.client(model)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 async def test_a_missing_base_model_is_refused_before_any_work(
@@ -71,7 +71,7 @@ def unreachable_mlflow(monkeypatch: pytest.MonkeyPatch) -> None:
     def unreachable(name: str) -> None:
         raise ConnectionError(f"mlflow tracking server unreachable (experiment {name!r})")
 
-    mlflow.set_experiment = unreachable  # type: ignore[attr-defined]
+    mlflow.set_experiment = unreachable  # pyright: ignore[reportAttributeAccessIssue]
     monkeypatch.setitem(sys.modules, "mlflow", mlflow)
 
 
@@ -90,7 +90,7 @@ async def test_a_register_that_fails_late_leaves_the_model_as_it_was(
     await saved.register(backend)
     saved.run_state["cursor"] = 7
     saved.set_step(2)  # as if two steps were trained
-    await backend.checkpoint(saved)  # type: ignore[attr-defined]  # one to resume, with run_state
+    await backend.checkpoint(saved)  # pyright: ignore[reportAttributeAccessIssue]  # one to resume, with run_state
     model_json = saved.directory / "model.json"
     await backend.close()
 

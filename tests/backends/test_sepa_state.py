@@ -41,7 +41,7 @@ async def test_the_sepa_state_is_checkpointed_and_restored(
     model.run_state["cursor"] = 3  # the caller's own entries live beside the trainer's
     lambdas = []
     for step in range(2):
-        result = await backend.train(model, synthetic_groups(step), **OPTIONS)  # type: ignore[arg-type]
+        result = await backend.train(model, synthetic_groups(step), **OPTIONS)
         lambdas.append(result.metrics["sepa_lambda"])
     assert lambdas == [0.0, 0.25]
     assert sepa_steps(model) == 2
@@ -52,7 +52,7 @@ async def test_the_sepa_state_is_checkpointed_and_restored(
     await again.register(backend)  # resumes the checkpoint of step 2
     assert again.run_state == model.run_state
     assert again.run_state["cursor"] == 3
-    result = await backend.train(again, synthetic_groups(2), **OPTIONS)  # type: ignore[arg-type]
+    result = await backend.train(again, synthetic_groups(2), **OPTIONS)
     assert result.metrics["sepa_lambda"] == 0.5
     await backend.close()
 
@@ -63,7 +63,7 @@ async def test_a_failed_step_leaves_the_sepa_state_as_it_was(tiny_model_dir, tmp
     backend = LocalBackend(tmp_path)
     model = tiny("m", tiny_model_dir)
     await model.register(backend)
-    await backend.train(model, synthetic_groups(0), **OPTIONS)  # type: ignore[arg-type]
+    await backend.train(model, synthetic_groups(0), **OPTIONS)
     saved = json.loads((model.directory / "checkpoints" / "1" / "trainer_state.json").read_text())
     assert saved["run_state"][SEPA_STATE_KEY] == model.run_state[SEPA_STATE_KEY]
     before = dict(model.run_state)
@@ -71,10 +71,10 @@ async def test_a_failed_step_leaves_the_sepa_state_as_it_was(tiny_model_dir, tmp
     stray.mkdir()
     (stray / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="refusing to replace"):
-        await backend.train(model, synthetic_groups(1), **OPTIONS)  # type: ignore[arg-type]
+        await backend.train(model, synthetic_groups(1), **OPTIONS)
     assert model.run_state == before and model.step == 1
     shutil.rmtree(stray)
-    result = await backend.train(model, synthetic_groups(1), **OPTIONS)  # type: ignore[arg-type]
+    result = await backend.train(model, synthetic_groups(1), **OPTIONS)
     assert result.metrics["sepa_lambda"] == 0.25  # the retry is the step an unbroken run takes
     assert sepa_steps(model) == 2
     await backend.close()

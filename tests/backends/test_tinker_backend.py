@@ -244,7 +244,7 @@ async def test_a_failed_publish_fails_the_step_whole(
             model=published, prompt=PROMPT, max_tokens=6, seed=2
         )
         await backend.close()
-        return result.step, logprobs[1:], out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+        return result.step, logprobs[1:], out.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
 
     failed_once, clean = await run("publish-failed", True), await run("publish-clean", False)
     assert failed_once[0] == clean[0] == 2
@@ -260,12 +260,12 @@ async def test_options_it_lacks_fail_before_any_work(
     model = tiny("o", tiny_model_dir)
     await model.register(backend)
     with pytest.raises(TypeError, match="kl_penalty_coef"):
-        await backend.train(model, groups(0), kl_penalty_coef=0.1)  # type: ignore[call-arg]
+        await backend.train(model, groups(0), kl_penalty_coef=0.1)  # pyright: ignore[reportCallIssue]
     with pytest.raises(TypeError, match=r"'epochz'.*did you mean 'epochs'"):
-        await backend.train_sft(model, [], epochz=2)  # type: ignore[call-arg]
+        await backend.train_sft(model, [], epochz=2)  # pyright: ignore[reportCallIssue]
     for loss in ("gspo", "dro"):
         with pytest.raises(ValueError) as refused:
-            await backend.train(model, groups(0), loss=loss)  # type: ignore[arg-type]
+            await backend.train(model, groups(0), loss=loss)  # pyright: ignore[reportArgumentType]
         message = str(refused.value)
         assert f"loss={loss!r}" in message
         assert all(name in message for name in ("'ppo'", "'cispo'", "'importance_sampling'"))
@@ -289,12 +289,12 @@ async def test_openai_client_serves_the_latest_weights(
             model=name, prompt=PROMPT, max_tokens=6, seed=4, logprobs=0
         )
         choice = out.choices[0]
-        return choice.model_extra["token_ids"], choice.logprobs.token_logprobs  # type: ignore[index, union-attr, return-value]
+        return choice.model_extra["token_ids"], choice.logprobs.token_logprobs  # pyright: ignore[reportOptionalSubscript, reportReturnType, reportOptionalMemberAccess]
 
     async def sampled_now() -> tuple[list[int], list[float]]:
         params = SamplingParams(max_tokens=6, seed=4)
         seq = (await backend.sampling_client(model).sample(PROMPT, 1, params)).sequences[0]
-        return seq.tokens, seq.logprobs  # type: ignore[return-value]
+        return seq.tokens, seq.logprobs  # pyright: ignore[reportReturnType]
 
     def same(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> bool:
         # Two loaded copies of the same weights on the server: same tokens, logprobs to rounding.
@@ -360,7 +360,7 @@ async def test_parity_with_local_backend(
     local, remote = tiny("parity", tiny_model_dir, seed=11), tiny("parity", tiny_model_dir, seed=11)
     await local.register(local_backend)
     await remote.register(remote_backend)
-    worker = local_backend.client(local).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = local_backend.client(local).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
 
     def local_weights() -> dict[str, torch.Tensor]:
         params = worker.trainable_parameters().items()

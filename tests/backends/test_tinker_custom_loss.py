@@ -48,7 +48,7 @@ async def _updates(server, tiny_model_dir: Path, tmp_path: Path, local: dict, re
     models = [tiny("custom", tiny_model_dir, seed=5), tiny("custom", tiny_model_dir, seed=5)]
     await models[0].register(local_backend)
     await models[1].register(remote_backend)
-    worker = local_backend.client(models[0]).dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = local_backend.client(models[0]).dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
 
     def local_weights() -> dict[str, torch.Tensor]:
         return as_saved({n: p.detach().clone() for n, p in worker.trainable_parameters().items()})

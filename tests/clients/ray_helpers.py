@@ -83,7 +83,7 @@ def run_on_rank(client: RayTrainingClient, rank: int, fn: Callable[[WorkerHost],
     import ray
 
     actor = client.executor._actors[rank]
-    return ray.get(actor.__ray_call__.remote(fn))  # type: ignore[attr-defined]
+    return ray.get(actor.__ray_call__.remote(fn))  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def wait_until_gone(pids: list[int], within_s: float = 30.0) -> bool:

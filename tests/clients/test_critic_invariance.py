@@ -54,19 +54,19 @@ def set_head(client: LocalTrainingClient, seed: int) -> None:
 
 
 def zero(client: LocalTrainingClient) -> None:
-    for worker in client.dispatch.executor.workers:  # type: ignore[attr-defined]
+    for worker in client.dispatch.executor.workers:  # pyright: ignore[reportAttributeAccessIssue]
         worker.zero_grad()
 
 
 @pytest.mark.parametrize("lora_rank", [None, 4], ids=["full", "lora"])
 def test_critic_gradient_is_invariant_to_the_cut(tiny_model_dir, tmp_path, lora_rank):
     def critic(name: str, **kwargs: object) -> LocalTrainingClient:
-        made = create_training_client(
+        made = create_training_client(  # pyright: ignore[reportCallIssue]
             tiny_model_dir,
             lora_rank=lora_rank,
             head="value",
             storage_dir=tmp_path / name,
-            **kwargs,  # type: ignore[arg-type]
+            **kwargs,  # pyright: ignore[reportArgumentType]
         )
         set_head(made, seed=1)
         return made

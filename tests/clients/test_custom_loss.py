@@ -21,7 +21,7 @@ from posttrain.clients import custom_loss as registry
 from posttrain.clients.create import create_training_client
 from posttrain.clients.custom_loss import LossName, builtin_as_custom, custom_loss, register_loss
 from posttrain.trainer.config import RLConfig, from_options
-from posttrain.trainer.rl import _forward_backward  # pyright: ignore[reportPrivateUsage]
+from posttrain.trainer.rl import _forward_backward
 
 REL_TOL = 2e-6
 
@@ -120,14 +120,14 @@ def test_a_loss_plugs_in_through_the_entry_point_group(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])
     monkeypatch.setattr(registry, "_registered", {})
-    registry._entry_points.cache_clear()  # pyright: ignore[reportPrivateUsage]
+    registry._entry_points.cache_clear()
     try:
         assert from_options(RLConfig, {"loss": "weighted_sum"}).policy_loss == "weighted_sum"
         from custom_losses import weighted_logprob_sum
 
         assert custom_loss("weighted_sum") is weighted_logprob_sum
     finally:
-        registry._entry_points.cache_clear()  # pyright: ignore[reportPrivateUsage]
+        registry._entry_points.cache_clear()
 
 
 @pytest.mark.slow

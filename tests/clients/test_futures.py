@@ -88,7 +88,7 @@ def test_interleaved_client_calls_run_in_submission_order(tiny_model_dir, tmp_pa
         waited.optim_step(step).result(),
         waited.forward(datums(0), "cross_entropy").result(),
     ]
-    losses = [f.result().metrics for f in futures]  # type: ignore[attr-defined]
+    losses = [f.result().metrics for f in futures]
     assert losses == [e.metrics for e in expected]  # bit-identical: the same work, same order
     # The three forwards saw three different models, so order really mattered.
     assert len({losses[i]["loss:sum"] for i in (0, 3, 6)}) == 3

@@ -99,7 +99,7 @@ def test_placement_cycle_moves_state_and_records_it(client):
         ("sample", "train"),
         ("train", "sample"),
     ]
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = client.dispatch.executor.workers[0]
     # The workers moved, not just Dispatch.
     assert worker.parking.offloaded == {"grads", "optimizer"}
     client.forward_backward(datums, "cross_entropy").result()
@@ -209,8 +209,8 @@ def test_exact_resume_through_the_client(tiny_model_dir, tmp_path):
     )
     second.load_state(path, with_optimizer=True).result()
     train(second, 2, seed=2)
-    a = straight.dispatch.executor.workers[0].trainable_parameters()  # type: ignore[attr-defined]
-    b = second.dispatch.executor.workers[0].trainable_parameters()  # type: ignore[attr-defined]
+    a = straight.dispatch.executor.workers[0].trainable_parameters()  # pyright: ignore[reportAttributeAccessIssue]
+    b = second.dispatch.executor.workers[0].trainable_parameters()  # pyright: ignore[reportAttributeAccessIssue]
     for name in a:
         assert torch.equal(a[name], b[name]), name
     for c in (straight, first, second):
@@ -237,7 +237,7 @@ def policy_datums(
         inputs.update({key: [value] * length for key, value in (common or {}).items()})
         if i == count - 1:
             inputs.update(late)
-        out.append(Datum(ModelInput.from_ints(ids[:-1].tolist()), inputs))  # type: ignore[arg-type]
+        out.append(Datum(ModelInput.from_ints(ids[:-1].tolist()), inputs))  # pyright: ignore[reportArgumentType]
     return out
 
 
@@ -283,7 +283,7 @@ def test_bad_input_raises_and_leaves_no_gradient_behind(tiny_model_dir, tmp_path
     clean = create_training_client(
         tiny_model_dir, storage_dir=tmp_path / "b", micro_batch_tokens=budget
     )
-    worker = exposed.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = exposed.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     for datums, loss, config, message in LATE_FAILURES:
         with pytest.raises(ValueError, match=message):
             exposed.forward_backward(datums, loss, config).result()
@@ -317,7 +317,7 @@ def test_a_fault_mid_call_leaves_gradients_as_they_were(
     real = worker_module.target_logprobs
     calls: list[int] = []
 
-    def fail_on_second(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def fail_on_second(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("simulated device failure")
@@ -375,7 +375,7 @@ def test_bad_input_raises_and_the_client_keeps_working(tiny_model_dir, tmp_path)
         # case that used to leave their gradients behind.
         (policy_datums(logprobs=[-5.5, NAN, -5.5, -5.5, -5.5, -5.5]), "ppo", "NaN"),
     ]
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     for datums, loss, message in bad_cases:
         with pytest.raises(ValueError, match=message):
             client.forward_backward(datums, loss).result()

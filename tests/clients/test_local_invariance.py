@@ -130,7 +130,7 @@ def test_gradient_is_invariant_to_how_the_batch_is_cut(clients, loss_fn):
         out_dp = client.forward_backward(datums, loss_fn, cfg).result()
         assert rel_error(reference, grads_of(client)) < REL_TOL, name
         assert out_dp.metrics["loss:sum"] == pytest.approx(out.metrics["loss:sum"], rel=REL_TOL)
-        for worker in client.dispatch.executor.workers:  # type: ignore[attr-defined]
+        for worker in client.dispatch.executor.workers:
             worker.zero_grad()
 
     # Per-datum logprobs come back in the caller's order whatever the split.
@@ -153,18 +153,18 @@ def assert_cut_invariant(
     """
     out = whole.forward_backward(datums, loss_fn, cfg).result()
     reference = grads_of(whole)
-    whole.dispatch.executor.workers[0].zero_grad()  # type: ignore[attr-defined]
+    whole.dispatch.executor.workers[0].zero_grad()  # pyright: ignore[reportAttributeAccessIssue]
     assert sum(float(g.norm()) for g in reference.values()) > 0
     out_micro = micro.forward_backward(datums, loss_fn, cfg).result()
     assert rel_error(reference, grads_of(micro)) < REL_TOL
-    micro.dispatch.executor.workers[0].zero_grad()  # type: ignore[attr-defined]
+    micro.dispatch.executor.workers[0].zero_grad()  # pyright: ignore[reportAttributeAccessIssue]
     loss = pytest.approx(out.metrics["loss:sum"], rel=REL_TOL, abs=LOSS_ATOL)
     assert out_micro.metrics["loss:sum"] == loss
     parts = [datums[:2], datums[2:3], datums[3:]]
     losses = [whole.forward_backward(p, loss_fn, cfg).result().metrics["loss:sum"] for p in parts]
     assert rel_error(reference, grads_of(whole)) < REL_TOL
     assert sum(losses) == loss
-    whole.dispatch.executor.workers[0].zero_grad()  # type: ignore[attr-defined]
+    whole.dispatch.executor.workers[0].zero_grad()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 @pytest.mark.parametrize("loss_fn", sorted(LOSSES))

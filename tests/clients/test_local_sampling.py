@@ -19,7 +19,7 @@ PARAMS = SamplingParams(max_tokens=8, seed=3)
 
 
 def replica_of(sampler: LocalSamplingClient) -> torch.nn.Module:
-    held = sampler._sampler  # pyright: ignore[reportPrivateUsage]
+    held = sampler._sampler
     assert held is not None
     return held.model
 
@@ -51,7 +51,7 @@ def assert_holds(
 @pytest.mark.parametrize("lora_rank", [None, 4])
 def test_snapshots_copy_in_memory_and_reuse_released_replicas(tiny_model_dir, tmp_path, lora_rank):
     client = create_training_client(tiny_model_dir, lora_rank=lora_rank, storage_dir=tmp_path)
-    trained = client.dispatch.executor.workers[0].model  # type: ignore[attr-defined]
+    trained = client.dispatch.executor.workers[0].model  # pyright: ignore[reportAttributeAccessIssue]
     datums = sft_datums(client.get_tokenizer(), ["the cat sat", "on the mat"])
     prompt = ModelInput.from_ints(datums[0].model_input.to_ints()[:4])
 
@@ -112,7 +112,7 @@ def test_a_published_snapshot_loads_into_an_idle_replica(tiny_model_dir, tmp_pat
     into a fresh replica from the factory or in place into an idle one."""
     client = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path)
     assert client.worker_factory is not None
-    trained = client.dispatch.executor.workers[0].model  # type: ignore[attr-defined]
+    trained = client.dispatch.executor.workers[0].model  # pyright: ignore[reportAttributeAccessIssue]
     datums = sft_datums(client.get_tokenizer(), ["the cat sat"])
     published = []
     for name in ("one", "two"):

@@ -226,7 +226,7 @@ def test_each_datum_is_checked_once_over_two_ranks(fresh):
         real = datum_checks.check_call
         host.__dict__["real_check_call"] = real
 
-        def check_call(datums, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def check_call(datums, *args, **kwargs):
             seen.extend(tuple(d.model_input.to_ints()) for d in datums)
             return real(datums, *args, **kwargs)
 
@@ -293,7 +293,7 @@ def test_an_exception_mid_update_on_one_rank_retires_the_group(local_ray, tiny_m
         def fails(*args: object, **kwargs: object) -> NoReturn:
             raise RuntimeError("simulated fault in the pass")
 
-        host.worker.forward_backward = fails  # type: ignore[method-assign]
+        host.worker.forward_backward = fails
 
     # Both ranks accept the input; rank 1's pass then fails while rank 0 accumulates gradients.
     # (optim_step, load_state, ... take the same path: see test_ray_executor's read_only test.)

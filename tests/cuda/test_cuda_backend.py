@@ -65,7 +65,7 @@ async def test_ppo_with_a_critic_sft_and_dpo_run_and_resume_on_cuda(tiny_model_d
     assert "critic/value_loss" in gae.metrics
     critic = backend.critic_client(model)
     assert critic is not None
-    worker = critic.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = critic.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     assert {p.device.type for p in worker.model.parameters()} == {"cuda"}
     trajectories = [t for g in synthetic_groups(2) for t in g.trajectories]
     sft = await backend.train_sft(model, trajectories, learning_rate=1e-3, batch_size=4)

@@ -132,7 +132,7 @@ def test_trajectory_reward_is_checked_on_every_assignment():
     assert trajectory.reward == 1.0 and isinstance(trajectory.reward, float)
     for bad in (math.nan, math.inf, "1.0", None, True):
         with pytest.raises(ValueError, match="reward must be a finite number"):
-            trajectory.reward = bad  # type: ignore[assignment]
+            trajectory.reward = bad  # pyright: ignore[reportAttributeAccessIssue]
     assert trajectory.reward == 1.0
     with pytest.raises(ValueError, match="needs its tokens"):
         art.Trajectory(reward=1.0)
@@ -155,9 +155,9 @@ def test_segments_form_and_dataclasses_replace_still_work():
 
 def test_appending_choices_after_construction_updates_the_tokens():
     trajectory = art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}])
-    trajectory.messages_and_choices.append(chat_choice([1], [2]))  # type: ignore[union-attr]
+    trajectory.messages_and_choices.append(chat_choice([1], [2]))  # pyright: ignore[reportOptionalMemberAccess]
     assert trajectory.tokens == [1, 2]
-    trajectory.messages_and_choices.append(chat_choice([1, 2, 3], [4]))  # type: ignore[union-attr]
+    trajectory.messages_and_choices.append(chat_choice([1, 2, 3], [4]))  # pyright: ignore[reportOptionalMemberAccess]
     assert trajectory.tokens == [1, 2, 3, 4]
 
 

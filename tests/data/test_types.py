@@ -105,7 +105,7 @@ def test_sampling_params_stop_kinds():
     assert SamplingParams(stop="\n").stop_strings() == ("\n",)
     assert SamplingParams(stop=[5, 6]).stop_tokens() == (5, 6)
     with pytest.raises(ValueError, match="stop"):
-        SamplingParams(stop=["a", 1])  # type: ignore[list-item]
+        SamplingParams(stop=["a", 1])  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
 
@@ -175,11 +175,11 @@ def test_datum_rejects_bad_inputs_naming_the_key(inputs, match):
 
 def test_datum_rejects_bad_containers():
     with pytest.raises(ValueError, match="loss_fn_inputs must be a mapping"):
-        Datum(ModelInput.from_ints([1]), [1.0])  # type: ignore[arg-type]
+        Datum(ModelInput.from_ints([1]), [1.0])  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="keys must be non-empty strings, got 3"):
-        Datum(ModelInput.from_ints([1]), {3: [1.0]})  # type: ignore[dict-item]
+        Datum(ModelInput.from_ints([1]), {3: [1.0]})  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"model_input must be a posttrain.types.ModelInput"):
-        Datum([1, 2], {})  # type: ignore[arg-type]
+        Datum([1, 2], {})  # pyright: ignore[reportArgumentType]
 
 
 def test_datum_validation_also_runs_on_replace():
@@ -238,16 +238,16 @@ def test_names_and_constructors_match_the_tinker_sdk():
 
 
 def test_train_result_validation():
-    result = TrainResult(step=3, metrics={"loss": np.float32(0.5), "num_updates": 2})  # type: ignore[arg-type]
+    result = TrainResult(step=3, metrics={"loss": np.float32(0.5), "num_updates": 2})  # pyright: ignore[reportArgumentType]
     assert result.metrics == {"loss": 0.5, "num_updates": 2.0}
     assert all(type(v) is float for v in result.metrics.values())
     # A skipped (non-finite) step is reported, not refused: see TrainResult's docstring.
     assert math.isnan(TrainResult(step=0, metrics={"grad_norm": float("nan")}).metrics["grad_norm"])
     for step in (-1, True, 1.0, "2"):
         with pytest.raises(ValueError, match=r"TrainResult.step must be an int >= 0"):
-            TrainResult(step=step, metrics={})  # type: ignore[arg-type]
+            TrainResult(step=step, metrics={})  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"TrainResult.metrics\['loss'\] must be a number"):
-        TrainResult(step=1, metrics={"loss": "low"})  # type: ignore[dict-item]
+        TrainResult(step=1, metrics={"loss": "low"})  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"metrics\['done'\] must be a number"):
         TrainResult(step=1, metrics={"done": True})
     with pytest.raises(ValueError, match="metrics keys must be non-empty strings"):

@@ -34,11 +34,11 @@ def count_checks(monkeypatch: pytest.MonkeyPatch) -> CheckCounts:
     counts = CheckCounts()
     real_call, real_values = datum_checks.check_call, datum_checks.check_loss_values
 
-    def check_call(datums, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def check_call(datums, *args, **kwargs):
         counts.call.update(rows(datums))
         return real_call(datums, *args, **kwargs)
 
-    def check_loss_values(datums, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def check_loss_values(datums, *args, **kwargs):
         # Given the whole call and the rows of each micro-batch: count the rows checked.
         micro_batches = args[2] if len(args) > 2 else kwargs["micro_batches"]
         counts.values.update(rows([datums[r] for rows_ in micro_batches for r in rows_]))

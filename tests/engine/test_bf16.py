@@ -47,7 +47,7 @@ def logprobs(path: Path, dtype: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_bf16_logprobs_agree_with_fp32(size: str) -> None:
-    path = tiny_model_path(size=size)  # type: ignore[arg-type]
+    path = tiny_model_path(size=size)  # pyright: ignore[reportArgumentType]
     fp32, bf16 = logprobs(path, "float32"), logprobs(path, "bfloat16")
     assert fp32.dtype == bf16.dtype == torch.float32  # reported in fp32 either way
     assert not torch.equal(fp32, bf16)  # the bf16 path really ran
@@ -56,7 +56,7 @@ def test_bf16_logprobs_agree_with_fp32(size: str) -> None:
 
 def test_lora_trains_fp32_adapters_on_a_bf16_base(tiny_model_dir: Path) -> None:
     client = create_training_client(tiny_model_dir, lora_rank=4, dtype="bfloat16", device="cpu")
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     trainable = worker.trainable_parameters()
     assert trainable and {p.dtype for p in trainable.values()} == {torch.float32}
     frozen = {p.dtype for p in worker.model.parameters() if not p.requires_grad}

@@ -203,7 +203,7 @@ def _run_child(kind: Kind, path: Path, model, optimizer, kill_at: int, torn: boo
         code = CRASHED
         try:
             if not kind.exchange:
-                atomic_replace._exchange = lambda a, b: False  # type: ignore[assignment]
+                atomic_replace._exchange = lambda a, b: False
             _Killer(kill_at, torn).install()
             _save(kind, path, model, optimizer, "new")
             code = COMPLETED

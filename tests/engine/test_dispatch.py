@@ -66,7 +66,7 @@ def test_each_prepare_moves_in_one_executor_call(tiny_model_dir, tmp_path, monke
     batches: list[tuple[list[str], list[str]]] = []
     real = executor.move
 
-    def recorded(offload, reload):  # type: ignore[no-untyped-def]
+    def recorded(offload, reload):
         batches.append((list(offload), list(reload)))
         real(offload, reload)
 
@@ -95,10 +95,10 @@ def test_a_move_that_fails_on_one_worker_is_redone(tiny_model_dir, tmp_path, mon
     (worker 0 would refuse the next forward_backward forever) nor forget them (offload() must
     park worker 1's). The run then ends where one without the fault does."""
     faulty, clean = (two_workers(tiny_model_dir, tmp_path / name) for name in ("faulty", "clean"))
-    second = faulty.dispatch.executor.workers[1]  # type: ignore[attr-defined]
+    second = faulty.dispatch.executor.workers[1]  # pyright: ignore[reportAttributeAccessIssue]
     real = second.parking.offload
 
-    def fails_on_grads(group):  # type: ignore[no-untyped-def]
+    def fails_on_grads(group):
         if group == "grads":
             raise RuntimeError("simulated device failure")
         real(group)
@@ -111,12 +111,12 @@ def test_a_move_that_fails_on_one_worker_is_redone(tiny_model_dir, tmp_path, mon
     monkeypatch.setattr(second.parking, "offload", real)
     assert "grads" not in faulty.dispatch.resident
     faulty.offload().result()  # parks worker 1's gradients; worker 0's stay parked as they were
-    for worker in faulty.dispatch.executor.workers:  # type: ignore[attr-defined]
+    for worker in faulty.dispatch.executor.workers:  # pyright: ignore[reportAttributeAccessIssue]
         assert worker.parking.offloaded == {"weights", "grads", "optimizer"}
     for client in (faulty, clean):
         client.forward_backward(datums(1), "cross_entropy").result()
         client.optim_step(AdamParams(learning_rate=1e-2)).result()
-    pairs = zip(faulty.dispatch.executor.workers, clean.dispatch.executor.workers, strict=True)  # type: ignore[attr-defined]
+    pairs = zip(faulty.dispatch.executor.workers, clean.dispatch.executor.workers, strict=True)  # pyright: ignore[reportAttributeAccessIssue]
     for a, b in pairs:
         wa, wb = a.trainable_parameters(), b.trainable_parameters()
         assert all(torch.equal(wa[n], wb[n]) for n in wb)

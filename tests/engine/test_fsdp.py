@@ -86,7 +86,7 @@ def test_micro_batches_are_planned_longest_first(host, tiny_model_dir, monkeypat
     # fp32 kernels on the same rows; 1e-6 covers a different row grouping's rounding).
     plain = WorkerSpec(str(tiny_model_dir), None, "cpu", "float32", WorkerConfig(), seed=0).build()
     expected = plain.forward_backward(datums, "cross_entropy", config)
-    for got, want in zip(result.logprobs, expected.logprobs, strict=True):  # type: ignore[union-attr]
+    for got, want in zip(result.logprobs, expected.logprobs, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
@@ -129,7 +129,7 @@ def test_a_tied_embedding_stays_tied_and_replicated(tied_model_dir, tmp_path, lo
         for _ in range(2):
             got = made.forward_backward(PassShard(data, "cross_entropy", config))
             want = plain.forward_backward(data, "cross_entropy", config)
-            for a, b in zip(got.logprobs, want.logprobs, strict=True):  # type: ignore[union-attr]
+            for a, b in zip(got.logprobs, want.logprobs, strict=True):  # pyright: ignore[reportAttributeAccessIssue, reportOptionalMemberAccess]
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
             made.optim_step(AdamParams(learning_rate=1e-2))
             plain.optim_step(AdamParams(learning_rate=1e-2))

@@ -49,7 +49,7 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     def counted(path: Path, out: Path, **kwargs: object) -> None:
         calls.append(path)
-        convert(path, out, **kwargs)  # type: ignore[arg-type]
+        convert(path, out, **kwargs)  # pyright: ignore[reportArgumentType]
 
     monkeypatch.setattr(gguf_import, "convert_gguf", counted)
     return calls

@@ -109,7 +109,7 @@ def test_lora_settings_defaults_and_checks() -> None:
         (dict(train_attn=False, train_mlp=False, train_unembed=False), "at least one"),
     ]:
         with pytest.raises(ValueError, match=match):
-            LoraSettings(**kwargs)  # type: ignore[arg-type]
+            LoraSettings(**kwargs)
 
 
 FLAGS = [

@@ -23,7 +23,7 @@ def _mult(step: int, decay: str = "cosine", min_lr_ratio: float = 0.1) -> float:
         step,
         warmup_steps=4,
         total_steps=12,
-        decay=decay,  # type: ignore[arg-type]
+        decay=decay,  # pyright: ignore[reportArgumentType]
         min_lr_ratio=min_lr_ratio,
     )
 
@@ -70,7 +70,7 @@ def test_decay_invariants(warmup: int, extra: int, min_lr_ratio: float, decay: s
             step,
             warmup_steps=warmup,
             total_steps=total,
-            decay=decay,  # type: ignore[arg-type]
+            decay=decay,  # pyright: ignore[reportArgumentType]
             min_lr_ratio=min_lr_ratio,
         )
 

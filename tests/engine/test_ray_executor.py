@@ -123,9 +123,9 @@ def test_buckets_keep_order_and_bound_size():
 
 def test_ray_options_need_the_ray_executor(tiny_model_dir):
     with pytest.raises(ValueError, match="need executor='ray'"):
-        create_training_client(tiny_model_dir, address="auto")  # type: ignore[call-overload]
+        create_training_client(tiny_model_dir, address="auto")  # pyright: ignore[reportCallIssue]
     with pytest.raises(ValueError, match="executor must be 'local' or 'ray'"):
-        create_training_client(tiny_model_dir, executor="mpi")  # type: ignore[arg-type]
+        create_training_client(tiny_model_dir, executor="mpi")  # pyright: ignore[reportCallIssue, reportArgumentType]
     with pytest.raises(ValueError, match="'GPU' share"):
         create_training_client(tiny_model_dir, executor="ray", device="cuda")
 
@@ -167,7 +167,7 @@ def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path, monkeypatch):
         assert host.worker.parking.offloaded == {"optimizer"}
         host.move([], ["optimizer"])
         assert host.worker.parking.offloaded == set()
-        assert computed and all(torch.equal(params[n].grad, g) for n, g in computed.items())  # type: ignore[arg-type]
+        assert computed and all(torch.equal(params[n].grad, g) for n, g in computed.items())  # pyright: ignore[reportArgumentType]
         untouched = next(iter(params))
         params[untouched].grad = None
         before = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
@@ -175,7 +175,7 @@ def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path, monkeypatch):
         # A gradient absent on every rank stays absent (AdamW then leaves that weight alone);
         # the others are the sum over one rank, i.e. unchanged.
         assert params[untouched].grad is None
-        assert all(torch.equal(params[n].grad, g) for n, g in before.items())  # type: ignore[arg-type]
+        assert all(torch.equal(params[n].grad, g) for n, g in before.items())  # pyright: ignore[reportArgumentType]
         digest = host.weight_digest()
         assert len(digest) == 64 and digest == host.weight_digest()
     finally:

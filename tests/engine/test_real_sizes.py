@@ -58,7 +58,7 @@ PARAMETERS = {"qwen2.5-0.5b": 494_032_768, "llama3.2-1b": 1_235_814_400}
 
 @pytest.mark.parametrize("size", sorted(PUBLISHED))
 def test_config_is_the_published_one(size: str) -> None:
-    config = build_config(size=size)  # type: ignore[arg-type]
+    config = build_config(size=size)  # pyright: ignore[reportArgumentType]
     assert {key: getattr(config, key) for key in PUBLISHED[size]} == PUBLISHED[size]
     assert config.rope_parameters == ROPE[size]
     # On the meta device: shapes only, no 2-5 GB of weights.

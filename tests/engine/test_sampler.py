@@ -149,7 +149,7 @@ def test_lora_logprobs_use_current_adapter_weights(
     lp = sampler.compute_logprobs(PROMPTS[0])
     assert lp[0] is None
     expected = teacher_forced(peft_model, PROMPTS[0][:1], PROMPTS[0][1:])
-    assert max(abs(a - b) for a, b in zip(lp[1:], expected, strict=True)) <= ATOL  # type: ignore[operator]
+    assert max(abs(a - b) for a, b in zip(lp[1:], expected, strict=True)) <= ATOL  # pyright: ignore[reportOptionalOperand]
 
 
 def test_compute_logprobs_match_teacher_forcing(model: nn.Module, sampler: Sampler) -> None:
@@ -157,7 +157,7 @@ def test_compute_logprobs_match_teacher_forcing(model: nn.Module, sampler: Sampl
         lp = sampler.compute_logprobs(prompt)
         assert len(lp) == len(prompt) and lp[0] is None
         expected = teacher_forced(model, prompt[:1], prompt[1:])
-        assert max(abs(a - b) for a, b in zip(lp[1:], expected, strict=True)) <= ATOL  # type: ignore[operator]
+        assert max(abs(a - b) for a, b in zip(lp[1:], expected, strict=True)) <= ATOL  # pyright: ignore[reportOptionalOperand]
     assert sampler.compute_logprobs([5]) == [None]
     params = SamplingParams(max_tokens=2, seed=0)
     responses = sampler.sample(PROMPTS, 1, params, include_prompt_logprobs=True)
@@ -357,6 +357,6 @@ def test_bad_inputs(sampler: Sampler) -> None:
         sampler.compute_logprobs([1] * 513)
     assert len(sampler.compute_logprobs([1] * 512)) == 512
     with pytest.raises(ValueError, match="must be a sequence of token ids"):
-        sampler.sample([1, 2, 3], 1, params)  # type: ignore[list-item]
+        sampler.sample([1, 2, 3], 1, params)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="prompt is empty"):
         sampler.compute_logprobs([])

@@ -169,7 +169,7 @@ def test_bad_entropy_fields() -> None:
     with pytest.raises(ValueError, match=r"TokenSegment.entropies has 1 values for 2 tokens"):
         TokenSegment((1, 2), True, (-0.1, -0.2), entropies=(0.3,))
     with pytest.raises(ValueError, match=r"SamplingParams\.entropies must be true or false"):
-        SamplingParams(entropies=1)  # type: ignore[arg-type]
+        SamplingParams(entropies=1)  # pyright: ignore[reportArgumentType]
     # The Tinker protocol has no field for them: refused before any request, with the way out.
     with pytest.raises(ValueError, match=r"entropies=True: the Tinker protocol.*LocalBackend"):
         to_tinker_sampling_params(SamplingParams(entropies=True))

@@ -215,7 +215,7 @@ def test_shared_pass_under_disabled_adapters_is_the_base_model(tiny_model_dir):
     batch = pad_datums(datums)
     with torch.no_grad(), adapters_disabled(model):
         shared = decoder_hidden(
-            causal_lm(model).get_decoder(),  # type: ignore[operator]
+            causal_lm(model).get_decoder(),  # pyright: ignore[reportCallIssue]
             batch.input_ids_BT,
             batch.pad_mask_BT,
             groups,

@@ -108,7 +108,7 @@ def test_train_unembed_adapts_the_shared_matrix_once(tied_model_dir: Path, tmp_p
     `ensure_weight_tying` layout), trained as one Parameter per factor. PEFT loads the adapter
     as is; merging the embedding's delta alone gives the model a tied matrix of W + s (B A)^T."""
     client, path = trained(tied_model_dir, tmp_path, train_unembed=True)
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     tied_names = [n for n in worker.trainable_parameters() if "embed" in n or "lm_head" in n]
     assert sorted(tied_names) == [
         "base_model.model.model.embed_tokens.lora_embedding_A.default",
@@ -183,7 +183,7 @@ def test_full_fine_tuning_trains_and_restores_one_tied_matrix(
     """Full fine-tuning of a tied model trains the one matrix (a single Parameter under the
     embedding's name) and a checkpoint, which holds it once, restores it tied."""
     client = create_training_client(tied_model_dir, seed=0, storage_dir=tmp_path / "a")
-    worker = client.dispatch.executor.workers[0]  # type: ignore[attr-defined]
+    worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     names = list(worker.trainable_parameters())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     client.forward_backward(datums(0), "cross_entropy").result()
@@ -193,7 +193,7 @@ def test_full_fine_tuning_trains_and_restores_one_tied_matrix(
     want = logprobs_of(client, data)
     restored = create_training_client(tied_model_dir, seed=1, storage_dir=tmp_path / "b")
     restored.load_state(path).result()
-    lm: Any = restored.dispatch.executor.workers[0].model  # type: ignore[attr-defined]
+    lm: Any = restored.dispatch.executor.workers[0].model  # pyright: ignore[reportAttributeAccessIssue]
     assert lm.lm_head.weight is lm.model.embed_tokens.weight
     assert torch.equal(logprobs_of(restored, data), want)
     client.close()

@@ -99,7 +99,7 @@ def test_round_trip(text: str) -> None:
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_both_archs_tokenise_identically_after_loading(tmp_path: Path, arch: str) -> None:
     # transformers swaps in Qwen2Tokenizer for any qwen2 directory; the ids must not change.
-    path = make_tiny_model(tmp_path, arch=arch)  # type: ignore[arg-type]
+    path = make_tiny_model(tmp_path, arch=arch)  # pyright: ignore[reportArgumentType]
     loaded = AutoTokenizer.from_pretrained(path)
     fresh = build_tokenizer()
     text = "Ünïcode  spaces\n\tand 's 're 123 <|eos|>"
@@ -159,7 +159,7 @@ def test_same_seed_same_bits_other_seed_differs(tmp_path: Path) -> None:
     ],
 )
 def test_parameter_counts_match_docstring(arch: str, size: str, expected: int) -> None:
-    config = build_config(arch, size)  # type: ignore[arg-type]
+    config = build_config(arch, size)  # pyright: ignore[reportArgumentType]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == expected
@@ -168,9 +168,9 @@ def test_parameter_counts_match_docstring(arch: str, size: str, expected: int) -
 
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch must be one of"):
-        make_tiny_model(tmp_path, arch="gpt2")  # type: ignore[arg-type]
+        make_tiny_model(tmp_path, arch="gpt2")  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="size must be one of"):
-        make_tiny_model(tmp_path, size="huge")  # type: ignore[arg-type]
+        make_tiny_model(tmp_path, size="huge")  # pyright: ignore[reportArgumentType]
 
 
 def test_cache_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

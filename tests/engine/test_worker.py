@@ -78,10 +78,10 @@ def test_clipping_reports_the_norm_before_and_steps_on_clipped_grads(worker: Wor
     adam = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     reference = copy.deepcopy(worker.model)
     ref_params = [p for p in reference.parameters() if p.requires_grad]
-    plain = torch.optim.AdamW(ref_params, **adam, foreach=False)  # type: ignore[arg-type]
+    plain = torch.optim.AdamW(ref_params, **adam, foreach=False)
     unclipped_model = copy.deepcopy(worker.model)
     unclipped_params = [p for p in unclipped_model.parameters() if p.requires_grad]
-    unclipped = torch.optim.AdamW(unclipped_params, **adam, foreach=False)  # type: ignore[arg-type]
+    unclipped = torch.optim.AdamW(unclipped_params, **adam, foreach=False)
     params = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     for step, seed in enumerate((0, 1)):
         worker.forward_backward(datums(seed), "cross_entropy", CE)
@@ -123,7 +123,7 @@ def test_a_failed_forward_backward_leaves_gradients_untouched(
     real = worker_module.target_logprobs
     calls = []
 
-    def fail_on_second(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def fail_on_second(*args, **kwargs):
         # A runtime fault (out of memory, say) in the second micro-batch, after the first
         # micro-batch's backward already accumulated into the gradients.
         calls.append(1)
@@ -138,7 +138,7 @@ def test_a_failed_forward_backward_leaves_gradients_untouched(
     after = worker.grads()
     assert {n: id(g) for n, g in after.items()} == before_ids  # the very same tensors
     for name, grad in before.items():
-        assert torch.equal(after[name], grad), name  # type: ignore[arg-type]
+        assert torch.equal(after[name], grad), name  # pyright: ignore[reportArgumentType]
 
 
 def test_offloaded_state_is_refused_until_reloaded(worker: Worker) -> None:
@@ -154,7 +154,7 @@ def test_offloaded_state_is_refused_until_reloaded(worker: Worker) -> None:
     with pytest.raises(RuntimeError, match="weights"):
         worker.forward(datums(1), "cross_entropy", CE)
     worker.move([], ["weights", "grads", "optimizer"])
-    assert all(torch.equal(g, worker.grads()[n]) for n, g in grads.items())  # type: ignore[arg-type]
+    assert all(torch.equal(g, worker.grads()[n]) for n, g in grads.items())  # pyright: ignore[reportArgumentType]
     assert worker.optim_step(AdamParams())["skipped:sum"] == 0.0
 
 
@@ -224,7 +224,7 @@ def test_the_up_front_check_holds_one_micro_batch_at_a_time(
     seen: list[tuple[int, ...]] = []
     real = datum_checks.pad_datums
 
-    def recording(rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def recording(rows, *args, **kwargs):
         batch = real(rows, *args, **kwargs)
         seen.append(tuple(batch.pad_mask_BT.shape))
         return batch
@@ -236,7 +236,7 @@ def test_the_up_front_check_holds_one_micro_batch_at_a_time(
     with pytest.raises(ValueError, match=r"'logprobs'.*NaN"):
         worker.forward_backward(policy_datums(True), "importance_sampling", CE)
     after = worker.grads()
-    assert all(torch.equal(g, after[n]) for n, g in grads.items())  # type: ignore[arg-type]
+    assert all(torch.equal(g, after[n]) for n, g in grads.items())  # pyright: ignore[reportArgumentType]
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
@@ -244,7 +244,7 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     calls: list[int] = []
     real = getattr(datum_checks, name)
 
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 

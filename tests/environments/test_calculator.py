@@ -50,7 +50,7 @@ def test_malformed_calls_carry_what_is_wrong(text, error):
     assert content == "" and len(calls) == 1
     assert calls[0].error is not None and error in calls[0].error
     # Kept as written, so the conversation shows what the model sent.
-    assert calls[0].as_message_entry()["function"]["arguments"] == calls[0].raw  # type: ignore[index]
+    assert calls[0].as_message_entry()["function"]["arguments"] == calls[0].raw  # pyright: ignore[reportIndexIssue]
 
 
 def test_evaluate_expression_is_arithmetic_only():
@@ -77,14 +77,14 @@ def test_reset_is_seeded_and_the_splits_are_disjoint():
     first = env.reset(7, "train")
     assert isinstance(first, Reset)
     assert [m["role"] for m in first.messages] == ["system", "user"]
-    assert first.tools is not None and first.tools[0]["function"]["name"] == TOOL_NAME  # type: ignore[index]
+    assert first.tools is not None and first.tools[0]["function"]["name"] == TOOL_NAME  # pyright: ignore[reportIndexIssue]
     assert CalculatorEnv().reset(7, "train") == first
     train = {CalculatorEnv().reset(s, "train").messages[-1]["content"] for s in range(300)}
     held = {CalculatorEnv().reset(s, "held_out").messages[-1]["content"] for s in range(300)}
     assert len(train) > 200 and len(held) > 10  # 2 terms of 0..99 and 3 operations: many
     assert not train & held
     with pytest.raises(ValueError, match="split must be one of"):
-        env.reset(0, "test")  # type: ignore[arg-type]
+        env.reset(0, "test")  # pyright: ignore[reportArgumentType]
 
 
 def test_a_call_is_answered_by_a_tool_message_and_recorded_as_tool_calls():

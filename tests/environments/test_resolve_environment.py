@@ -81,12 +81,12 @@ def test_builtin_with_options():
 def test_dotted_paths_and_entry_points(packages):
     by_class = resolve_environment("myenvs:Echo", {"word": "ok"})
     assert (by_class.kind, by_class.target) == ("path", "myenvs:Echo")
-    assert by_class.make().word == "ok" and not by_class.demonstrates  # type: ignore[attr-defined]
+    assert by_class.make().word == "ok" and not by_class.demonstrates  # pyright: ignore[reportAttributeAccessIssue]
     by_function = resolve_environment("myenvs:make_echo")
-    assert by_function.make().word == "yo"  # type: ignore[attr-defined]
+    assert by_function.make().word == "yo"  # pyright: ignore[reportAttributeAccessIssue]
     installed = resolve_environment("echo", {"word": "hey"})
     assert (installed.kind, installed.target) == ("entry_point", "myenvs:make_echo")
-    assert installed.make().word == "hey"  # type: ignore[attr-defined]
+    assert installed.make().word == "hey"  # pyright: ignore[reportAttributeAccessIssue]
     with pytest.raises(EnvironmentSpecError, match=r"unknown environment 'ecko'; did you mean"):
         resolve_environment("ecko")
 
@@ -117,14 +117,14 @@ def _config(tmp_path, run: str, extra: str = "") -> object:
 def test_the_job_names_run_environment_and_the_config_file(packages, tmp_path):
     path = _config(tmp_path, "myenvs:make_nothing")
     with pytest.raises(JobTaskError) as caught:
-        resolve_job_environment(load_config(path))  # type: ignore[arg-type]
+        resolve_job_environment(load_config(path))  # pyright: ignore[reportArgumentType]
     assert caught.value.option == "[run] environment"
     assert str(caught.value).startswith(f"[run] environment in {path}: environment ")
     assert "returned a dict, which is not an Environment" in str(caught.value)
     # [sft] examples needs demonstrations, which Echo has not.
     path = _config(tmp_path, "myenvs:Echo", "[sft]\nexamples = 4\n")
     with pytest.raises(JobTaskError, match=r"\[sft\] examples in .*has no demonstration\(\)"):
-        resolve_job_environment(load_config(path))  # type: ignore[arg-type]
+        resolve_job_environment(load_config(path))  # pyright: ignore[reportArgumentType]
 
 
 def test_explain_and_doctor_resolve_the_environment(packages, tmp_path, capsys):

@@ -94,7 +94,7 @@ async def test_a_tool_episode_trains_exactly_the_sampled_assistant_tokens():
     rendered = render_chat(tok, as_sampled, False, tools=reset.tools)
     assert rendered == [*trajectory.tokens, ord("\n")]  # it ends at the EOS it sampled
     # Which tokens are trainable, by an independent rule: the SFT converter's.
-    expected = conversation_to_trajectory(as_sampled, tok, tools=reset.tools)  # type: ignore[arg-type]
+    expected = conversation_to_trajectory(as_sampled, tok, tools=reset.tools)
     assert flat(trajectory) == flat(expected)
     # The second prompt was the first one, the sampled turn, "\n" and the tool's user turn.
     second_prompt = sampler.calls[1][0][0]
@@ -103,7 +103,7 @@ async def test_a_tool_episode_trains_exactly_the_sampled_assistant_tokens():
         tool_turn + "<|eos|>\n<|im_start|>assistant\n"
     )
     recorded = trajectory.messages[len(reset.messages)]
-    assert recorded["tool_calls"][0]["function"]["arguments"] == {"expression": expression}  # type: ignore[index]
+    assert recorded["tool_calls"][0]["function"]["arguments"] == {"expression": expression}  # pyright: ignore[reportIndexIssue]
     assert render_chat(tok, trajectory.messages, False, tools=reset.tools) != rendered
 
 
@@ -199,7 +199,7 @@ async def test_a_failing_episode_is_dropped_whole_and_reported(fault, message):
     Flaky.closed = []
     sampler = ScriptedSampler(tok, ["ok", "ok"])
     played = await run_episodes(
-        sampler, lambda: Flaky(fault), [12, 13], PARAMS, group_size=2, max_exceptions=None,  # type: ignore[arg-type]
+        sampler, lambda: Flaky(fault), [12, 13], PARAMS, group_size=2, max_exceptions=None,  # pyright: ignore[reportArgumentType]
         name="flaky",
     )  # fmt: skip
     assert len(played.errors) == 2 and played.episodes == 4
@@ -211,19 +211,19 @@ async def test_a_failing_episode_is_dropped_whole_and_reported(fault, message):
     assert sorted(Flaky.closed) == [12, 12, 13, 13]
     # By default (max_exceptions=0) one failure raises.
     with pytest.raises(EpisodeError, match="seed 13"):
-        await run_episodes(ScriptedSampler(tok, ["ok"]), lambda: Flaky(fault), [12, 13], PARAMS)  # type: ignore[arg-type]
+        await run_episodes(ScriptedSampler(tok, ["ok"]), lambda: Flaky(fault), [12, 13], PARAMS)  # pyright: ignore[reportArgumentType]
 
 
 async def test_a_factory_that_fails_or_makes_no_environment_is_an_episode_error():
     sampler = ScriptedSampler(build_tokenizer(), [])
     with pytest.raises(EpisodeError, match="the factory made a object, which lacks reset, step"):
-        await run_episodes(sampler, object, [0], PARAMS)  # type: ignore[arg-type]
+        await run_episodes(sampler, object, [0], PARAMS)  # pyright: ignore[reportArgumentType]
 
     def broken():
         raise OSError("no sandbox left")
 
     with pytest.raises(EpisodeError, match="seed 0, turn 0: the factory raised OSError: no sand"):
-        await run_episodes(sampler, broken, [0], PARAMS)  # type: ignore[arg-type]
+        await run_episodes(sampler, broken, [0], PARAMS)
 
 
 class Count:
@@ -288,7 +288,7 @@ def test_run_episodes_checks_its_arguments():
         ({"split": "dev"}, "split must be one of"),
     ]:
         with pytest.raises(ValueError, match=message):
-            asyncio.run(run_episodes(sampler, CalculatorEnv, [0], PARAMS, **kwargs))  # type: ignore[arg-type]
+            asyncio.run(run_episodes(sampler, CalculatorEnv, [0], PARAMS, **kwargs))
     with pytest.raises(ValueError, match=r"needs SamplingParams\.max_tokens"):
         asyncio.run(
             run_episodes(

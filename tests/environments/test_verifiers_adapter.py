@@ -122,7 +122,7 @@ async def test_a_multi_turn_verifiers_env_trains_exactly_its_assistant_turns(
         # The two replies are trainable; the prompt, the env's user turn and the template's
         # tokens between them are context.
         assert [s.trainable for s in trajectory.segments] == [False, True, False, True]
-        between = tokenizer.decode(trajectory.segments[2].tokens)  # type: ignore[attr-defined]
+        between = tokenizer.decode(trajectory.segments[2].tokens)  # pyright: ignore[reportArgumentType]
         assert between == "<|im_start|>user\nagain<|eos|><|im_start|>assistant\n"
         roles = [m["role"] for m in trajectory.messages]
         assert roles == ["user", "assistant", "user", "assistant"]

@@ -91,7 +91,7 @@ def test_a_job_bounds_an_endless_taskset_and_names_its_seat():
     config = parse_config(arena, source=HERE / "job.toml")
     resolved, problems = environment_problems(config)
     assert problems == [] and resolved is not None
-    work = VerifiersWork(resolved, config, model=None)  # type: ignore[arg-type]  # never played
+    work = VerifiersWork(resolved, config, model=None)  # pyright: ignore[reportArgumentType]  # never played
     assert work.held_out == 1 and len(work.train_tasks) == 3
     endless = {**arena, "environment": {"player": {"runtime": {"type": "subprocess"}}}}
     _, problems = environment_problems(parse_config(endless, source=HERE / "job.toml"))

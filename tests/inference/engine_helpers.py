@@ -44,7 +44,7 @@ async def worst_logprob_gap(
     for prompt, response in zip(prompts, responses, strict=True):
         for sequence in response.sequences:
             tokens = [*prompt, *sequence.tokens]
-            scored = await client.compute_logprobs(ModelInput.from_ints(tokens))  # type: ignore[attr-defined]
+            scored = await client.compute_logprobs(ModelInput.from_ints(tokens))  # pyright: ignore[reportAttributeAccessIssue]
             want = torch.tensor([float(x) for x in scored[len(prompt) :]])
             assert sequence.logprobs is not None
             worst = max(worst, (torch.tensor(sequence.logprobs) - want).abs().max().item())

@@ -44,7 +44,7 @@ def plain() -> Iterator[StubServer]:
 
 async def open_session(url: str, tiny_model_dir: Path, tmp_path: Path, **fields: str):
     client = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "c")
-    config = InferenceConfig(engine="openai", url=url, model="m", **fields)  # type: ignore[arg-type]
+    config = InferenceConfig(engine="openai", url=url, model="m", **fields)  # pyright: ignore[reportArgumentType]
     try:
         return client, await EngineSession.open(
             config,

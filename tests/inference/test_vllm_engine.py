@@ -92,7 +92,7 @@ async def test_fp32_logprobs_match_the_trainer(lora_run):
     # truncation (vLLM's processed_logprobs), checked against the training model's logits.
     hot = SamplingParams(max_tokens=16, seed=3, stop=[], temperature=0.7)
     responses = await sampler.sample_many(PROMPTS, 2, hot)
-    net = backend.client(model).dispatch.executor.workers[0].model  # type: ignore[attr-defined]
+    net = backend.client(model).dispatch.executor.workers[0].model
     worst = 0.0
     for prompt, response in zip(PROMPTS, responses, strict=True):
         for sequence in response.sequences:

@@ -64,7 +64,7 @@ def _sampler_groups(sampler: ModelSampler, seen: dict[int, list[int]]) -> Sample
 async def _registered(
     path: Path, base: Path, **backend: object
 ) -> tuple[LocalBackend, TrainableModel]:
-    local = LocalBackend(path, **backend)  # type: ignore[arg-type]
+    local = LocalBackend(path, **backend)  # pyright: ignore[reportArgumentType]
     model = TrainableModel(name="m", project="p", base_model=str(base), lora_rank=4, seed=0)
     await model.register(local)
     return local, model
@@ -152,13 +152,13 @@ async def test_split_engine_samples_while_the_trainer_trains(tiny_model_dir: Pat
             assert threading.current_thread() is not threading.main_thread()
             began = time.perf_counter()
             try:
-                return forward_backward(*args, **kwargs)  # type: ignore[arg-type]
+                return forward_backward(*args, **kwargs)  # pyright: ignore[reportArgumentType]
             finally:
                 computing.append((began, time.perf_counter()))
 
-        dispatch.forward_backward = timed_forward_backward  # type: ignore[method-assign]
+        dispatch.forward_backward = timed_forward_backward  # pyright: ignore[reportAttributeAccessIssue]
         trainer_sampled: list[object] = []  # the trainer's own sampler: never used when split
-        dispatch.sample = lambda *args, **kwargs: trainer_sampled.append(args)  # type: ignore[method-assign]
+        dispatch.sample = lambda *args, **kwargs: trainer_sampled.append(args)  # pyright: ignore[reportAttributeAccessIssue]
         seen: dict[int, list[int]] = {}
         inner = _sampler_groups(backend.sampling_client(model), seen)
 

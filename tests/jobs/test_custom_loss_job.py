@@ -50,10 +50,10 @@ def entry_point_loss(tmp_path, monkeypatch):
     )
     clients = Path(__file__).parents[1] / "clients"
     monkeypatch.setattr(sys, "path", [str(site), str(clients), *sys.path])
-    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # pyright: ignore[reportPrivateUsage]
-    registry._entry_points.cache_clear()  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))
+    registry._entry_points.cache_clear()
     yield "weighted_sum"
-    registry._entry_points.cache_clear()  # pyright: ignore[reportPrivateUsage]
+    registry._entry_points.cache_clear()
 
 
 @pytest.mark.parametrize("backend", ["local", "tinker"])
@@ -63,7 +63,7 @@ def test_an_entry_point_loss_passes_preflight(tmp_path, entry_point_loss, backen
 
 
 def test_a_dotted_path_loss_loads_from_beside_the_config(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))
     (tmp_path / "job_losses_ok.py").write_text(LOSS_MODULE)
     job = _job(tmp_path, "job_losses_ok:reinforce")
     assert job.rl.trainer.policy_loss == "job_losses_ok:reinforce"
@@ -77,7 +77,7 @@ def test_a_dotted_path_loss_loads_from_beside_the_config(tmp_path, monkeypatch):
 
 
 async def test_a_job_trains_with_a_dotted_path_loss(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))
     (tmp_path / "job_losses_run.py").write_text(LOSS_MODULE)
     result = await run_job(_job(tmp_path, "job_losses_run:reinforce"), echo=lambda _: None)
     history = [json.loads(line) for line in (result.run_dir / "history.jsonl").open()]

@@ -60,7 +60,7 @@ async def test_rl_steps_warn_nothing(
     shared_passes: list[int] = []
     real_pass = shared_prefix._shared_pass
 
-    def counting_pass(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting_pass(*args, **kwargs):
         shared_passes.append(1)
         return real_pass(*args, **kwargs)
 

@@ -51,15 +51,15 @@ def test_explain_and_preflight_judge_the_job_with_its_teacher(tmp_path):
     mixed = _job(tmp_path, {"model": "tiny:qwen2:tiny:1"}, distill_reward_coef=0.5)
     report = explain(mixed)
     assert report["preflight"] == {"ok": True, "problems": []}
-    assert report["config"]["teacher"]["model"] == "tiny:qwen2:tiny:1"  # type: ignore[index]
+    assert report["config"]["teacher"]["model"] == "tiny:qwen2:tiny:1"  # pyright: ignore[reportIndexIssue]
     # Without a teacher, distill_reward_coef is refused; with one, what distillation replaces.
     alone = explain(_job(tmp_path, None, distill_reward_coef=0.5))["preflight"]
-    assert [p["option"] for p in alone["problems"]] == ["distill_reward_coef"]  # type: ignore[index]
+    assert [p["option"] for p in alone["problems"]] == ["distill_reward_coef"]  # pyright: ignore[reportIndexIssue]
     transform = _job(tmp_path, {"model": "tiny:qwen2:tiny:1"}, token_transform="gtpo")
-    options = [p["option"] for p in explain(transform)["preflight"]["problems"]]  # type: ignore[index]
+    options = [p["option"] for p in explain(transform)["preflight"]["problems"]]  # pyright: ignore[reportIndexIssue]
     assert options == ["token_transform"]
     missing = _job(tmp_path, {"model": str(tmp_path / "no-such-model")})
-    [problem] = explain(missing)["preflight"]["problems"]  # type: ignore[misc]
+    [problem] = explain(missing)["preflight"]["problems"]  # pyright: ignore[reportIndexIssue]
     assert problem["option"] == "[teacher] model"
     served = {"url": "http://127.0.0.1:9", "base_model": "m", "api_key": "tml-SECRET"}
     shown = json.dumps(explain(_job(tmp_path, served)))

@@ -89,7 +89,7 @@ def test_greedy_sampling_is_generate_and_its_logprobs_are_the_trainers(fp32) -> 
     prompts = chats(tokenizer)
     batch = [ModelInput.from_ints(p) for p in prompts]
     responses = fp32.sample_many(batch, 1, GREEDY).result()  # one left-padded batch
-    model: Any = fp32.dispatch.executor.workers[0].model  # type: ignore[attr-defined]
+    model: Any = fp32.dispatch.executor.workers[0].model
     for prompt, response in zip(prompts, responses, strict=True):
         ids = torch.tensor([prompt])
         with torch.no_grad():

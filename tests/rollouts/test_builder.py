@@ -39,7 +39,7 @@ def test_multi_turn_keeps_sampled_tokens_and_masks_the_rest(tiny_model_dir):
     assert [s.trainable for s in traj.segments] == [False, True, False, True]
     # The exact tokens equal the template's rendering of the whole conversation.
     rendered = tok.apply_chat_template(
-        [dict(m) for m in traj.messages],  # type: ignore[arg-type]  # role/content strings
+        [dict(m) for m in traj.messages],  # pyright: ignore[reportArgumentType]  # role/content strings
         tokenize=True,
         return_dict=False,
     )

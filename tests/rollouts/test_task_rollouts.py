@@ -71,7 +71,7 @@ async def test_sample_groups_rewards_each_completion(tokenizer):
     problems = [Problem("reverse abc", "cba"), Problem("reverse xyz", "zyx")]
     sampler = ScriptedSampler(tokenizer, [["cba", "abc", "cba|len"], ["zyx", "zyx", "zy"]])
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
-    step = await sample_groups(sampler, ReverseTask(), problems, 3, params)  # type: ignore[arg-type]
+    step = await sample_groups(sampler, ReverseTask(), problems, 3, params)
     groups = step.groups
     assert (step.bad_rollouts, step.rollouts) == (0, 6)
     assert len(sampler.calls) == 1 and sampler.calls[0] == (2, 3, params)  # one batched call
@@ -88,7 +88,7 @@ async def test_sample_groups_rewards_each_completion(tokenizer):
 async def test_evaluate_is_greedy_accuracy(tokenizer):
     problems = [Problem("reverse abc", "cba"), Problem("reverse xyz", "zyx")]
     sampler = ScriptedSampler(tokenizer, [["cba"], ["zy"]])
-    result = await evaluate(sampler, ReverseTask(), problems, max_tokens=8)  # type: ignore[arg-type]
+    result = await evaluate(sampler, ReverseTask(), problems, max_tokens=8)
     assert result.accuracy == 0.5 and result.completions == [["cba"], ["zy"]]
     ((_, num_samples, params),) = sampler.calls
     assert num_samples == 1 and params.temperature == 0.0 and params.max_tokens == 8

@@ -57,7 +57,7 @@ def _read_response(sock: socket.socket) -> tuple[int, bytes]:
         assert chunk, f"connection closed after {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE).group(1))  # type: ignore[union-attr]
+    length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE).group(1))  # pyright: ignore[reportOptionalMemberAccess]
     while len(body) < length:
         chunk = sock.recv(65536)
         assert chunk, "connection closed mid-body"

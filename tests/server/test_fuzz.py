@@ -213,7 +213,7 @@ def get(node: Any, path: tuple[object, ...]) -> object:
 
 def replace(node: Any, path: tuple[object, ...], value: object) -> object:
     copy = dict(node) if isinstance(node, dict) else list(node)
-    copy[path[0]] = value if len(path) == 1 else replace(node[path[0]], path[1:], value)  # type: ignore[index]
+    copy[path[0]] = value if len(path) == 1 else replace(node[path[0]], path[1:], value)  # pyright: ignore[reportCallIssue, reportArgumentType]
     return copy
 
 

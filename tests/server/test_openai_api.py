@@ -60,7 +60,7 @@ def url(client: LocalTrainingClient) -> Iterator[str]:
     app = FastAPI()
 
     @app.middleware("http")
-    async def owner_from_key(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def owner_from_key(request: Request, call_next):
         # What the Tinker server's auth middleware does: the caller's key is its identity.
         request.state.owner = request.headers.get("authorization", "").removeprefix("Bearer ")
         return await call_next(request)
@@ -130,10 +130,10 @@ async def test_logprobs_equal_teacher_forced_logprobs(
     out = await oai.completions.create(
         model="tiny", prompt="hello ", seed=3, max_tokens=12, logprobs=0, temperature=1.0
     )
-    prompt = out.model_extra["prompt_token_ids"]  # type: ignore[index]
-    tokens = out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    prompt = out.model_extra["prompt_token_ids"]  # pyright: ignore[reportOptionalSubscript]
+    tokens = out.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
     forced = await in_process(client).compute_logprobs(prompt + tokens)
-    sampled = out.choices[0].logprobs.token_logprobs  # type: ignore[union-attr]
+    sampled = out.choices[0].logprobs.token_logprobs  # pyright: ignore[reportOptionalMemberAccess]
     # KV-cached decoding vs one full forward in float32: summation order differs; measured
     # differences measured at most 4.8e-7 on this model; 1e-5 still catches any real mismatch
     # (a wrong position or temperature moves a logprob by >1e-2).
@@ -157,12 +157,12 @@ async def test_chat_completion_equals_in_process_sampling(
     )
     tokenizer = tokenizer_of(client)
     rendered = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],  # type: ignore[misc]
+        [dict(m) for m in messages],  # pyright: ignore[reportArgumentType]
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,
     )
-    prompt = [int(t) for t in rendered]  # type: ignore[union-attr, arg-type]
+    prompt = [int(t) for t in rendered]  # pyright: ignore[reportArgumentType]
     assert out.object == "chat.completion"
     assert out.model_extra is not None and out.model_extra["prompt_token_ids"] == list(prompt)
     expected = await in_process(client).sample(prompt, 2, SamplingParams(max_tokens=5, seed=11))
@@ -195,7 +195,7 @@ async def test_seed_reproducible_and_concurrent_requests_independent(
         out = await oai.completions.create(
             model="tiny", prompt=PROMPT, n=2, seed=seed, max_tokens=8
         )
-        return [c.model_extra["token_ids"] for c in out.choices]  # type: ignore[index]
+        return [c.model_extra["token_ids"] for c in out.choices]  # pyright: ignore[reportOptionalSubscript]
 
     first = await tokens(5)
     assert await tokens(5) == first
@@ -210,7 +210,7 @@ async def test_stop_string_cut_from_text_kept_in_token_ids(
 ) -> None:
     tokenizer = tokenizer_of(client)
     free = await oai.completions.create(model="tiny", prompt=PROMPT, seed=1, max_tokens=40)
-    free_tokens = free.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    free_tokens = free.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
     # A printable character the model samples mid-way serves as the stop string.
     at = next(
         i
@@ -223,7 +223,7 @@ async def test_stop_string_cut_from_text_kept_in_token_ids(
     )
     choice = out.choices[0]
     assert choice.finish_reason == "stop"
-    assert choice.model_extra["token_ids"] == free_tokens[: at + 1]  # type: ignore[index]
+    assert choice.model_extra["token_ids"] == free_tokens[: at + 1]  # pyright: ignore[reportOptionalSubscript]
     assert choice.text == tokenizer.decode(free_tokens[:at], skip_special_tokens=True)
     assert stop not in choice.text
 
@@ -240,7 +240,7 @@ async def test_eos_still_stops_when_stop_strings_are_given(
     )
     choice = out.choices[index]
     assert choice.finish_reason == "stop"
-    assert choice.model_extra["token_ids"] == ended.tokens  # type: ignore[index]
+    assert choice.model_extra["token_ids"] == ended.tokens  # pyright: ignore[reportOptionalSubscript]
 
 
 async def test_bad_requests_name_the_field(oai: openai.AsyncOpenAI) -> None:
@@ -260,7 +260,7 @@ async def test_bad_requests_name_the_field(oai: openai.AsyncOpenAI) -> None:
     for fields, param in cases:
         body = {"prompt": PROMPT, **fields}
         with pytest.raises(openai.BadRequestError) as err:
-            await oai.completions.create(model="tiny", **body)  # type: ignore[call-overload]
+            await oai.completions.create(model="tiny", **body)
         assert err.value.status_code == 400 and err.value.param == param, fields
         assert err.value.type == "invalid_request_error" and param in err.value.message
     with pytest.raises(openai.BadRequestError) as err:

@@ -38,29 +38,29 @@ async def test_return_token_ids_brings_logprobs_and_prompt_ids_on_every_choice(
     served: TrainableModel,
 ):
     plain = plain_client(served)
-    without = await plain.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+    without = await plain.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
     assert without.choices[0].logprobs is None  # OpenAI's default: not asked, not sent
     asked = await plain.chat.completions.create(
         model="m",
         messages=MESSAGES,
         max_tokens=4,
         n=2,
-        extra_body={"return_token_ids": True},  # type: ignore[arg-type]
+        extra_body={"return_token_ids": True},
     )
-    prompt = asked.model_extra["prompt_token_ids"]  # type: ignore[index]
+    prompt = asked.model_extra["prompt_token_ids"]  # pyright: ignore[reportOptionalSubscript]
     for choice in asked.choices:  # vLLM's fields, and the prompt ids on each choice too
         extra = choice.model_extra or {}
         assert extra["prompt_token_ids"] == prompt and len(extra["token_ids"]) >= 1
-        assert len(choice.logprobs.content) == len(extra["token_ids"])  # type: ignore[union-attr, arg-type]
+        assert len(choice.logprobs.content) == len(extra["token_ids"])  # pyright: ignore[reportArgumentType, reportOptionalMemberAccess]
     # model.openai_client() asks by default; an explicit logprobs=False still wins.
     client = served.openai_client()
-    default = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+    default = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
     assert default.choices[0].logprobs is not None
     off = await client.chat.completions.create(
         model="m",
         messages=MESSAGES,
         max_tokens=4,
-        logprobs=False,  # type: ignore[arg-type]
+        logprobs=False,
     )
     assert off.choices[0].logprobs is None
     text = await client.completions.create(model="m", prompt="hello", max_tokens=3)
@@ -76,10 +76,10 @@ async def test_tokens_as_token_ids_and_stop_strings_kept_in_the_text(served: Tra
         seed=1,
         extra_body={"return_tokens_as_token_ids": True},
     )
-    ids = out.choices[0].model_extra["token_ids"]  # type: ignore[index]
-    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]  # type: ignore[union-attr]
+    ids = out.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]  # pyright: ignore[reportOptionalMemberAccess]
     free = await client.completions.create(model="m", prompt="hello", max_tokens=30, seed=1)
-    tokens = free.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    tokens = free.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
     at = next(i for i in range(2, 30) if 97 <= tokens[i] <= 122 and tokens[i] not in tokens[:i])
     stop = chr(tokens[at])
     kept = await client.completions.create(
@@ -94,7 +94,7 @@ async def test_tokens_as_token_ids_and_stop_strings_kept_in_the_text(served: Tra
         model="m", prompt="hello", max_tokens=30, seed=1, stop=[stop]
     )
     assert kept.choices[0].text.endswith(stop) and not cut.choices[0].text.endswith(stop)
-    assert kept.choices[0].model_extra["token_ids"] == cut.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert kept.choices[0].model_extra["token_ids"] == cut.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
 
 
 async def test_chat_template_kwargs_and_tools_reach_the_template(served: TrainableModel):
@@ -103,7 +103,7 @@ async def test_chat_template_kwargs_and_tools_reach_the_template(served: Trainab
         await client.chat.completions.create(
             model="m",
             messages=MESSAGES,
-            extra_body={"chat_template_kwargs": {"tokenize": False}},  # type: ignore[arg-type]
+            extra_body={"chat_template_kwargs": {"tokenize": False}},
         )
     assert err.value.param == "chat_template_kwargs" and "tokenize" in err.value.message
     tool: ChatCompletionToolParam = {
@@ -115,13 +115,13 @@ async def test_chat_template_kwargs_and_tools_reach_the_template(served: Trainab
         messages=MESSAGES,
         tools=[tool],
         max_tokens=3,
-        extra_body={"chat_template_kwargs": {"x": 1}},  # type: ignore[arg-type, list-item]
+        extra_body={"chat_template_kwargs": {"x": 1}},
     )
-    assert out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert out.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
     with pytest.raises(openai.BadRequestError) as err:
         await client.chat.completions.create(
             model="m", messages=MESSAGES, tools=[tool], tool_choice="required"
-        )  # type: ignore[arg-type, list-item]
+        )
     assert err.value.param == "tool_choice"
 
 
@@ -157,7 +157,7 @@ async def test_a_bad_request_among_concurrent_ones_fails_alone(served: Trainable
             out = await client.completions.create(model="m", prompt=prompt, max_tokens=4)
         except openai.BadRequestError as exc:
             return exc.message
-        return out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+        return out.choices[0].model_extra["token_ids"]  # pyright: ignore[reportOptionalSubscript]
 
     answers = await asyncio.gather(*(ask(too_long if i == 3 else [65, 66, i]) for i in range(8)))
     assert isinstance(answers[3], str) and "prompt" in answers[3]

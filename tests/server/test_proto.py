@@ -268,7 +268,7 @@ def test_malformed_bodies(body: bytes, encoding: str | None, message: str) -> No
 )
 def test_image_and_dmel_chunks_are_refused(chunk: object, kind: str) -> None:
     datum = Datum(
-        model_input=ModelInput(chunks=[EncodedTextChunk(tokens=[1]), chunk]),  # type: ignore[list-item]
+        model_input=ModelInput(chunks=[EncodedTextChunk(tokens=[1]), chunk]),  # pyright: ignore[reportArgumentType]
         loss_fn_inputs={},
     )
     with pytest.raises(

@@ -32,7 +32,7 @@ def config(tiny_model_dir: Path, tmp_path: Path, **changes: float) -> ServerConf
         model_path=str(tiny_model_dir),
         db_path=tmp_path / "state.db",
         storage_dir=tmp_path / "storage",
-        **changes,  # type: ignore[arg-type]
+        **changes,  # pyright: ignore[reportArgumentType]
     )
 
 

@@ -54,7 +54,7 @@ async def test_named_sampler_checkpoint_through_the_openai_sdk(
     choice = completion.choices[0]
     extra = choice.model_extra or {}
     assert extra["prompt_token_ids"] == PROMPT
-    tokens, logprobs = extra["token_ids"], choice.logprobs.token_logprobs  # type: ignore[union-attr]
+    tokens, logprobs = extra["token_ids"], choice.logprobs.token_logprobs  # pyright: ignore[reportOptionalMemberAccess]
     # The tinker SDK sampling the same checkpoint with the same seed: the same tokens and
     # logprobs (one loaded sampler serves both).
     params = types.SamplingParams(max_tokens=8, seed=5)
@@ -66,7 +66,7 @@ async def test_named_sampler_checkpoint_through_the_openai_sdk(
     trained = tinker_sampler.compute_logprobs(forced).result()[len(PROMPT) :]
     base = base_sampler.compute_logprobs(forced).result()[len(PROMPT) :]
     assert trained == pytest.approx(logprobs, rel=1e-4, abs=1e-5)
-    assert max(abs(a - b) for a, b in zip(trained, base, strict=True)) > 1e-3  # type: ignore[operator]
+    assert max(abs(a - b) for a, b in zip(trained, base, strict=True)) > 1e-3
 
     chat = await oai.chat.completions.create(
         model=path,
@@ -78,7 +78,7 @@ async def test_named_sampler_checkpoint_through_the_openai_sdk(
     message = chat.choices[0]
     chat_extra = message.model_extra or {}
     chat_prompt = (chat.model_extra or {})["prompt_token_ids"]
-    content = message.logprobs.content or []  # type: ignore[union-attr]
+    content = message.logprobs.content or []  # pyright: ignore[reportOptionalMemberAccess]
     assert len(chat_extra["token_ids"]) == len(content) >= 1
     # The chat prompt is the model's chat template; sampling it through tinker gives the same.
     again = tinker_sampler.sample(
@@ -97,7 +97,7 @@ def served(oai: openai.OpenAI, name: str) -> tuple[list[int], list[float]]:
     """Tokens and logprobs of a seeded /v1 completion."""
     out = oai.completions.create(model=name, prompt=PROMPT, max_tokens=6, seed=3, logprobs=0)
     choice = out.choices[0]
-    return (choice.model_extra or {})["token_ids"], choice.logprobs.token_logprobs  # type: ignore[union-attr, return-value]
+    return (choice.model_extra or {})["token_ids"], choice.logprobs.token_logprobs  # pyright: ignore[reportReturnType, reportOptionalMemberAccess]
 
 
 def test_overwritten_sampler_weights_are_served_new_and_deleted_ones_refused(
@@ -128,7 +128,7 @@ def test_overwritten_sampler_weights_are_served_new_and_deleted_ones_refused(
     after_v1 = served(oai, path)
     assert after_v1 == served(oai, reference)
     # And they are the new weights: a 5e-2 step moves the logprobs far beyond rounding.
-    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-2  # type: ignore[operator]
+    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-2
     assert max(abs(a - b) for a, b in zip(after_v1[1], before_v1[1], strict=False)) > 1e-2
 
     run_id = path.removeprefix("tinker://").split("/")[0]

@@ -22,6 +22,6 @@ def entropy_gap(logprobs: Sequence[float], entropies: Sequence[float] | None) ->
     return [abs(h + lp) for h, lp in zip(entropies, logprobs, strict=True)]
 
 
-entropy_gap.needs_entropies = True  # type: ignore[attr-defined]
+entropy_gap.needs_entropies = True  # pyright: ignore[reportFunctionMemberAccess]
 
 NOT_A_FUNCTION = 3

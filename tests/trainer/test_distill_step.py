@@ -122,6 +122,6 @@ def test_vocabularies_are_compared_whole():
 
 def test_a_client_without_compute_logprobs_is_refused():
     with pytest.raises(TypeError, match="compute_logprobs"):
-        Teacher(object(), name="x")  # type: ignore[arg-type]
+        Teacher(object(), name="x")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="compute_logprobs_async"):
         Teacher.from_tinker(object())

@@ -156,7 +156,7 @@ class _LogitsLogprob(torch.autograd.Function):
     """Chunked log-softmax gather over given logits; saves only logits (an input) and lse."""
 
     @staticmethod
-    def forward(  # pyright: ignore[reportIncompatibleMethodOverride]
+    def forward(
         ctx: _Ctx,
         logits_NV: torch.Tensor,
         targets_N: torch.Tensor,
@@ -200,7 +200,7 @@ class _HiddenLogprob(torch.autograd.Function):
     """Chunked lm_head (+ a LoRA term) + log-softmax gather; saves the inputs and lse."""
 
     @staticmethod
-    def forward(  # pyright: ignore[reportIncompatibleMethodOverride]
+    def forward(
         ctx: _Ctx,
         hidden_NH: torch.Tensor,
         weight_VH: torch.Tensor,
@@ -405,10 +405,10 @@ def _unflatten(outputs: _Outputs, shape: torch.Size) -> _Outputs:
     return logp_N.view(shape), None if entropy_N is None else entropy_N.view(shape)
 
 
-def _check_options(chunk_size: int, temperature: float) -> None:
+def _check_options(chunk_size: object, temperature: float) -> None:
     # Typed, but also reached from untyped config: a float chunk size or an infinite
     # temperature (uniform logprobs) would otherwise fail late or silently.
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")

@@ -77,7 +77,7 @@ class Capabilities:
         kinds = data.get("device_kinds")
         data["device_kinds"] = tuple(kinds) if isinstance(kinds, list | tuple) else kinds
         try:
-            return cls(**data)  # type: ignore[arg-type]
+            return cls(**data)  # pyright: ignore[reportArgumentType]
         except ValueError as exc:
             raise ValueError(f"{source} returned malformed capabilities: {exc}") from None
 

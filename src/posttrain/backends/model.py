@@ -481,7 +481,7 @@ def token_id_client_class() -> type[AsyncOpenAI]:
 
     class TokenIdOpenAI(AsyncOpenAI):
         # `_prepare_options` is the SDK's hook for changing a request before it is built.
-        async def _prepare_options(self, options):  # type: ignore[no-untyped-def]
+        async def _prepare_options(self, options):
             options = await super()._prepare_options(options)
             if options.method == "post" and options.url in ("/completions", "/chat/completions"):
                 options.extra_json = {**TOKEN_ID_DEFAULTS, **(options.extra_json or {})}

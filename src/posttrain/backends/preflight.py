@@ -311,7 +311,7 @@ def unsupported_options(
                 )
         elif (
             declared[name].choices is not None
-            and value not in declared[name].choices  # type: ignore[operator]
+            and value not in declared[name].choices  # pyright: ignore[reportOperatorIssue]
             and value != defaults[name]  # None for an optional Literal: not among its choices
             and not takes_custom_loss(declared[name], value)
         ):

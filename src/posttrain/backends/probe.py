@@ -122,5 +122,5 @@ def probe_advantage_flow(config: RLConfig) -> ProbeFinding | None:
         ):
             if values.numel() and float(values.max() - values.min()) > PROBE_TOLERANCE:
                 low, high = float(values.min()), float(values.max())
-                return ProbeFinding(row, quantity, low, high, values.numel())  # type: ignore[arg-type]
+                return ProbeFinding(row, quantity, low, high, values.numel())  # pyright: ignore[reportArgumentType]
     return None

@@ -82,7 +82,7 @@ def _jsonable(value: object) -> object:
     if isinstance(value, tuple | list):
         return [_jsonable(v) for v in value]
     if isinstance(value, frozenset | set):
-        return sorted(map(str, value))  # pyright: ignore[reportUnknownArgumentType]
+        return sorted(map(str, value))
     if isinstance(value, Path):
         return str(value)
     return value
@@ -270,29 +270,37 @@ def _print_table(title: str, rows: dict[str, object], indent: str = "  ") -> Non
     print(title)
     for key, value in rows.items():
         if isinstance(value, dict) and value:
-            _print_table(f"{indent}{key}:", value, indent + "  ")  # type: ignore[arg-type]
+            _print_table(f"{indent}{key}:", value, indent + "  ")
         else:
             print(f"{indent}{key} = {value!r}")
 
 
+def _section(report: dict[str, object], key: str) -> dict[str, object]:
+    """One table of the report `explain` built (each of its values is a dict)."""
+    section = report[key]
+    assert isinstance(section, dict)
+    return section
+
+
 def _print(path: Path, report: dict[str, object]) -> None:
-    _print_table(f"config ({path}):", report["config"])  # type: ignore[arg-type]
-    _print_table("base model:", report["base_model"])  # type: ignore[arg-type]
+    _print_table(f"config ({path}):", _section(report, "config"))
+    _print_table("base model:", _section(report, "base_model"))
     for what in ("task", "environment"):
         if what in report:
-            _print_table(f"{what}:", report[what])  # type: ignore[arg-type]
-    _print_table("backend:", report["backend"])  # type: ignore[arg-type]
-    _print_table("sampling engine:", report["engine"])  # type: ignore[arg-type]
-    preflight = report["preflight"]
-    assert isinstance(preflight, dict)
+            _print_table(f"{what}:", _section(report, what))
+    _print_table("backend:", _section(report, "backend"))
+    _print_table("sampling engine:", _section(report, "engine"))
+    preflight = _section(report, "preflight")
     print("preflight: ok" if preflight["ok"] else "preflight: problems")
-    for p in preflight["problems"]:
+    problems = preflight["problems"]
+    assert isinstance(problems, list)
+    for p in problems:
         where = p["option"] if p["call"] in PLAIN_CALLS else f"{p['call']}() {p['option']}"
         print(f"  - {where}: {p['message']}")
     print("plan:")
-    notes = report["plan_notes"]
-    for key, value in report["plan"].items():  # type: ignore[attr-defined]
-        print(f"  {key} = {value!r}  # {notes[key]}")  # type: ignore[index]
+    notes = _section(report, "plan_notes")
+    for key, value in _section(report, "plan").items():
+        print(f"  {key} = {value!r}  # {notes[key]}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,4 +314,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print(args.config, report)
-    return 0 if report["preflight"]["ok"] else 1  # type: ignore[index]
+    return 0 if _section(report, "preflight")["ok"] else 1

@@ -132,10 +132,10 @@ def _serve(app: object, host: str, port: int) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
-        async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        async def startup(self, sockets: list | None = None) -> None:
             await super().startup(sockets)
             if not self.should_exit:
                 shown = f"[{host}]" if ":" in host else host
                 print(f"posttrain serve: ready on http://{shown}:{port}", flush=True)
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()  # type: ignore[arg-type]
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()  # pyright: ignore[reportArgumentType]

@@ -140,10 +140,10 @@ def custom_gradients(
     finite, or a loss that is not 0-d (ValueError naming what was wrong)."""
     leaves = [lp.detach().to(torch.float32).clone().requires_grad_(True) for lp in logprobs]
     result = loss_fn(list(data), leaves)
-    if not isinstance(result, tuple) or len(result) != 2:  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not isinstance(result, tuple) or len(result) != 2:
         raise ValueError("a custom loss must return (loss, metrics), a 0-d tensor and a dict")
     loss, metrics = result
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(
             f"a custom loss must return a scalar (0-d) tensor, got {shape}: reduce it with "

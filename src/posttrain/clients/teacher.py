@@ -91,7 +91,7 @@ def _name_of(client: object) -> str:
 def _vocab(tokenizer: Tokenizer) -> Mapping[str, int] | None:
     get = getattr(tokenizer, "get_vocab", None)
     found = get() if callable(get) else None
-    return found if isinstance(found, Mapping) else None  # pyright: ignore[reportUnknownVariableType]
+    return found if isinstance(found, Mapping) else None
 
 
 def vocabulary_difference(teacher: Tokenizer, student: Tokenizer) -> str | None:

@@ -379,7 +379,7 @@ def _run(coroutine: Any) -> APIFuture[Any]:
         if t.cancelled():
             out.cancel()
         elif t.exception() is not None:
-            out.set_exception(t.exception())  # type: ignore[arg-type]
+            out.set_exception(t.exception())
         else:
             out.set_result(t.result())
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from posttrain.data.checks import is_mapping, is_sequence
 from posttrain.data.trajectories import MessageOrChoice, TokenSegment
 
 TOKEN_IDS_HINT = (
@@ -58,9 +59,8 @@ def is_message(item: object) -> bool:
 def field_of(item: object, name: str) -> object:
     """`item[name]` of a mapping, else `item.name` (an `openai` object keeps the fields it does
     not know, such as `token_ids`, as attributes); None where absent."""
-    if isinstance(item, Mapping):
-        mapping: Mapping[object, object] = item  # pyright: ignore[reportUnknownVariableType]
-        return mapping.get(name)
+    if is_mapping(item):
+        return item.get(name)
     return getattr(item, name, None)
 
 
@@ -88,10 +88,10 @@ def _ids(value: object, name: str, what: str) -> tuple[int, ...]:
             f"{name} is missing: the server that answered did not return {what}, so the "
             f"trajectory cannot be built on exact tokens; {TOKEN_IDS_HINT}"
         )
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+    if not is_sequence(value):
         raise ValueError(f"{name} must be a list of token ids, got {type(value).__name__}")
     ids: list[int] = []
-    for i, token in enumerate(value):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+    for i, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"{name}[{i}] is {token!r}; token ids are integers >= 0")
         ids.append(token)
@@ -129,9 +129,9 @@ def _logprobs(choice: object, count: int, where: str) -> tuple[float, ...]:
 
 
 def _list(value: object, name: str) -> list[object]:
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+    if not is_sequence(value):
         raise ValueError(f"{name} must be a list, got {type(value).__name__}")
-    return list(value)  # pyright: ignore[reportUnknownArgumentType]
+    return list(value)
 
 
 def segments_from_turns(

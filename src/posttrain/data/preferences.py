@@ -24,7 +24,7 @@ def check_pairs(pairs: Sequence[PreferencePair]) -> None:
     if not pairs:
         raise ValueError("train_dpo() got no preference pairs; pass at least one PreferencePair")
     for index, pair in enumerate(pairs):
-        if not isinstance(pair, PreferencePair):  # pyright: ignore[reportUnnecessaryIsInstance]
+        if not isinstance(pair, PreferencePair):
             raise TypeError(f"pair {index} is a {type(pair).__name__}, not a PreferencePair")
         for name in ("prompt", "chosen", "rejected"):
             if not getattr(pair, name):

@@ -35,6 +35,8 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeAlias, TypeVar, cast, overload
 
+from posttrain.data.checks import is_instance
+
 if TYPE_CHECKING:  # the openai SDK is optional: its types name what the messages are
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
@@ -115,7 +117,7 @@ def finite_reward(value: object) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         number = float(value)
     elif not isinstance(value, bool | str | bytes) and hasattr(value, "__float__"):
-        number = float(value)  # type: ignore[arg-type]  # numpy and torch scalars  # pyright: ignore[reportArgumentType]
+        number = float(value)  # pyright: ignore[reportArgumentType]  # numpy and torch scalars
     if number is None:
         raise ValueError(
             f"Trajectory.reward must be a finite number, got {type(value).__name__} {value!r}"
@@ -216,7 +218,7 @@ class Trajectory:
         if not segments:
             raise ValueError("Trajectory.segments is empty: a trajectory needs tokens")
         for index, segment in enumerate(segments):
-            if not isinstance(segment, TokenSegment):  # pyright: ignore[reportUnnecessaryIsInstance]
+            if not is_instance(segment, TokenSegment):
                 raise ValueError(
                     f"Trajectory.segments[{index}] is a {type(segment).__name__}, not a "
                     "TokenSegment"
@@ -322,7 +324,7 @@ class TrajectoryGroup:
             if isinstance(item, Trajectory):
                 done.append(item)
             elif inspect.isawaitable(item):
-                pending.append(item)  # pyright: ignore[reportUnknownArgumentType]
+                pending.append(item)
             else:
                 raise ValueError(
                     f"TrajectoryGroup.trajectories[{index}] is a {type(item).__name__}, not a "

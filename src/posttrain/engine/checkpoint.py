@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Literal, TypeAlias, cast, get_args
+from typing import Literal, TypeAlias, get_args
 
 import torch
 from peft import PeftModel, PeftType
@@ -306,7 +306,6 @@ def _read_trainer_state(root: Path) -> dict[str, JSONValue]:
     state = json.loads((root / TRAINER_STATE_FILE).read_text())
     if not isinstance(state, dict):
         raise ValueError(f"{root / TRAINER_STATE_FILE} must hold a JSON object")
-    state = cast(dict[str, JSONValue], state)
     state.pop("format_version", None)
     return state
 
@@ -326,7 +325,8 @@ def _check_replaceable(final: Path) -> None:
 
 def _write_weights(tmp: Path, model: nn.Module) -> None:
     if not isinstance(model, PeftModel):
-        cast(PreTrainedModel, model).save_pretrained(str(tmp))  # _model_kind admitted it
+        assert isinstance(model, PreTrainedModel)  # _model_kind admitted it
+        model.save_pretrained(str(tmp))
         return
     name = _adapter_name(model)
     # The adapter alone: PEFT's default also saves a targeted lm_head or embedding's whole base
@@ -409,7 +409,7 @@ def _parse_manifest(file: Path) -> _Manifest:
         raise ValueError(f"{file} has kind {kind!r}; expected 'lora' or 'full'")
     if not isinstance(files, dict):
         raise ValueError(f"corrupt manifest {file}: 'files' must map names to sizes")
-    return _Manifest(kind=kind, files=cast(dict[str, int], files), optimizer=optimizer, rng=rng)
+    return _Manifest(kind=kind, files=files, optimizer=optimizer, rng=rng)
 
 
 def _normalise(value: object) -> object:

@@ -38,7 +38,7 @@ def cache_keyword(module: nn.Module) -> CacheKeyword:
 
 @functools.cache
 def _keyword_of(cls: type) -> CacheKeyword:
-    parameters = inspect.signature(cls.forward).parameters  # pyright: ignore[reportAttributeAccessIssue]
+    parameters = inspect.signature(cls.forward).parameters
     if "cache" in parameters:
         return "cache"
     if "past_key_values" in parameters:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,10 +31,22 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return base
 
 
+def lm_part(
+    lm: nn.Module, accessor: Literal["get_decoder", "get_input_embeddings", "get_output_embeddings"]
+) -> nn.Module:
+    """`lm.get_decoder()` and its kin: transformers' accessors, which nn.Module's stubs lack."""
+    part = getattr(lm, accessor)()
+    if not isinstance(part, nn.Module):
+        raise TypeError(
+            f"{type(lm).__name__}.{accessor}() returned {type(part).__name__}, not a torch module"
+        )
+    return part
+
+
 def unembedding_weight(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output projection's effective weight [V, H] and bias, LoRA delta included, in the
     base weight's dtype."""
-    head = causal_lm(model).get_output_embeddings()  # type: ignore[operator]
+    head: Any = lm_part(causal_lm(model), "get_output_embeddings")  # a PEFT layer's attributes
     base = getattr(head, "base_layer", None)
     if base is None:
         return head.weight, head.bias
@@ -52,7 +65,7 @@ def unembedding_low_rank(
 ) -> tuple[torch.Tensor, torch.Tensor | None, LowRank] | None:
     """The output projection as base weight, bias and its LoRA factors, where it has exactly one
     active, unmerged plain LoRA adapter (no DoRA, no dropout); else None."""
-    head = causal_lm(model).get_output_embeddings()  # type: ignore[operator]
+    head: Any = lm_part(causal_lm(model), "get_output_embeddings")  # a PEFT layer's attributes
     base = getattr(head, "base_layer", None)
     if base is None or getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
         return None
@@ -87,10 +100,10 @@ def target_logprobs(
     `prefix_groups` (rows sharing leading tokens, `engine.shared_prefix`) run those tokens once.
     """
     lm = causal_lm(model)
-    decoder = lm.get_decoder()  # type: ignore[operator]
+    decoder = lm_part(lm, "get_decoder")
     hidden_BTH = decoder_hidden(decoder, input_ids_BT, pad_mask_BT, prefix_groups)
     if is_value_model(lm):
-        head = lm.get_output_embeddings()  # type: ignore[operator]
+        head = lm_part(lm, "get_output_embeddings")
         return head(hidden_BTH.float()).squeeze(-1), None
     low_rank = unembedding_low_rank(model)
     if low_rank is not None:  # LoRA on lm_head: its factors, not a [V, H] W + BA

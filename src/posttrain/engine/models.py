@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine import attention
+from posttrain.engine.logprob_pass import lm_part
 from posttrain.engine.model_source import resolve_model_source
 
 DTYPES: dict[str, torch.dtype] = {
@@ -220,7 +221,7 @@ def _get_peft_model(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
         # PEFT reads transformers' renamed `is_gradient_checkpointing`; nothing a caller can
         # change, and transformers repeats it for every adapter built.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-        return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[return-value]
+        return get_peft_model(model, config, autocast_adapter_dtype=True)
 
 
 class _TransposedFactor(nn.Module):
@@ -262,9 +263,9 @@ def _share_tied_factors(model: PeftModel) -> None:
     so two optimizer updates would land on one tensor. As views of the embedding's factors
     there is one Parameter per factor, whose gradient sums both uses.
     """
-    lm = cast(PreTrainedModel, model.get_base_model())
-    head: Any = lm.get_output_embeddings()
-    embedding = lm.get_input_embeddings()
+    lm = model.get_base_model()
+    head: Any = lm_part(lm, "get_output_embeddings")
+    embedding = lm_part(lm, "get_input_embeddings")
     for adapter in model.peft_config:
         if adapter not in getattr(head, "lora_A", {}) or adapter not in getattr(
             embedding, "lora_embedding_A", {}

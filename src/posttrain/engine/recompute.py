@@ -68,4 +68,4 @@ def _checkpointed(
         return forward(hidden, *args, **kwargs)
 
     out = checkpoint(replay, hidden, use_reentrant=False)
-    return out  # pyright: ignore[reportReturnType]
+    return out

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import torch
 from torch import nn
+
+from posttrain.data.checks import expect
 
 OPTIMIZER_STATE_VERSION = 1
 
@@ -50,9 +51,9 @@ def optimizer_state_by_index(
     saved group's hyperparameters (lr, betas, ...) come along with it.
     """
     names = _param_names(model)
-    saved_groups = cast(list[dict[str, object]], saved["param_groups"])
-    saved_state = cast(dict[str, object], saved["state"])
-    by_members = {frozenset(cast(list[str], g["params"])): g for g in saved_groups}
+    saved_groups = expect(saved["param_groups"], list, f"param_groups in {source}")
+    saved_state = expect(saved["state"], dict, f"state in {source}")
+    by_members = {frozenset(g["params"]): g for g in saved_groups}
     ours = [
         [names.get(id(p), f"<unnamed {id(p)}>") for p in g["params"]]
         for g in optimizer.param_groups
@@ -96,12 +97,12 @@ def rng_state() -> dict[str, object]:
 
 def set_rng_state(state: dict[str, object]) -> None:
     """Restore what `rng_state` captured (CUDA states only for devices that exist now)."""
-    random.setstate(state["python"])  # pyright: ignore[reportArgumentType]
-    np_state = cast(dict[str, object], state["numpy"])
-    inner = cast(dict[str, object], np_state["state"])
-    key = cast(torch.Tensor, inner["key"]).numpy().astype(np.uint32)
+    random.setstate(expect(state["python"], tuple, "the python RNG state"))
+    np_state = expect(state["numpy"], dict, "the numpy RNG state")
+    inner = expect(np_state["state"], dict, "the numpy RNG state's state")
+    key = expect(inner["key"], torch.Tensor, "the numpy RNG key").numpy().astype(np.uint32)
     np.random.set_state({**np_state, "state": {"key": key, "pos": inner["pos"]}})
-    torch.set_rng_state(cast(torch.Tensor, state["torch"]))
+    torch.set_rng_state(expect(state["torch"], torch.Tensor, "the torch RNG state"))
     if "cuda" in state and torch.cuda.is_available():
-        cuda = cast(list[torch.Tensor], state["cuda"])
+        cuda = expect(state["cuda"], list, "the CUDA RNG states")
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from posttrain.engine.kv_cache import cache_keyword
@@ -145,13 +145,13 @@ def _localise(groups: list[PrefixGroup]) -> MicroBatch:
     return MicroBatch(rows, local)
 
 
-def _plain_kv_cache(config: object) -> bool:
+def _plain_kv_cache(config: PretrainedConfig) -> bool:
     """Whether the model's cache is a plain concatenating one (no sliding window to crop).
 
     Asked of transformers itself each time (~60 us): a cache keyed by the config's id could
     answer for another model once the config is freed and its address reused.
     """
-    layers = DynamicCache(config=config).layers  # type: ignore[arg-type]
+    layers = DynamicCache(config=config).layers
     return all(type(layer) is DynamicLayer for layer in layers)
 
 
@@ -164,7 +164,7 @@ def decoder_hidden(
     """The decoder's last hidden states [B, T, H] for right-padded rows, sharing prefixes."""
     shared = [g for g in groups or () if g.shared]
     config = getattr(decoder, "config", None)
-    if not shared or config is None or not _plain_kv_cache(config):
+    if not shared or not isinstance(config, PretrainedConfig) or not _plain_kv_cache(config):
         return decoder(input_ids=input_ids_BT, attention_mask=pad_mask_BT.long()).last_hidden_state
     lengths = [int(n) for n in pad_mask_BT.sum(1).tolist()]
     hidden: list[torch.Tensor | None] = [None] * len(lengths)
@@ -225,8 +225,8 @@ def _shared_pass(
     owner = torch.tensor([gi for gi, _ in members], device=device)
     counts = [len(g.rows) for g in shared]
     for layer in cache.layers:
-        layer.keys = repeat_rows(layer.keys, counts)  # type: ignore[attr-defined]
-        layer.values = repeat_rows(layer.values, counts)  # type: ignore[attr-defined]
+        layer.keys = repeat_rows(layer.keys, counts)
+        layer.values = repeat_rows(layer.values, counts)
     starts = [shared[gi].length for gi, _ in members]
     own = [lengths[r] - s for (_, r), s in zip(members, starts, strict=True)]
     width = max(own)

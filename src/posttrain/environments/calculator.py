@@ -85,8 +85,10 @@ def evaluate_expression(expression: str) -> float:
 
 
 def _value(node: ast.expr) -> float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return _bounded(node.value)  # type: ignore[arg-type]  # an int or float, checked
+    constant = node.value if isinstance(node, ast.Constant) else None
+    # bool is the one subclass of int or float that an ast.Constant holds
+    if isinstance(constant, int | float) and not isinstance(constant, bool):
+        return _bounded(constant)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         value = _value(node.operand)
         return -value if isinstance(node.op, ast.USub) else value

@@ -34,7 +34,7 @@ def _messages(owner: str, messages: object) -> tuple[ChatMessage, ...]:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ValueError(f"{owner}[{i}] must be a chat message with a 'role', got {message!r}")
-    return tuple(messages)  # type: ignore[arg-type]  # checked above
+    return tuple(messages)
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def resolve_environment(
     except NotFound as exc:
         raise EnvironmentSpecError(str(exc)) from exc
     made = _check_factory(factory, spec, options, options_name)
-    make = functools.partial(factory, **options)  # type: ignore[arg-type]  # checked callable
+    make = functools.partial(factory, **options)  # pyright: ignore[reportArgumentType]  # checked callable
     demonstrates = callable(getattr(made, "demonstration", None))
     return ResolvedEnvironment(make, spec, kind, target_of(factory), options, demonstrates)
 

@@ -304,7 +304,7 @@ def trace_trajectory(trace: Trace, exchanges: Sequence[Exchange]) -> Trajectory:
         metrics=metrics,
         metadata=metadata,
         messages=messages,
-        tools=_list(last.get("tools")) or None,  # type: ignore[arg-type]
+        tools=_list(last.get("tools")) or None,  # pyright: ignore[reportArgumentType]
     )
 
 
@@ -332,7 +332,7 @@ def _calls(message: object) -> list[tuple[str, str]]:
     """(name, arguments) of a message's tool calls, a verifiers message or a wire dict."""
     if isinstance(message, Mapping):
         calls = message.get("tool_calls") or []
-        return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]  # type: ignore[index, union-attr]
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     return [(c.name, c.arguments) for c in getattr(message, "tool_calls", None) or []]
 
 
@@ -340,16 +340,16 @@ def _choice(exchange: Exchange) -> Mapping[str, object]:
     choices = _list(exchange.response.get("choices"))
     if len(choices) != 1 or not isinstance(choices[0], Mapping):
         raise ValueError(f"a response has {len(choices)} choices; a verifiers turn has one")
-    return choices[0]  # pyright: ignore[reportUnknownVariableType]
+    return choices[0]
 
 
 def _prompt_ids(exchange: Exchange) -> Sequence[int] | None:
     ids = exchange.response.get("prompt_token_ids")
-    return ids if isinstance(ids, list) else None  # pyright: ignore[reportUnknownVariableType]
+    return ids if isinstance(ids, list) else None
 
 
 def _list(value: object) -> list[object]:
-    return list(value) if isinstance(value, list) else []  # pyright: ignore[reportUnknownArgumentType]
+    return list(value) if isinstance(value, list) else []
 
 
 def _errors(episode: Episode) -> str:

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from posttrain.data.checks import expect
+
 if TYPE_CHECKING:  # aiohttp and httpx come with verifiers (the `verifiers` extra)
     import httpx
     from aiohttp import web
@@ -170,7 +172,7 @@ def _stream_events(data: Mapping[str, object], *, chat: bool) -> bytes:
     if chat:
         chunk["object"] = "chat.completion.chunk"
         choices: list[dict[str, object]] = []
-        for choice in data.get("choices") or []:  # type: ignore[union-attr]
+        for choice in expect(data.get("choices") or [], list, "the response's choices"):
             delta = dict(choice.get("message") or {})
             calls = delta.get("tool_calls")
             if calls:  # a streamed tool call carries its position

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal, cast
+from typing import Literal
 
 from posttrain.algo.config_fields import reject_unknown_keys
 
@@ -51,7 +51,7 @@ class InferenceConfig:
     start_timeout_s: float = 600.0  # a worker process must be ready within this
 
     def __post_init__(self) -> None:
-        engine = cast(str, self.engine)
+        engine = self.engine
         if engine in _NOT_SHIPPED:
             raise ValueError(
                 f"[inference] engine = {engine!r} is not built in: {_NOT_SHIPPED[engine]}"
@@ -87,7 +87,7 @@ class InferenceConfig:
     ) -> InferenceConfig:
         """From a TOML table or keyword dict; an unknown key names the nearest valid one."""
         reject_unknown_keys(values, [f.name for f in fields(cls)], source)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)  # pyright: ignore[reportArgumentType]
 
     @property
     def split(self) -> bool:

@@ -91,9 +91,7 @@ class ProcessEngine:
         version = self._version
         rows = await asyncio.to_thread(self._call, request)
         return [
-            SampleResponse(
-                [SampledSequence(**cast(dict[str, Any], s)) for s in row], policy_version=version
-            )
+            SampleResponse([SampledSequence(**s) for s in row], policy_version=version)
             for row in cast(list[list[dict[str, Any]]], rows)
         ]
 
@@ -144,7 +142,7 @@ class ProcessEngine:
                     raise EngineProcessError(
                         self._died(f"{request['op']!r} took over {timeout_s:.0f} s")
                     )
-            reply = cast(dict[str, Any], self._conn.recv())
+            reply = self._conn.recv()
         if not reply["ok"]:
             raise EngineProcessError(
                 f"the {self.kind} engine failed {request['op']!r}: {reply['error']}\n{reply['trace']}"

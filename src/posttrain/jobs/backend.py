@@ -362,7 +362,7 @@ def base_model_config(spec: str) -> dict[str, object] | None:
         from posttrain.jobs.tables import parse_tiny_spec
 
         arch, size, _ = parse_tiny_spec(spec)
-        return build_config(arch, size).to_dict()  # type: ignore[arg-type]  # checked by the parse
+        return build_config(arch, size).to_dict()  # pyright: ignore[reportArgumentType]  # checked by the parse
     from transformers import AutoConfig
 
     from posttrain.engine.model_source import cached_model_source

@@ -395,36 +395,36 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
             )
         if not isinstance(value, dict):
             raise ValueError(f"[{name}] must be a table, got {value!r}")
-    run: dict[str, object] = dict(data.get("run") or {})  # type: ignore[call-overload]
+    run: dict[str, object] = dict(data.get("run") or {})  # pyright: ignore[reportCallIssue, reportAssignmentType, reportArgumentType]
     _check_task_tables(run.get("task"), data)
     _check_environment_tables(run, data)
     if "data" in data:
         run.setdefault("task", DATA_TASK)
     built = {
-        name: build_table(cls, run if name == "run" else dict(data.get(name) or {}), name)  # type: ignore[call-overload]
+        name: build_table(cls, run if name == "run" else dict(data.get(name) or {}), name)  # pyright: ignore[reportArgumentType, reportCallIssue]
         for name, cls in tables.items()
     }
     free = {}
     # A verifiers environment's [environment] is its verifiers env config, tables and all.
     nested = str(run.get("environment")).startswith(VERIFIERS_PREFIX)
     for name in ("backend", "task", "environment"):
-        free[name] = dict(data.get(name) or {})  # type: ignore[call-overload]
+        free[name] = dict(data.get(name) or {})  # pyright: ignore[reportCallIssue, reportArgumentType]
         for key, value in free[name].items():
             if isinstance(value, dict) and not (nested and name == "environment"):
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
-    dataset = build_table(DataConfig, dict(data["data"]), "data") if "data" in data else None  # type: ignore[call-overload]
-    inference = _inference(dict(data.get("inference") or {}))  # type: ignore[call-overload]
+    dataset = build_table(DataConfig, dict(data["data"]), "data") if "data" in data else None  # pyright: ignore[reportCallIssue, reportArgumentType]
+    inference = _inference(dict(data.get("inference") or {}))  # pyright: ignore[reportCallIssue, reportArgumentType]
     dpo = None
     if "dpo" in data:
-        table: dict[str, object] = dict(data["dpo"])  # type: ignore[call-overload]
+        table: dict[str, object] = dict(data["dpo"])  # pyright: ignore[reportCallIssue, reportAssignmentType, reportArgumentType]
         dpo = cast(DPOJobConfig, build_table(DPOJobConfig, table, "dpo"))
         dpo = replace(dpo, written=frozenset(table) & set(option_fields(DPOConfig)))
     teacher = None
     if "teacher" in data:
-        teacher_table: dict[str, object] = dict(data["teacher"])  # type: ignore[call-overload]
+        teacher_table: dict[str, object] = dict(data["teacher"])  # pyright: ignore[reportCallIssue, reportAssignmentType, reportArgumentType]
         teacher = build_table(TeacherConfig, teacher_table, "teacher")
     extra = {"data": dataset, "dpo": dpo, "inference": inference, "teacher": teacher}
-    return JobConfig(**built, **free, **extra, source=source)  # type: ignore[arg-type]
+    return JobConfig(**built, **free, **extra, source=source)
 
 
 def _inference(table: dict[str, object]) -> InferenceConfig:

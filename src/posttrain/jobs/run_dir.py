@@ -229,7 +229,7 @@ def resolve_base_model(spec: str, run_dir: Path, *, into: str = "base_model") ->
         # Built aside and renamed, so a crash never leaves a half-written base model behind.
         partial = run_dir / f"{into}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        make_tiny_model(partial, arch=arch, size=size, seed=seed or 0)  # type: ignore[arg-type]
+        make_tiny_model(partial, arch=arch, size=size, seed=seed or 0)  # pyright: ignore[reportArgumentType]
         partial.rename(path)
     # Absolute, so it loads whatever directory a resume runs from; model.json names it
     # relative to the run (`./base_model`), so the run directory can be moved or copied.
@@ -260,7 +260,7 @@ class JobState:
                 f"the checkpoint's run_state has keys this job does not know: {unknown}; it was "
                 "not written by `posttrain train`"
             )
-        return cls(**{k: v for k, v in run_state.items() if k in known})  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in run_state.items() if k in known})  # pyright: ignore[reportArgumentType]
 
     def save(self, run_state: RunState) -> None:
         """Into `model.run_state`, to go with the next checkpoint."""

@@ -50,7 +50,7 @@ def parse_tiny_spec(spec: str) -> tuple[str, str, int | None]:
     if len(parts) == 4 and not parts[3].isdigit():
         raise ValueError(f"[model] base_model={spec!r}: the seed after the size must be an integer")
     try:
-        resolve_arch(parts[1], parts[2])  # type: ignore[arg-type]  # both checked just above
+        resolve_arch(parts[1], parts[2])  # pyright: ignore[reportArgumentType]  # both checked just above
     except ValueError as exc:  # a real size with another architecture
         raise ValueError(f"[model] base_model={spec!r}: {exc}") from None
     return parts[1], parts[2], int(parts[3]) if len(parts) == 4 else None

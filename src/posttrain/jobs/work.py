@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from posttrain.data.checks import expect
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
-from posttrain.environments.protocol import Reset
+from posttrain.environments.protocol import Demonstrating, Reset
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.environments.runner import EpisodeLimits, evaluate_environment, run_episodes
 from posttrain.environments.verifiers_adapter import (
@@ -210,9 +211,11 @@ class EnvironmentWork:
             reset = await _resolved(env.reset(seed, "train"))
             if not isinstance(reset, Reset):
                 raise ValueError(f"reset() returned a {type(reset).__name__}, not a Reset")
-            messages = await _resolved(env.demonstration())  # type: ignore[attr-defined]
+            if not isinstance(env, Demonstrating):  # resolve_environment checked the class
+                raise ValueError(f"{type(env).__name__} has no demonstration()")
+            messages = await _resolved(env.demonstration())
             return conversation_to_trajectory(
-                [dict(m) for m in messages],  # type: ignore[union-attr]
+                [dict(m) for m in expect(messages, Sequence, "demonstration()")],
                 tokenizer,
                 closing,
                 tools=reset.tools,

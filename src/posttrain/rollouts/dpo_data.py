@@ -48,19 +48,19 @@ def _preference(line: str) -> tuple[list[dict[str, str]], str, str]:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
             raise ValueError("field 'messages' must be a non-empty list of messages")
-        for i, m in enumerate(messages):  # pyright: ignore[reportUnknownVariableType]
-            if not isinstance(m, dict) or m.get("role") not in ROLES:  # pyright: ignore[reportUnknownMemberType]
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise ValueError(
                     f"messages[{i}] must be {{'role': ..., 'content': str}}, got {m!r}"
                 )
-            if not isinstance(m.get("content"), str):  # pyright: ignore[reportUnknownMemberType]
+            if not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must have string content, got {m!r}")
-        prompt = [dict(m) for m in messages]  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+        prompt = [dict(m) for m in messages]
     elif isinstance(record.get("prompt"), str):
         prompt = [{"role": "user", "content": record["prompt"]}]
     else:
         raise ValueError("needs a string field 'prompt' or a list 'messages' before the answers")
-    return prompt, record["chosen"], record["rejected"]  # pyright: ignore[reportUnknownVariableType]
+    return prompt, record["chosen"], record["rejected"]
 
 
 def preference_pair_from_chat(
@@ -77,7 +77,7 @@ def preference_pair_from_chat(
     if not prompt:
         raise ValueError("a preference pair needs at least one prompt message")
     for name, text in (("chosen", chosen), ("rejected", rejected)):
-        if not isinstance(text, str) or not text:  # pyright: ignore[reportUnnecessaryIsInstance]
+        if not isinstance(text, str) or not text:
             raise ValueError(f"the {name} answer must be a non-empty string, got {text!r}")
     if chosen == rejected:
         raise ValueError("the chosen and rejected answers are identical: nothing to prefer")

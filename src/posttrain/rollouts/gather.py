@@ -38,7 +38,7 @@ AfterEach = Callable[
 class _Tally:
     """Rollouts done and failed across one gather; raises the failure that passes the bound."""
 
-    def __init__(self, total: int, max_exceptions: int | float, bar: tqdm) -> None:  # type: ignore[type-arg]
+    def __init__(self, total: int, max_exceptions: int | float, bar: tqdm) -> None:
         self.total, self.max_exceptions, self.bar = total, max_exceptions, bar
         self.failed: list[BaseException] = []
 

@@ -220,7 +220,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         }
         return schema
 
-    app.openapi = openapi_with_our_422  # type: ignore[method-assign]
+    app.openapi = openapi_with_our_422
 
     # The last added runs first: keys are checked before anything else is looked at, and the
     # error boundary wraps everything.

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from posttrain.backends.model import OpenAIEndpoint, TrainableModel
 from posttrain.backends.sampling import ModelSampler
+from posttrain.data.checks import expect
 from posttrain.server.sources import UnknownModelError
 from posttrain.tokenizer import Tokenizer
 
@@ -173,6 +174,10 @@ def create_local_app(source: LocalModelSource, api_key: str) -> FastAPI:
     return app
 
 
+# ASGI's send: each message a dict of its event's fields.
+Send = Callable[[dict[str, object]], Awaitable[None]]
+
+
 class BearerKey:
     """A plain ASGI middleware that answers 401 unless `Authorization` is the expected value.
 
@@ -184,9 +189,9 @@ class BearerKey:
     def __init__(self, app: Callable[..., Awaitable[None]], expected: bytes) -> None:
         self.app, self.expected = app, expected
 
-    async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
+    async def __call__(self, scope: dict[str, object], receive: object, send: Send) -> None:
         if scope["type"] == "http":
-            headers = dict(scope["headers"])  # type: ignore[arg-type]
+            headers = dict(expect(scope["headers"], list, "the ASGI scope's headers"))
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await _unauthorized(send)
@@ -194,14 +199,14 @@ class BearerKey:
         await self.app(scope, receive, send)
 
 
-async def _unauthorized(send: object) -> None:
+async def _unauthorized(send: Send) -> None:
     from posttrain.server.openai_schema import OpenAIError
 
     error = OpenAIError(401, "missing or wrong API key", code="invalid_api_key")
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 401, "headers": headers})  # type: ignore[operator]
-    await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _check_installed() -> None:

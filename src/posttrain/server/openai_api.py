@@ -32,6 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
+from typing_extensions import TypeIs
 
 from posttrain.backends.sampling import ModelSampler
 from posttrain.rollouts.tool_calls import openai_tool_calls
@@ -226,17 +227,23 @@ def _completion_prompt(
     tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]]
 ) -> list[int]:
     """A string (tokenized with the tokenizer's special tokens, as vLLM does) or token ids."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise OpenAIError(
-                400,
-                "batched prompts are not supported: send one prompt per request",
-                param="prompt",
-            )
-        prompt = prompt[0]  # type: ignore[assignment]
     if isinstance(prompt, str):
         return [int(t) for t in tokenizer.encode(prompt)]
-    return [int(t) for t in prompt]  # type: ignore[arg-type]
+    if _token_ids(prompt):
+        return [int(t) for t in prompt]
+    if len(prompt) != 1:
+        raise OpenAIError(
+            400,
+            "batched prompts are not supported: send one prompt per request",
+            param="prompt",
+        )
+    return _completion_prompt(tokenizer, prompt[0])
+
+
+def _token_ids(prompt: list[int] | list[str] | list[list[int]]) -> TypeIs[list[int]]:
+    """Whether a list prompt is one prompt's token ids, not a batch (the request's schema
+    made each list hold one kind of item)."""
+    return not prompt or isinstance(prompt[0], int)
 
 
 async def _chat(source: SamplerSource, batchers: Batchers, request: Request) -> Json:

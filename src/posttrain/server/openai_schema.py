@@ -118,15 +118,19 @@ class ChatMessage(BaseModel):
 
 
 def _call_for_template(call: object) -> object:
-    function = call.get("function") if isinstance(call, dict) else None
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
     if not isinstance(arguments, str):
         return call
     try:
         parsed = json.loads(arguments)
     except json.JSONDecodeError:
         return call  # not JSON: the template gets the string as it is
-    return {**call, "function": {**function, "arguments": parsed}}  # type: ignore[dict-item]
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 class FunctionSpec(BaseModel):

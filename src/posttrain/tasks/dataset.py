@@ -22,7 +22,7 @@ import random
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.rewards import BUILTIN_REWARDS, RewardFn, make_reward, number_value
@@ -92,7 +92,7 @@ def json_object(line: str) -> dict[str, Any]:
         raise ValueError(f"invalid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise ValueError(f"each line must be a JSON object, got {type(record).__name__}")
-    return cast(dict[str, Any], record)
+    return record
 
 
 def _problem(
@@ -216,14 +216,14 @@ class DatasetTask:
             reward_fn, spec = reward, f"{reward.__module__}:{reward.__qualname__}"
         needs_answer = spec in BUILTIN_REWARDS
         read = {"system_prompt": system_prompt, "needs_answer": needs_answer}
-        lines = read_problems(Path(train), fields, **read)  # type: ignore[arg-type]
+        lines = read_problems(Path(train), fields, **read)
         if held_out is not None:
             if held_out_fraction is not None:
                 raise ValueError(
                     "held_out_fraction splits the train file when there is no held_out file; "
                     "give one or the other"
                 )
-            tests = read_problems(Path(held_out), fields, **read)  # type: ignore[arg-type]
+            tests = read_problems(Path(held_out), fields, **read)
             keys = {key for key, _ in tests}
             kept = [p for key, p in lines if key not in keys]
             held = [p for _, p in tests]

@@ -13,7 +13,7 @@ import hashlib
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 from posttrain.types import StopReason
 
@@ -97,6 +97,11 @@ def missing_methods(obj: object) -> list[str]:
     """What `obj` lacks of the Task protocol, in TASK_METHODS order (empty: it is a Task)."""
     missing = [] if isinstance(getattr(obj, "name", None), str) else ["name (a str)"]
     return missing + [n for n in TASK_METHODS[1:] if not callable(getattr(obj, n, None))]
+
+
+def is_task(obj: object) -> TypeGuard[Task]:
+    """Whether `obj` has all of the Task protocol (`missing_methods` says what it lacks)."""
+    return not missing_methods(obj)
 
 
 def is_held_out(problem: Problem) -> bool:

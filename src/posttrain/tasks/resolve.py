@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -18,7 +18,7 @@ from typing import Literal
 from posttrain.finder import Kind, NotFound, did_you_mean, find, target_of
 from posttrain.finder import entry_points as installed
 from posttrain.tasks.addition import AdditionTask
-from posttrain.tasks.protocol import TASK_METHODS, Task, missing_methods
+from posttrain.tasks.protocol import TASK_METHODS, Task, is_task, missing_methods
 from posttrain.tasks.reverse import ReverseTask
 from posttrain.tasks.word_problems import WordProblemsTask
 
@@ -89,13 +89,13 @@ def resolve_task(
 
 def _build(obj: object, spec: str, options: dict[str, object], options_name: str) -> Task:
     """`obj` itself when it is a Task, else what calling it with `options` returns."""
-    if not isinstance(obj, type) and not missing_methods(obj):
+    if not isinstance(obj, type) and is_task(obj):
         if options:
             raise TaskError(
                 f"task {spec!r} is a Task object, not a factory: it takes no {options_name} "
                 f"(got {', '.join(options)}); name a factory to pass them to"
             )
-        return obj  # type: ignore[return-value]
+        return obj
     if not callable(obj):
         raise TaskError(
             f"task {spec!r} is a {type(obj).__name__}, neither a factory nor a Task (it lacks "
@@ -109,18 +109,18 @@ def _build(obj: object, spec: str, options: dict[str, object], options_name: str
         raise TaskError(
             f"task {spec!r}: {label}({_call_args(options)}) raised {type(exc).__name__}: {exc}"
         ) from exc
-    missing = missing_methods(task)
-    if missing:
+    if not is_task(task):
+        missing = missing_methods(task)
         raise TaskError(
             f"task {spec!r}: {label}() returned a {type(task).__name__}, which is not a Task: it "
             f"lacks {', '.join(missing)} (a Task has {', '.join(TASK_METHODS)}; see "
             "posttrain.tasks.Task)"
         )
-    return task  # type: ignore[return-value]  # missing_methods checked it
+    return task
 
 
 def check_options(
-    factory: object,
+    factory: Callable[..., object],
     spec: str,
     label: str,
     options: Mapping[str, object],
@@ -131,7 +131,7 @@ def check_options(
     """A TaskError unless `options` are keyword arguments `factory` takes, all it needs;
     `what` is how errors name the spec ("task", "environment")."""
     try:
-        params = inspect.signature(factory).parameters  # type: ignore[arg-type]
+        params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # not introspectable (a builtin): the call will tell
         return
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):

@@ -151,7 +151,7 @@ def make_reward(
     function = load(spec, REWARDS, search=search)  # a built-in returned above
     if not callable(function):
         raise ValueError(f"reward {spec!r} is a {type(function).__name__}, not a function")
-    return function  # type: ignore[return-value]
+    return function  # pyright: ignore[reportReturnType]
 
 
 def compile_pattern(pattern: str | None) -> re.Pattern[str]:

@@ -58,14 +58,14 @@ def resolve_kind(kind: str) -> UncertaintyFn:
             f"uncertainty_kind={kind!r} is a {type(fn).__name__}, not a function "
             "(logprobs, entropies) -> one uncertainty per token"
         )
-    return fn  # type: ignore[return-value]
+    return fn  # pyright: ignore[reportReturnType]
 
 
 def kind_needs_entropies(kind: str) -> bool:
     """Whether a kind reads per-token entropies: `shannon_entropy`, or a custom kind whose
     function sets `needs_entropies = True`."""
     if kind in KIND_NEEDS:
-        return KIND_NEEDS[kind] == "entropies"  # type: ignore[index]
+        return KIND_NEEDS[kind] == "entropies"
     return bool(getattr(resolve_kind(kind), "needs_entropies", False))
 
 
@@ -153,7 +153,7 @@ def _uncertainties(
     """u [T] of each completion by the configured kind, errors naming the trajectory."""
     kind = config.tokens.uncertainty_kind
     fn = resolve_kind(kind)
-    reads_logprobs = KIND_NEEDS.get(kind) == "logprobs"  # type: ignore[call-overload]
+    reads_logprobs = KIND_NEEDS.get(kind) == "logprobs"  # pyright: ignore[reportArgumentType]
     reads_entropies = kind_needs_entropies(kind)
     out: list[list[torch.Tensor]] = []
     for g, row in enumerate(all_targets):
@@ -212,7 +212,7 @@ def token_advantages(
     if transform == "gtpo_sepa":
         saved = (run_state or {}).get(SEPA_STATE_KEY)
         state = (
-            SEPAState.from_state_dict(saved)  # type: ignore[arg-type]
+            SEPAState.from_state_dict(saved)
             if isinstance(saved, Mapping)
             else SEPAState.initial(config.sepa)
         )

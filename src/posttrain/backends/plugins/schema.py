@@ -135,7 +135,7 @@ def description_of(
     """The field's `Annotated` string metadata, else the config field's help (`described`),
     else HELP[name]; missing is an error."""
     if get_origin(annotation) is Annotated:
-        texts = [m for m in annotation.__metadata__ if isinstance(m, str)]  # type: ignore[attr-defined]
+        texts = [m for m in annotation.__metadata__ if isinstance(m, str)]  # pyright: ignore[reportAttributeAccessIssue]
         if texts:
             return texts[0]
     if name in described:
@@ -159,7 +159,7 @@ def option_schema(options_type: type, config_type: type) -> list[OptionSchema]:
         OptionSchema(
             name=name,
             type=type_name(hints[name]),
-            default=defaults.get(name),  # type: ignore[arg-type]  # a plugin option may have no default
+            default=defaults.get(name),  # pyright: ignore[reportArgumentType]  # a plugin option may have no default
             choices=choices_of(hints[name]),
             description=description_of(options_type, name, extras[name], described),
         )
@@ -169,7 +169,7 @@ def option_schema(options_type: type, config_type: type) -> list[OptionSchema]:
 
 def constructor_hints(factory: Callable[..., object]) -> dict[str, object]:
     """The resolved annotations of `factory`'s parameters ({} when they cannot be resolved)."""
-    target = factory.__init__ if isinstance(factory, type) else factory  # type: ignore[misc]
+    target = factory.__init__ if isinstance(factory, type) else factory
     try:
         return get_type_hints(target)
     except Exception:  # names only imported under TYPE_CHECKING: fall back to no types

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.engine.dispatch import merge_results
 from posttrain.engine.executor import PassShard, TensorKind
-from posttrain.engine.logprob_pass import causal_lm
+from posttrain.engine.logprob_pass import causal_lm, lm_part
 from posttrain.engine.models import ties_embeddings
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.ray.fsdp_checkpoint import ShardedCheckpoints
@@ -65,7 +65,7 @@ class ShardedWorker:
         self.worker = worker
         self.rank = dist.get_rank()
         self.device = torch.device(worker.config.device)
-        decoder = causal_lm(worker.model).get_decoder()  # type: ignore[operator]
+        decoder = lm_part(causal_lm(worker.model), "get_decoder")
         layers = getattr(decoder, "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
             raise ValueError(
@@ -76,10 +76,7 @@ class ShardedWorker:
         self.units: list[FSDPModule] = []
         kept = tied_embedding_parameters(worker.model)
         for module in [*layers, decoder]:
-            unit = cast(
-                FSDPModule,
-                fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=kept),
-            )
+            unit = fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=kept)
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
             self.units.append(unit)
@@ -173,7 +170,7 @@ def tied_embedding_parameters(model: nn.Module) -> set[nn.Parameter]:
     lm = causal_lm(model)
     if not ties_embeddings(lm):
         return set()
-    return set(lm.get_input_embeddings().parameters())  # type: ignore[operator]
+    return set(lm_part(lm, "get_input_embeddings").parameters())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

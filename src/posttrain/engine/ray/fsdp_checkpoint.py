@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from posttrain.data.checks import expect
 from posttrain.engine.checkpoint import JSONValue
 from posttrain.engine.executor import LoadRequest, SaveRequest
 from posttrain.engine.ray.rank_calls import PeerRefused, collective
@@ -179,7 +179,7 @@ class ShardedCheckpoints:
         if header[1]:
             self._load_optimizer_state(mirror)
             if mirror is None:
-                set_rng_state(cast(dict[str, object], header[2]))
+                set_rng_state(expect(header[2], dict, "rank 0's RNG state"))
         if mirror is not None:
             mirror.optimizer.state.clear()  # the ranks hold their shards of it now
         return trainer_state
@@ -199,16 +199,17 @@ class ShardedCheckpoints:
         """Every rank's AdamW state from rank 0's replica; moments cut like their parameter."""
         saved = optimizer_state_by_name(mirror.model, mirror.optimizer) if mirror else None
         layout: list[object] = [None]
+        states: dict[str, dict[str, object]] = {}
         if saved is not None:
-            states = cast(dict[str, dict[str, object]], saved["state"])
-            groups = cast(list[dict[str, object]], saved["param_groups"])
+            states = expect(saved["state"], dict, "the optimizer state")
+            groups = expect(saved["param_groups"], list, "the optimizer's param_groups")
             settings = {k: v for k, v in groups[0].items() if k != "params"}
             shapes = {
                 name: {k: _describe(v) for k, v in state.items()} for name, state in states.items()
             }
             layout[0] = (settings, shapes)
         dist.broadcast_object_list(layout, src=0)
-        settings, shapes = cast(tuple[dict[str, object], dict[str, dict[str, object]]], layout[0])
+        settings, shapes = expect(layout[0], tuple, "rank 0's optimizer layout")
         optimizer = self.worker.optimizer
         params = self.worker.trainable_parameters()
         optimizer.state.clear()
@@ -219,8 +220,8 @@ class ShardedCheckpoints:
                 if not isinstance(described, tuple):
                     state[key] = described  # a plain value, sent with the layout
                     continue
-                shape, dtype = cast(tuple[tuple[int, ...], torch.dtype], described)
-                value = cast(torch.Tensor, saved["state"][name][key]) if saved else None  # type: ignore[index]
+                shape, dtype = described
+                value = expect(states[name][key], torch.Tensor, name) if saved else None
                 like = param if shape == _full_shape(param) else torch.empty(shape, dtype=dtype)
                 state[key] = self._broadcast(value, like.detach()).to(dtype)
             optimizer.state[param] = state
