@@ -75,7 +75,7 @@ async def test_a_registered_loss_plugs_into_train(tiny_model_dir, tmp_path, monk
     weights of size ~1e-1 (measured: equal)."""
     monkeypatch.setattr(registry, "_registered", {})
     config = from_options(RLConfig, {"loss": "ppo"})
-    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.policy_loss_config))
+    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.loss_fn_config))
     by_name = await trained(tiny_model_dir, tmp_path / "a", loss=name)
     builtin = await trained(tiny_model_dir, tmp_path / "b", loss="ppo")
     for key, value in builtin.items():

@@ -266,8 +266,10 @@ class ModelClients(Generic[ClientT]):
         if isinstance(client, LogprobChunking):
             client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
         recorder = TensorRecorder() if config.plot_tensors else None
-        critic = await self._critic(model) if config.advantages.estimator == "gae" else None
-        kl = config.loss.kl_penalty_coef > 0
+        critic = (
+            await self._critic(model) if config.advantages.advantage_estimator == "gae" else None
+        )
+        kl = config.loss_fn_config.kl_penalty_coef > 0
         reference = await self._reference(model) if kl else None
         step = model.step + 1
         plot = model.directory / "plots" / f"step_{step:05d}.png"

@@ -24,7 +24,7 @@ from posttrain.jobs.config import JobConfig, load_config
 from posttrain.jobs.tables import redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.tokenizer import Tokenizer
-from posttrain.trainer.config import RLConfig, is_config, option_values
+from posttrain.trainer.config import is_config, option_values
 
 # What each plan entry counts.
 PLAN_NOTES = {
@@ -73,10 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _jsonable(value: object) -> object:
     if is_config(value):  # train() options: flat, by the keys the TOML tables use
-        values = option_values(value)
-        if isinstance(value, RLConfig):  # the loss that runs: unset is cispo, or what ppo says
-            values["loss"] = value.policy_loss
-        return values
+        return option_values(value)  # canonical: `loss` is the loss that runs
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
