@@ -200,20 +200,10 @@ def distill_conflicts(config: RLConfig) -> list[PreflightProblem]:
             ]
         return []
     problems: list[PreflightProblem] = []
-    if advantages.tokens.token_transform != "none" or advantages.advantage_estimator in (
-        "reinforce_pp",
-        "gae",
-    ):
-        name = (
-            "token_transform"
-            if advantages.tokens.token_transform != "none"
-            else "advantage_estimator"
-        )
-        value = (
-            advantages.tokens.token_transform
-            if name == "token_transform"
-            else advantages.advantage_estimator
-        )
+    transform, estimator = advantages.tokens.token_transform, advantages.advantage_estimator
+    if transform != "none" or estimator in ("reinforce_pp", "gae"):
+        name = "token_transform" if transform != "none" else "advantage_estimator"
+        value = transform if name == "token_transform" else estimator
         problems.append(
             PreflightProblem(
                 name,
@@ -349,13 +339,12 @@ def takes_custom_loss(option: OptionSchema, value: object) -> bool:
 
 
 def implied_defaults(config: RLConfig) -> dict[str, object]:
-    """Each option's default, where what the aliases and the loss imply counts as the default:
-    the clip range ART gives the loss, the estimator and transform of `algorithm_mode`. So an
-    option is judged set only when the user set it (the config holds the resolved values)."""
+    """Each option's default, what the loss and `algorithm_mode` imply counting as one (ART's
+    clip range, the mode's estimator and transform): an option is judged set only if set."""
     aliases = {"loss": config.loss_fn, "algorithm_mode": config.advantages.algorithm_mode}
-    implied = option_values(from_options(type(config), aliases))
     own = option_defaults(type(config))
-    return {**implied, **{key: own[key] for key in ("loss", "ppo", "algorithm_mode")}}
+    implied = option_values(from_options(type(config), aliases))
+    return implied | {key: own[key] for key in ("loss", "ppo", "algorithm_mode")}
 
 
 def missing_logprobs(config: RLConfig, groups: Sequence[TrajectoryGroup]) -> list[PreflightProblem]:
