@@ -63,7 +63,7 @@ async def test_verbose_logs_each_update(tiny_model_dir, tmp_path, caplog):
 
 async def test_scaling_the_learning_rate_by_reward_std_dev_is_refused(tiny_model_dir, tmp_path):
     backend = LocalBackend(tmp_path)
-    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=8)
     with pytest.raises(ValueError, match="scale_learning_rate_by_reward_std_dev=True is invalid"):
         await backend.train(model, [], scale_learning_rate_by_reward_std_dev=True)
     assert from_options(RLConfig, {"scale_learning_rate_by_reward_std_dev": False})

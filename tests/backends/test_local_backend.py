@@ -102,7 +102,7 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
     model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     with pytest.raises(RuntimeError, match="not registered"):
         await backend.train(model, synthetic_groups(0))
-    missing = TrainableModel(name="x", project="p", base_model=str(tmp_path / "nope"))
+    missing = TrainableModel(name="x", project="p", base_model=str(tmp_path / "nope"), lora_rank=8)
     with pytest.raises(FileNotFoundError, match="nope"):
         await missing.register(backend)
     await model.register(backend)

@@ -32,6 +32,7 @@ from typing import Literal, get_type_hints
 
 from posttrain.algo.config_fields import option, option_defaults, option_help
 from posttrain.backends.registry import resolve as resolve_backend
+from posttrain.engine.lora import LoraSettings
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model
@@ -113,6 +114,8 @@ class ModelConfig:
         "tiny:qwen2:tiny",
         "a directory, hub id, .gguf file, packaged:<name>, or tiny:<arch>:<size>[:<seed>]",
     )
+    # 0, full fine-tuning, is what a job without lora_rank has always trained (the shipped
+    # examples and job tests rely on it); a LoRA job names its rank.
     lora_rank: int = option(0, "0 trains every weight; >= 1 trains LoRA adapters of that rank")
     lora_alpha: float | None = option(None, "LoRA alpha (None: the default for the rank)")
     dtype: Literal["float32", "bfloat16", "float16"] = option(
@@ -125,6 +128,13 @@ class ModelConfig:
         None,
         "LoRA adapts the unembedding (unset: unless the model ties it to the input embedding)",
     )
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        """The LoRA spec of the table (None: full fine-tuning), as `TrainableModel.lora`."""
+        return LoraSettings.of(
+            self.lora_rank, self.lora_alpha, self.train_attn, self.train_mlp, self.train_unembed
+        )
 
     def __post_init__(self) -> None:
         check_field_types(self)
