@@ -20,11 +20,9 @@ from posttrain.logging_sinks import SINK_NAMES, SINK_PACKAGES, is_installed
 
 def test_unknown_sink_names_the_setting_and_the_choices():
     with pytest.raises(ValueError, match=r"report_metrics: unknown sink 'tensorbord'.*tensorboard"):
-        TrainableModel(
-            name="m", project="p", base_model="x", report_metrics=["tensorbord"], lora_rank=8
-        )  # type: ignore[list-item]
+        TrainableModel(name="m", project="p", base_model="x", report_metrics=["tensorbord"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"a list of sink names, e\.g\. \['wandb'\]"):
-        TrainableModel(name="m", project="p", base_model="x", report_metrics="wandb", lora_rank=8)  # type: ignore[arg-type]
+        TrainableModel(name="m", project="p", base_model="x", report_metrics="wandb")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("sink", SINK_NAMES)
