@@ -55,7 +55,7 @@ def in_process(local: LocalTrainingClient, prompt: list[int], args: argparse.Nam
 async def run(args: argparse.Namespace, url: str, base_model: Path) -> None:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     model = str(base_model)  # the served name of the base model
-    local = create_training_client(base_model)
+    local = create_training_client(base_model, lora_rank=None)
     batch = prompts(args.requests)
     await served(client, model, batch[0], args)  # warm-up: the server loads its sampler
     in_process(local, batch[0], args)

@@ -34,7 +34,7 @@ def test_a_sink_whose_package_is_missing_names_the_package(sink, monkeypatch):
         ImportError,
         match=rf"asks for {sink}, whose package '{package}' is not installed: pip install {package}",
     ):
-        TrainableModel(name="m", project="p", base_model="x", report_metrics=[sink])
+        TrainableModel(name="m", project="p", base_model="x", report_metrics=[sink], lora_rank=8)
 
 
 async def test_the_environment_variable_is_checked_at_register(
@@ -42,14 +42,16 @@ async def test_the_environment_variable_is_checked_at_register(
 ):
     backend = LocalBackend(tmp_path)
     monkeypatch.setenv("POSTTRAIN_LOG_TO", "tensorboard, nope")
-    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=8)
     with pytest.raises(ValueError, match="POSTTRAIN_LOG_TO: unknown sink 'nope'"):
         await model.register(backend)
     assert not (tmp_path / "p" / "models" / "m" / "model.json").exists()  # nothing registered
     with pytest.raises(RuntimeError, match="not registered"):
         backend.client(model)
     # An explicit list wins over the environment: [] means no sink at all.
-    quiet = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), report_metrics=[])
+    quiet = TrainableModel(
+        name="m", project="p", base_model=str(tiny_model_dir), report_metrics=[], lora_rank=8
+    )
     await quiet.register(backend)
     assert await quiet.log(metrics={"loss": 1.5}) == {"loss": 1.5}
     assert quiet.history() == [{"step": 0, "split": "train", "loss": 1.5}]
@@ -64,7 +66,11 @@ async def test_tensorboard_sink_writes_the_logged_scalars(tiny_model_dir, tmp_pa
 
     backend = LocalBackend(tmp_path)
     model = TrainableModel(
-        name="m", project="p", base_model=str(tiny_model_dir), report_metrics=["tensorboard"]
+        name="m",
+        project="p",
+        base_model=str(tiny_model_dir),
+        report_metrics=["tensorboard"],
+        lora_rank=8,
     )
     await model.register(backend)
     await model.log(metrics={"loss": 0.25}, step=3)
@@ -85,7 +91,9 @@ async def test_a_sink_that_fails_to_open_leaves_the_model_as_it_was(
 ):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (optional)")
     backend = LocalBackend(tmp_path)
-    saved = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), report_metrics=[])
+    saved = TrainableModel(
+        name="m", project="p", base_model=str(tiny_model_dir), report_metrics=[], lora_rank=8
+    )
     await saved.register(backend)
     saved.run_state["cursor"] = 7
     saved.set_step(2)  # as if two steps were trained
@@ -107,6 +115,7 @@ async def test_a_sink_that_fails_to_open_leaves_the_model_as_it_was(
         project="p",
         base_model=str(tiny_model_dir),
         report_metrics=["tensorboard", "mlflow"],
+        lora_rank=8,
     )
     with pytest.raises(ConnectionError, match="tracking server unreachable"):
         await model.register(backend)

@@ -148,14 +148,14 @@ def test_gtpo_keeps_each_completions_mean_advantage(u, beta):
 
 def test_algorithm_modes_set_estimator_and_transform():
     config = from_options(RLConfig, {"algorithm_mode": "maxrl_gtpo_sepa"}).advantages
-    assert (config.estimator, config.transform) == ("maxrl", "gtpo_sepa")
+    assert (config.advantage_estimator, config.tokens.token_transform) == ("maxrl", "gtpo_sepa")
     # retrain's grpo centres without the std: posttrain's dr_grpo.
     grpo = AdvantageConfig(algorithm_mode="grpo_none")
-    assert (grpo.estimator, grpo.transform) == ("dr_grpo", "none")
+    assert (grpo.advantage_estimator, grpo.tokens.token_transform) == ("dr_grpo", "none")
     agreeing = from_options(
         RLConfig, {"algorithm_mode": "reinforce_pp_gtpo", "advantage_estimator": "reinforce_pp"}
     )
-    assert agreeing.advantages.transform == "gtpo"
+    assert agreeing.advantages.tokens.token_transform == "gtpo"
     with pytest.raises(ValueError, match="algorithm_mode='maxrl_gtpo' and token_transform="):
         from_options(RLConfig, {"algorithm_mode": "maxrl_gtpo", "token_transform": "gtpo_sepa"})
 

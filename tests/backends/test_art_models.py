@@ -72,7 +72,9 @@ async def test_an_inference_only_model_samples_a_url_and_logs_beside_the_trained
 ):
     """The 'server' here is a trained model's own endpoint; an art.Model only needs its URL."""
     backend = art.LocalBackend(tmp_path)
-    served = art.TrainableModel(name="served", project="p", base_model=str(tiny_model_dir))
+    served = art.TrainableModel(
+        name="served", project="p", base_model=str(tiny_model_dir), lora_rank=8
+    )
     await served.register(backend)
     endpoint = served.openai_endpoint()
     baseline = art.Model(

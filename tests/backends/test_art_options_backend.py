@@ -63,7 +63,7 @@ async def test_verbose_logs_each_update(tiny_model_dir, tmp_path, caplog):
 
 async def test_scaling_the_learning_rate_by_reward_std_dev_is_refused(tiny_model_dir, tmp_path):
     backend = LocalBackend(tmp_path)
-    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=8)
     with pytest.raises(ValueError, match="scale_learning_rate_by_reward_std_dev=True is invalid"):
         await backend.train(model, [], scale_learning_rate_by_reward_std_dev=True)
     assert from_options(RLConfig, {"scale_learning_rate_by_reward_std_dev": False})
@@ -75,7 +75,7 @@ async def test_a_registered_loss_plugs_into_train(tiny_model_dir, tmp_path, monk
     weights of size ~1e-1 (measured: equal)."""
     monkeypatch.setattr(registry, "_registered", {})
     config = from_options(RLConfig, {"loss": "ppo"})
-    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.policy_loss_config))
+    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.loss_fn_config))
     by_name = await trained(tiny_model_dir, tmp_path / "a", loss=name)
     builtin = await trained(tiny_model_dir, tmp_path / "b", loss="ppo")
     for key, value in builtin.items():

@@ -122,7 +122,7 @@ async def test_critic_options_are_refused_where_there_is_no_critic(tmp_path):
     from posttrain.backends.tinker import TinkerBackend
 
     backend = TinkerBackend(tmp_path)
-    model = TrainableModel(name="m", project="p", base_model="Qwen/Qwen3-0.6B")
+    model = TrainableModel(name="m", project="p", base_model="Qwen/Qwen3-0.6B", lora_rank=8)
     with pytest.raises(TypeError, match="does not support: 'gae_lambda'"):
         await backend.train(model, [], gae_lambda=0.9)  # pyright: ignore[reportCallIssue]
 

@@ -41,7 +41,7 @@ def test_cuda_without_cuda_fails_at_construction_naming_the_fix(tmp_path, tiny_m
     assert message.startswith("LocalBackend device is 'cuda', but CUDA is not available here")
     assert "use device='auto'" in message and "device='cpu'" in message
     with pytest.raises(ValueError, match=r"device is 'cuda:1', but CUDA is not available"):
-        create_training_client(tiny_model_dir, device="cuda:1")
+        create_training_client(tiny_model_dir, device="cuda:1", lora_rank=None)
     assert LocalBackend(tmp_path, device="cpu").device == "cpu"
 
 

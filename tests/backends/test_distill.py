@@ -56,7 +56,9 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def teacher_client(teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    training = create_training_client(teacher_dir, storage_dir=tmp_path_factory.mktemp("t"))
+    training = create_training_client(
+        teacher_dir, storage_dir=tmp_path_factory.mktemp("t"), lora_rank=None
+    )
     sampler = training.save_weights_and_get_sampling_client().result()
     yield sampler
     sampler.close()
@@ -176,7 +178,9 @@ async def test_wrong_combinations_name_the_option_and_the_fix(
 ):
     # Preflight runs before the model is looked at: it is never registered.
     backend = LocalBackend(tmp_path)
-    model = TrainableModel(name="m", project="p", base_model=str(tmp_path / "never-loaded"))
+    model = TrainableModel(
+        name="m", project="p", base_model=str(tmp_path / "never-loaded"), lora_rank=8
+    )
     if option != "distill_reward_coef":
         options = {**options, "teacher": sharp(teacher_client)}
     with pytest.raises(PreflightError) as caught:
@@ -228,7 +232,7 @@ async def test_a_teacher_behind_posttrain_serve(tiny_model_dir, server, teacher_
     remote = service.create_sampling_client(base_model=str(tiny_model_dir))
     tokenizer = build_tokenizer()
     teacher = Teacher.from_tinker(remote, tokenizer=tokenizer, name="served")
-    training = create_training_client(tiny_model_dir)
+    training = create_training_client(tiny_model_dir, lora_rank=None)
     local = Teacher(training.save_weights_and_get_sampling_client().result(), name="local")
     groups = fixed_groups()
     with warnings.catch_warnings():

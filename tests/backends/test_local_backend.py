@@ -102,7 +102,7 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
     model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     with pytest.raises(RuntimeError, match="not registered"):
         await backend.train(model, synthetic_groups(0))
-    missing = TrainableModel(name="x", project="p", base_model=str(tmp_path / "nope"))
+    missing = TrainableModel(name="x", project="p", base_model=str(tmp_path / "nope"), lora_rank=8)
     with pytest.raises(FileNotFoundError, match="nope"):
         await missing.register(backend)
     await model.register(backend)
@@ -135,12 +135,12 @@ async def test_bad_input_gives_clear_errors(tiny_model_dir, tmp_path):
 
 def test_ppo_switch_picks_the_loss_and_refuses_a_conflict():
     # ART runs CISPO when a script sets neither ppo nor loss_fn.
-    assert RLConfig().policy_loss == "cispo"
-    assert from_options(RLConfig, dict(ppo=True)).policy_loss == "ppo"
+    assert RLConfig().loss_fn == "cispo"
+    assert from_options(RLConfig, dict(ppo=True)).loss_fn == "ppo"
     # ART: ppo=False is its CISPO default.
-    assert from_options(RLConfig, dict(ppo=False)).policy_loss == "cispo"
-    assert from_options(RLConfig, dict(loss="dro")).policy_loss == "dro"
-    assert from_options(RLConfig, dict(loss="cispo", ppo=False)).policy_loss == "cispo"
+    assert from_options(RLConfig, dict(ppo=False)).loss_fn == "cispo"
+    assert from_options(RLConfig, dict(loss="dro")).loss_fn == "dro"
+    assert from_options(RLConfig, dict(loss="cispo", ppo=False)).loss_fn == "cispo"
     with pytest.raises(ValueError, match=r"loss='ppo' and ppo=False disagree"):
         from_options(RLConfig, dict(loss="ppo", ppo=False))
 

@@ -11,7 +11,7 @@ import pytest
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.tinker import wire_train_unembed
-from posttrain.engine.models import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
+from posttrain.engine.lora import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
 
 
 def adapted(names) -> set[str]:

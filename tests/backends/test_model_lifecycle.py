@@ -330,7 +330,9 @@ class _LatestOnly:
 
 
 async def test_a_backend_that_ignores_resume_step_is_an_error() -> None:
-    model = TrainableModel(name="m", project="p", base_model="unused", report_metrics=[])
+    model = TrainableModel(
+        name="m", project="p", base_model="unused", report_metrics=[], lora_rank=8
+    )
     with pytest.raises(ValueError, match=r"_LatestOnly cannot resume model 'm' from a chosen"):
         await model.register(_LatestOnly(), resume_step=3)  # pyright: ignore[reportArgumentType]
     with pytest.raises(RuntimeError, match="not registered"):

@@ -57,9 +57,9 @@ def test_flat_keys_and_nested_fields_correspond_one_to_one(config: type):
     keys = [key for key, _ in leaves]
     assert len(keys) == len(set(keys)), keys  # no key names two fields
     assert keys == list(option_fields(config))
-    # A key is its field's name, but for the loss's name: `loss` is the LossConfig group.
+    # A key is its field's name, but for the loss's name: the field is Tinker's `loss_fn`.
     renamed = {key: f.name for key, f in leaves if key != f.name}
-    assert renamed == ({} if config in (SFTConfig, DPOConfig) else {"loss": "loss_fn"})
+    assert renamed == ({} if config is SFTConfig else {"loss": "loss_fn"})
     assert all(f.metadata.get("help") for _, f in leaves)  # each option documents itself
 
 
@@ -162,7 +162,9 @@ def test_pyright_rejects_each_unsupported_option():
 
 async def test_runtime_rejects_unknown_option_before_looking_at_anything(tmp_path):
     backend = LocalBackend(tmp_path)
-    model = TrainableModel(name="m", project="p", base_model="does-not-exist")  # never registered
+    model = TrainableModel(
+        name="m", project="p", base_model="does-not-exist", lora_rank=8
+    )  # never registered
     with pytest.raises(
         TypeError, match=r"LocalBackend.train\(\).*'learning_rat'.*did you mean 'learning_rate'"
     ):
@@ -269,7 +271,7 @@ async def test_each_wrong_value_is_a_value_error_naming_the_option(tmp_path, cal
     # The model is never registered and its base model does not exist: the option is checked
     # before either is looked at (otherwise the error would say "not registered").
     backend = LocalBackend(tmp_path)
-    model = TrainableModel(name="m", project="p", base_model=str(tmp_path / "missing"))
+    model = TrainableModel(name="m", project="p", base_model=str(tmp_path / "missing"), lora_rank=8)
     with pytest.raises(ValueError, match=rf"\boption {name}=") as caught:
         await getattr(backend, call)(model, [], **{name: value})
     assert "not registered" not in str(caught.value)

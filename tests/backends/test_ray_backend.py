@@ -131,7 +131,7 @@ def test_options_and_config_name_the_same_keys():
 
 async def test_runtime_rejects_options_ray_backend_lacks(tmp_path):
     backend = RayBackend(tmp_path)  # starts nothing until a model registers
-    model = TrainableModel(name="m", project="p", base_model="does-not-exist")
+    model = TrainableModel(name="m", project="p", base_model="does-not-exist", lora_rank=8)
     with pytest.raises(
         TypeError, match=r"RayBackend.train\(\).*'check_weight_in_sync'.*did you mean"
     ):

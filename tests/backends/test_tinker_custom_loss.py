@@ -110,7 +110,7 @@ async def test_a_registered_loss_runs_remotely_as_the_builtin_runs_locally(
 ):
     monkeypatch.setattr(registry, "_registered", {})
     config = from_options(RLConfig, {"loss": "cispo"})
-    name = register_loss("hand_cispo", builtin_as_custom("cispo", config.policy_loss_config))
+    name = register_loss("hand_cispo", builtin_as_custom("cispo", config.loss_fn_config))
     losses, relative = await _updates(
         server, tiny_model_dir, tmp_path, {"loss": "cispo"}, {"loss": name}
     )

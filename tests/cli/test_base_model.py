@@ -133,7 +133,7 @@ def test_train_refuses_it_before_writing_anything(tmp_path, capsys):
 
 async def test_register_refuses_a_hub_id_with_no_local_copy(tmp_path):
     backend = LocalBackend(tmp_path)
-    model = TrainableModel(name="m", project="p", base_model=HUB_ID)
+    model = TrainableModel(name="m", project="p", base_model=HUB_ID, lora_rank=8)
     with pytest.raises(HubUnreachableError, match=r"cannot register model 'm'.*HF_HUB_OFFLINE"):
         await model.register(backend)
     assert not (tmp_path / "p" / "models" / "m" / "model.json").exists()
@@ -169,7 +169,7 @@ def test_explain_and_doctor_say_whether_it_is_converted(tiny_gguf, tmp_path, cap
     main(["doctor", "--config", str(config), "--storage", str(tmp_path)])
     [row] = [x for x in capsys.readouterr().out.splitlines() if "  base model" in x]
     assert row.startswith("PASS") and "not converted yet" in row
-    create_training_client(gguf_path)  # converts it into the cache
+    create_training_client(gguf_path, lora_rank=None)  # converts it into the cache
     entry = cached_gguf(gguf_path)
     assert main(["explain", str(config)]) == 0
     out = capsys.readouterr().out

@@ -311,3 +311,27 @@ def test_explain_refuses_vllm_on_a_head_size_its_cpu_attention_lacks(monkeypatch
         job, model=dataclasses.replace(job.model, base_model="tiny:qwen2:mini")
     )
     assert _report(mini)["preflight"] == {"ok": True, "problems": []}
+
+
+def test_explain_shows_the_help_of_a_toml_key(capsys):
+    # A job table's own key and a train() option the table passes on: each field's help line
+    # and default, as the config classes define them.
+    assert main(["explain", "--key", "rl.steps"]) == 0
+    assert capsys.readouterr().out == "[rl] steps = 50  # RL steps, one backend.train call each\n"
+    assert main(["explain", "--key", "rl.learning_rate"]) == 0
+    out = capsys.readouterr().out
+    assert out == "[rl] learning_rate = 1e-05  # AdamW learning rate for this call's updates\n"
+    assert main(["explain", "--key", "model"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        lines[1]
+        == "[model] lora_rank = 0  # 0 trains every weight; >= 1 trains LoRA adapters of that rank"
+    )
+    assert len(lines) == 7  # base_model, lora_rank, lora_alpha, dtype and the three layer flags
+
+
+def test_explain_refuses_an_unknown_toml_key_naming_the_nearest(capsys):
+    assert main(["explain", "--key", "rl.los"]) == 2
+    assert "[rl] has no key 'los'; did you mean 'loss'?" in capsys.readouterr().err
+    assert main(["explain", "--key", "backend.x"]) == 2
+    assert "no help for table [backend]" in capsys.readouterr().err

@@ -62,8 +62,8 @@ def test_help_says_where_models_come_from(capsys):
 def test_create_training_client_takes_a_gguf_file(tiny_gguf):
     gguf_path, original = tiny_gguf
     prompt = ModelInput.from_ints([256, 259, 104, 105, 10, 257])
-    ours = create_training_client(gguf_path).compute_logprobs(prompt).result()
-    theirs = create_training_client(original).compute_logprobs(prompt).result()
+    ours = create_training_client(gguf_path, lora_rank=None).compute_logprobs(prompt).result()
+    theirs = create_training_client(original, lora_rank=None).compute_logprobs(prompt).result()
     assert ours == theirs  # the same float32 weights (tests/engine/test_gguf_import.py)
 
 

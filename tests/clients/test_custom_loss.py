@@ -92,7 +92,7 @@ def test_a_registered_loss_runs_in_the_trainer_as_the_builtin(pair, monkeypatch)
     monkeypatch.setattr(registry, "_registered", {})
     builtin, custom = pair
     config = from_options(RLConfig, {"loss": "ppo"})
-    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.policy_loss_config))
+    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.loss_fn_config))
     custom_config = from_options(RLConfig, {"loss": name})
     datums = make_datums("ppo")
     expected = _forward_backward(builtin, datums, config).result()
@@ -122,7 +122,7 @@ def test_a_loss_plugs_in_through_the_entry_point_group(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "_registered", {})
     registry._entry_points.cache_clear()
     try:
-        assert from_options(RLConfig, {"loss": "weighted_sum"}).policy_loss == "weighted_sum"
+        assert from_options(RLConfig, {"loss": "weighted_sum"}).loss_fn == "weighted_sum"
         from custom_losses import weighted_logprob_sum
 
         assert custom_loss("weighted_sum") is weighted_logprob_sum
@@ -188,4 +188,4 @@ def test_unknown_loss_lists_only_the_losses_the_call_runs():
     assert "dro" not in message and "gspo" not in message and "dpo_" not in message
     with pytest.raises(ValueError, match=r"'gspo' is not carried by the Tinker protocol.*Ray"):
         resolve_tinker_rl({"loss": "gspo"})
-    assert resolve_tinker_rl({"ppo": True}).policy_loss == "ppo"
+    assert resolve_tinker_rl({"ppo": True}).loss_fn == "ppo"

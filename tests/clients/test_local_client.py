@@ -278,10 +278,10 @@ def test_bad_input_raises_and_leaves_no_gradient_behind(tiny_model_dir, tmp_path
     step is bit-identical to that of a client that never saw a bad call."""
     budget = 6  # one 6-token datum per micro-batch: the bad one is the third micro-batch
     exposed = create_training_client(
-        tiny_model_dir, storage_dir=tmp_path / "a", micro_batch_tokens=budget
+        tiny_model_dir, storage_dir=tmp_path / "a", micro_batch_tokens=budget, lora_rank=None
     )
     clean = create_training_client(
-        tiny_model_dir, storage_dir=tmp_path / "b", micro_batch_tokens=budget
+        tiny_model_dir, storage_dir=tmp_path / "b", micro_batch_tokens=budget, lora_rank=None
     )
     worker = exposed.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     for datums, loss, config, message in LATE_FAILURES:
@@ -310,6 +310,7 @@ def test_a_fault_mid_call_leaves_gradients_as_they_were(
             storage_dir=tmp_path / name,
             micro_batch_tokens=budget,
             num_workers=num_workers,
+            lora_rank=None,
         )
         for name in ("faulty", "clean")
     ]
@@ -343,7 +344,9 @@ def test_bad_input_raises_and_the_client_keeps_working(tiny_model_dir, tmp_path)
     """The issue's bad inputs, each after a good datum in an earlier micro-batch: a clear error,
     no gradient left behind, nothing written, and the next step equals a fresh client's."""
     made = [
-        create_training_client(tiny_model_dir, storage_dir=tmp_path / name, micro_batch_tokens=4)
+        create_training_client(
+            tiny_model_dir, storage_dir=tmp_path / name, micro_batch_tokens=4, lora_rank=None
+        )
         for name in ("used", "fresh")
     ]
     client, fresh = made
@@ -385,7 +388,9 @@ def test_bad_input_raises_and_the_client_keeps_working(tiny_model_dir, tmp_path)
     with pytest.raises(
         ValueError, match=r"dtype 'fp8' is not supported; use one of float32, bfloat16, float16"
     ):
-        create_training_client(tiny_model_dir, storage_dir=tmp_path / "fp8", dtype="fp8")
+        create_training_client(
+            tiny_model_dir, storage_dir=tmp_path / "fp8", dtype="fp8", lora_rank=None
+        )
     assert not (tmp_path / "fp8").exists()  # refused before anything was built or written
     assert not (tmp_path / "used").exists()  # no call wrote anything
     for made_client in made:
@@ -462,4 +467,7 @@ def test_create_training_client_is_typed_by_executor_and_keeps_the_global_rng(
     for made in (client, same, other):
         made.close()
     if TYPE_CHECKING:  # pyright checks this overload in CI; running it would start Ray
-        assert_type(create_training_client(tiny_model_dir, executor="ray"), RayTrainingClient)
+        assert_type(
+            create_training_client(tiny_model_dir, executor="ray", lora_rank=None),
+            RayTrainingClient,
+        )

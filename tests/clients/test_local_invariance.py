@@ -86,9 +86,11 @@ def clients(tiny_model_dir, tmp_path_factory):
             num_workers=3,
             micro_batch_tokens=30,
         ),
-        "full_whole": create_training_client(tiny_model_dir, storage_dir=base / "e"),
+        "full_whole": create_training_client(
+            tiny_model_dir, storage_dir=base / "e", lora_rank=None
+        ),
         "full_micro": create_training_client(
-            tiny_model_dir, storage_dir=base / "f", micro_batch_tokens=24
+            tiny_model_dir, storage_dir=base / "f", micro_batch_tokens=24, lora_rank=None
         ),
     }
     yield made

@@ -74,9 +74,14 @@ def local_ray() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def pair(local_ray, tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Pair, str]]:
     base = tmp_path_factory.mktemp("ray-pair")
-    local = create_training_client(tiny_model_dir, storage_dir=base / "local")
+    local = create_training_client(tiny_model_dir, storage_dir=base / "local", lora_rank=None)
     remote = create_training_client(
-        tiny_model_dir, storage_dir=base / "ray", executor="ray", num_workers=2, ray_config=TEST_RAY
+        tiny_model_dir,
+        storage_dir=base / "ray",
+        executor="ray",
+        num_workers=2,
+        ray_config=TEST_RAY,
+        lora_rank=None,
     )
     start = local.save_state("start").result().path  # before any step: empty AdamW state
     yield (local, remote), start
@@ -280,6 +285,7 @@ def make_group(
         executor="ray",
         num_workers=num_workers,
         ray_config=config,
+        lora_rank=None,
     )
     assert isinstance(client, RayTrainingClient)
     return client
@@ -326,7 +332,7 @@ def test_a_killed_actor_fails_the_call_at_once_and_the_checkpoint_stays_valid(
         client.forward(datums, "cross_entropy").result(timeout=60)
     client.close()
     # The last checkpoint loads into a fresh client and holds the weights of that step.
-    fresh = create_training_client(tiny_model_dir, storage_dir=tmp_path / "fresh")
+    fresh = create_training_client(tiny_model_dir, storage_dir=tmp_path / "fresh", lora_rank=None)
     fresh.load_state(saved.path, with_optimizer=True).result()
     restored = local_weights(fresh)
     assert all(torch.equal(restored[n], weights[n]) for n in weights)

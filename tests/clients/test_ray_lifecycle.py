@@ -55,6 +55,7 @@ def test_own_ray_listens_on_loopback_only_and_close_frees_it(tiny_model_dir, tmp
         executor="ray",
         num_workers=2,
         ray_config=RayConfig(startup_timeout_s=180.0),
+        lora_rank=None,
     )
     from ray._common.usage import usage_lib
 

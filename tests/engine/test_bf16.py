@@ -78,7 +78,9 @@ def test_full_fine_tuning_in_half_precision_is_refused(tiny_model_dir: Path) -> 
 
 def test_precision_mismatch_asks_for_tis() -> None:
     plain = RLConfig()
-    tis = RLConfig(precalculate_logprobs=True, loss=LossConfig(truncated_importance_sampling=2.0))
+    tis = RLConfig(
+        precalculate_logprobs=True, loss_fn_config=LossConfig(truncated_importance_sampling=2.0)
+    )
     assert precision_mismatch("float32", "float32", "pytorch", plain) is None
     # The pytorch engine samples on the training weights: the sampler's dtype is the model's.
     assert precision_mismatch("float32", "bfloat16", "pytorch", plain) is None

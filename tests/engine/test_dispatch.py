@@ -57,7 +57,7 @@ def datums(seed: int) -> list[Datum]:
 
 
 def two_workers(tiny_model_dir, path) -> LocalTrainingClient:
-    return create_training_client(tiny_model_dir, num_workers=2, storage_dir=path)
+    return create_training_client(tiny_model_dir, num_workers=2, storage_dir=path, lora_rank=None)
 
 
 def test_each_prepare_moves_in_one_executor_call(tiny_model_dir, tmp_path, monkeypatch):
@@ -305,7 +305,9 @@ def test_an_executor_is_all_a_dispatch_needs(tmp_path):
 def test_each_datum_is_checked_once_whatever_the_number_of_workers(
     tiny_model_dir, tmp_path, monkeypatch, num_workers
 ):
-    client = create_training_client(tiny_model_dir, num_workers=num_workers, storage_dir=tmp_path)
+    client = create_training_client(
+        tiny_model_dir, num_workers=num_workers, storage_dir=tmp_path, lora_rank=None
+    )
     data = [*datums(0), *datums(1)]  # 6 datums: every worker has some
     counts = count_checks(monkeypatch)
     client.forward_backward(data, "cross_entropy").result()

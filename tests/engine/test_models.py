@@ -9,10 +9,8 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from posttrain.engine.lora import ATTN_MODULES, MLP_MODULES, LoraSettings
 from posttrain.engine.models import (
-    ATTN_MODULES,
-    MLP_MODULES,
-    LoraSettings,
     apply_lora,
     load_hf_model,
     load_tokenizer,

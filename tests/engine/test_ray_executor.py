@@ -123,11 +123,11 @@ def test_buckets_keep_order_and_bound_size():
 
 def test_ray_options_need_the_ray_executor(tiny_model_dir):
     with pytest.raises(ValueError, match="need executor='ray'"):
-        create_training_client(tiny_model_dir, address="auto")  # pyright: ignore[reportCallIssue]
+        create_training_client(tiny_model_dir, address="auto", lora_rank=None)  # pyright: ignore[reportCallIssue]
     with pytest.raises(ValueError, match="executor must be 'local' or 'ray'"):
-        create_training_client(tiny_model_dir, executor="mpi")  # pyright: ignore[reportCallIssue, reportArgumentType]
+        create_training_client(tiny_model_dir, executor="mpi", lora_rank=None)  # pyright: ignore[reportCallIssue, reportArgumentType]
     with pytest.raises(ValueError, match="'GPU' share"):
-        create_training_client(tiny_model_dir, executor="ray", device="cuda")
+        create_training_client(tiny_model_dir, executor="ray", device="cuda", lora_rank=None)
 
 
 def test_worker_host_as_the_only_rank(tiny_model_dir, tmp_path, monkeypatch):

@@ -182,7 +182,9 @@ def test_full_fine_tuning_trains_and_restores_one_tied_matrix(
 ) -> None:
     """Full fine-tuning of a tied model trains the one matrix (a single Parameter under the
     embedding's name) and a checkpoint, which holds it once, restores it tied."""
-    client = create_training_client(tied_model_dir, seed=0, storage_dir=tmp_path / "a")
+    client = create_training_client(
+        tied_model_dir, seed=0, storage_dir=tmp_path / "a", lora_rank=None
+    )
     worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     names = list(worker.trainable_parameters())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
@@ -191,7 +193,9 @@ def test_full_fine_tuning_trains_and_restores_one_tied_matrix(
     path = client.save_state("s").result().path
     data = datums(7)
     want = logprobs_of(client, data)
-    restored = create_training_client(tied_model_dir, seed=1, storage_dir=tmp_path / "b")
+    restored = create_training_client(
+        tied_model_dir, seed=1, storage_dir=tmp_path / "b", lora_rank=None
+    )
     restored.load_state(path).result()
     lm: Any = restored.dispatch.executor.workers[0].model  # pyright: ignore[reportAttributeAccessIssue]
     assert lm.lm_head.weight is lm.model.embed_tokens.weight

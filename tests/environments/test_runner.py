@@ -252,7 +252,9 @@ async def test_episodes_on_local_backend_are_reproducible_and_train_a_step(
     import posttrain
 
     backend = posttrain.LocalBackend(tmp_path)
-    model = posttrain.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    model = posttrain.TrainableModel(
+        name="m", project="p", base_model=str(tiny_model_dir), lora_rank=8
+    )
     await model.register(backend)
     try:
         sampler = backend.sampling_client(model)

@@ -78,7 +78,9 @@ async def test_split_engine_leaves_the_trainer_alone(tiny_model_dir: Path, tmp_p
     threads = torch.get_num_threads()
     rng = torch.get_rng_state()
     backend = posttrain.LocalBackend(tmp_path, inference={"devices": "cpu,cpu", "threads": 1})
-    model = posttrain.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    model = posttrain.TrainableModel(
+        name="m", project="p", base_model=str(tiny_model_dir), lora_rank=8
+    )
     await model.register(backend)
     try:
         await backend.sampling_client(model).sample([1, 2, 3], 2, PARAMS)
@@ -90,7 +92,9 @@ async def test_split_engine_leaves_the_trainer_alone(tiny_model_dir: Path, tmp_p
 
 async def test_a_dead_engine_process_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path):
     backend = posttrain.LocalBackend(tmp_path, inference={"devices": "cpu,cpu", "threads": 1})
-    model = posttrain.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    model = posttrain.TrainableModel(
+        name="m", project="p", base_model=str(tiny_model_dir), lora_rank=8
+    )
     await model.register(backend)
     try:
         engine = backend.sampling_client(model).engine
@@ -111,7 +115,9 @@ async def test_vllm_on_a_head_size_its_cpu_attention_lacks_fails_before_it_start
     named here does not even exist)."""
     missing = str(tmp_path / "no-vllm" / "python")
     backend = posttrain.LocalBackend(tmp_path, inference={"engine": "vllm", "python": missing})
-    model = posttrain.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+    model = posttrain.TrainableModel(
+        name="m", project="p", base_model=str(tiny_model_dir), lora_rank=8
+    )
     try:
         with pytest.raises(ValueError, match=r"no kernel for this model's head size 16"):
             await model.register(backend)

@@ -66,7 +66,7 @@ def test_a_dotted_path_loss_loads_from_beside_the_config(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "_registered", dict(registry._registered))
     (tmp_path / "job_losses_ok.py").write_text(LOSS_MODULE)
     job = _job(tmp_path, "job_losses_ok:reinforce")
-    assert job.rl.trainer.policy_loss == "job_losses_ok:reinforce"
+    assert job.rl.trainer.loss_fn == "job_losses_ok:reinforce"
     assert job_problems(job, base_model=False)[1] == []
     (tmp_path / "job_losses_bad.py").write_text("import no_such_module_here\n")
     _, problems = job_problems(_job(tmp_path, "job_losses_bad:reinforce"), base_model=False)

@@ -78,7 +78,7 @@ def sampler_logprobs(responses: list[SampleResponse]) -> list[torch.Tensor]:
 def fp32(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """A float32 client of the whole model (no optimizer state before a step)."""
     client = create_training_client(
-        real_model_dir, dtype="float32", storage_dir=tmp_path_factory.mktemp("fp32")
+        real_model_dir, dtype="float32", storage_dir=tmp_path_factory.mktemp("fp32"), lora_rank=None
     )
     yield client
     client.close()

@@ -143,7 +143,7 @@ async def test_a_custom_loss_reports_them_too(tiny_model_dir, tmp_path, monkeypa
     """forward_backward_custom returns the backward pass's logprobs, the same fp32 values."""
     monkeypatch.setattr(registry, "_registered", {})
     config = from_options(RLConfig, {"loss": "ppo"})
-    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.policy_loss_config))
+    name = register_loss("hand_ppo", builtin_as_custom("ppo", config.loss_fn_config))
     backend, model, sequences = await sampled(tiny_model_dir, tmp_path)
     try:
         result = await backend.train(model, groups_of(sequences, [0.25] * 8), loss=name)

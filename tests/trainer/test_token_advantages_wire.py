@@ -93,12 +93,14 @@ def test_token_varying_advantages_cross_the_tinker_wire(server, tiny_model_dir, 
         )
         losses, grads = [], []
         for client in (local, remote):
-            out = client.forward_backward(datums, config.policy_loss, config.loss).result()
+            out = client.forward_backward(datums, config.loss_fn, config.loss_fn_config).result()
             client.optim_step(ADAM).result()
             losses.append(out.metrics["loss:sum"])
         grads.append(gradient_from_step(before, local_weights(local)))
         grads.append(gradient_from_step(before, server_weights(server, remote, "b")))
-        flat = local.forward(per_sequence_means(datums), config.policy_loss, config.loss).result()
+        flat = local.forward(
+            per_sequence_means(datums), config.loss_fn, config.loss_fn_config
+        ).result()
         print(f"losses {losses}, relative gradient difference {rel_error(grads[1], grads[0]):.2e}")
         assert losses[1] == pytest.approx(losses[0], rel=REL_TOL)
         assert rel_error(grads[1], grads[0]) < REL_TOL

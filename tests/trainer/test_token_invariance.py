@@ -95,7 +95,7 @@ def gradient(
     if not isinstance(client, RayTrainingClient):  # each Ray client here makes one call
         for worker in client.dispatch.executor.workers:
             worker.zero_grad()
-    out = client.forward_backward(datums, config.policy_loss, config.loss).result()
+    out = client.forward_backward(datums, config.loss_fn, config.loss_fn_config).result()
     return grads(client), out.metrics["loss:sum"]
 
 

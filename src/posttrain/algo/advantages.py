@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -218,38 +218,31 @@ class AdvantageConfig:
                 "option loss_reduction_constant is needed by loss_reduction='constant': "
                 "pass loss_reduction_constant > 0"
             )
+        if self.algorithm_mode is not None:
+            self._read_algorithm_mode(self.algorithm_mode)
         if self.advantage_estimator == "gae" and self.tokens.token_transform != "none":
             raise ValueError(
                 f"advantage_estimator='gae' gives every token its own advantage already; "
                 f"token_transform={self.tokens.token_transform!r} spreads an episode advantage "
                 "over tokens: pass one of them"
             )
-        if self.algorithm_mode is not None:
-            estimator, transform = ALGORITHM_MODES[self.algorithm_mode]
-            # A value at its default cannot be told from one left out: only others conflict.
-            for key, value, implied, default in (
-                ("advantage_estimator", self.advantage_estimator, estimator, "grpo"),
-                ("token_transform", self.tokens.token_transform, transform, "none"),
-            ):
-                if value not in (implied, default):
-                    raise ValueError(
-                        f"options algorithm_mode={self.algorithm_mode!r} and {key}={value!r} "
-                        f"disagree (the mode means {key}={implied!r}): pass only one of them"
-                    )
 
-    @property
-    def estimator(self) -> AdvantageEstimator:
-        """The episode estimator: algorithm_mode's if set, else advantage_estimator."""
-        if self.algorithm_mode is None:
-            return self.advantage_estimator
-        return ALGORITHM_MODES[self.algorithm_mode][0]
-
-    @property
-    def transform(self) -> TokenTransform:
-        """The token transform: algorithm_mode's if set, else token_transform."""
-        if self.algorithm_mode is None:
-            return self.tokens.token_transform
-        return ALGORITHM_MODES[self.algorithm_mode][1]
+    def _read_algorithm_mode(self, mode: AlgorithmMode) -> None:
+        """Resolve the alias once: the mode's estimator and transform become the fields (the
+        mode itself stays, for messages that name what was given)."""
+        estimator, transform = ALGORITHM_MODES[mode]
+        # A value at its default cannot be told from one left out: only others conflict.
+        for key, value, implied, default in (
+            ("advantage_estimator", self.advantage_estimator, estimator, "grpo"),
+            ("token_transform", self.tokens.token_transform, transform, "none"),
+        ):
+            if value not in (implied, default):
+                raise ValueError(
+                    f"options algorithm_mode={mode!r} and {key}={value!r} "
+                    f"disagree (the mode means {key}={implied!r}): pass only one of them"
+                )
+        object.__setattr__(self, "advantage_estimator", estimator)
+        object.__setattr__(self, "tokens", replace(self.tokens, token_transform=transform))
 
 
 @dataclass(frozen=True)
@@ -289,7 +282,7 @@ def compute_group_advantages(
         try:
             adv_G = group_advantages(
                 rewards_G,
-                estimator=config.estimator,
+                estimator=config.advantage_estimator,
                 scale_rewards=config.scale_rewards,
                 eps=ADVANTAGE_EPS,
             )

@@ -167,14 +167,23 @@ def from_options(config_type: type[C], options: Mapping[str, object]) -> C:
     """The nested config of flat `options`; a group not named keeps its default value.
 
     An unknown key is a TypeError naming the nearest known one; a bad value is the ValueError
-    of the field's own check.
+    of the field's own check. A config whose aliases conflict in ways its fields cannot show
+    (an explicit value equal to the default) checks the given keys in `check_given(options)`.
     """
+    check_given(config_type, options)
+    return cast(C, _build(config_type, options, None))
+
+
+def check_given(config_type: type, options: Mapping[str, object]) -> None:
+    """Unknown keys (a TypeError naming the nearest), then the config's own `check_given`."""
     known = option_fields(config_type)
     for key in options:
         if key not in known:
             hint = did_you_mean(key, known)
             raise TypeError(f"{config_type.__name__} has no option {key!r}{hint}")
-    return cast(C, _build(config_type, options, None))
+    own: Callable[[Mapping[str, object]], None] | None = getattr(config_type, "check_given", None)
+    if own is not None:
+        own(options)
 
 
 def _build(config_type: type, options: Mapping[str, object], base: object | None) -> object:
@@ -199,8 +208,11 @@ def _build(config_type: type, options: Mapping[str, object], base: object | None
 
 
 def with_options(config: C, **changes: object) -> C:
-    """`config` with some flat options changed (checked as when built)."""
-    return from_options(type(config), {**option_values(config), **changes})
+    """`config` with some flat options changed (checked as when built; every key of an existing
+    config is given, so only the changes are checked as given)."""
+    config_type = type(config)
+    check_given(config_type, changes)
+    return cast(C, _build(config_type, {**option_values(config), **changes}, None))
 
 
 def check_fields(config: object) -> None:

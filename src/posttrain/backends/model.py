@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
 
 from posttrain.data.trajectories import TrajectoryGroup
+from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.logging_sinks import (
     Sink,
     SinkName,
@@ -139,7 +140,7 @@ class TrainableModel(ModelLog):
     """A model to post-train. `base_model` is a local directory or a hub id.
 
     `lora_rank=None` or `lora_rank=0` (the TOML spelling) trains every weight (full
-    fine-tuning; 0 is stored as None); otherwise LoRA adapters of that rank are trained.
+    fine-tuning, stored as None); else LoRA of that rank, Tinker's 32 unless given (`.lora`).
     `run_state` is JSON the caller wants restored on resume (a data cursor, a controller's
     state); it is saved with every checkpoint. `report_metrics` names where `log` also sends
     its rows besides history.jsonl: "tensorboard", "wandb", "mlflow" (packages not installed
@@ -149,11 +150,9 @@ class TrainableModel(ModelLog):
     name: str
     project: str
     base_model: str
-    lora_rank: int | None = 8
+    lora_rank: int | None = DEFAULT_LORA_RANK
     lora_alpha: float | None = None
-    # Which layers LoRA adapts (Tinker's LoraConfig flags): attention, MLP, unembedding.
-    # train_unembed None: the unembedding where it is untied; True: a tied one too (the shared
-    # embedding matrix; see docs/backends.md, "LoRA").
+    # LoRA's layers (Tinker's LoraConfig flags); train_unembed: see `LoraSettings`.
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool | None = None
@@ -192,6 +191,11 @@ class TrainableModel(ModelLog):
                     f"[{self.report_metrics!r}], not a string"
                 )
             self.report_metrics = check_sinks(self.report_metrics, "TrainableModel.report_metrics")
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        flags = (self.train_attn, self.train_mlp, self.train_unembed)
+        return LoraSettings.of(self.lora_rank, self.lora_alpha, *flags)
 
     def _check_lora_layers(self) -> None:
         flags = {k: getattr(self, k) for k in ("train_attn", "train_mlp", "train_unembed")}

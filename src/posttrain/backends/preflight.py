@@ -25,6 +25,7 @@ from posttrain.trainer.config import (
     DPOConfig,
     RLConfig,
     SFTConfig,
+    from_options,
     option_defaults,
     option_fields,
     option_values,
@@ -41,12 +42,12 @@ _WRITTEN = object()  # equal to no value: what a written option's default is tak
 TOKEN_VARYING_OPTIONS: tuple[tuple[str, Callable[[RLConfig], bool], str], ...] = (
     (
         "kimi_k2_tau",
-        lambda c: bool(c.loss.kimi_k2_tau),
+        lambda c: bool(c.loss_fn_config.kimi_k2_tau),
         "kimi_k2_tau shifts each token's advantage by its log-ratio",
     ),
     (
         "kl_mode",
-        lambda c: c.loss.kl_penalty_coef > 0 and c.loss.kl_mode == "advantage",
+        lambda c: c.loss_fn_config.kl_penalty_coef > 0 and c.loss_fn_config.kl_mode == "advantage",
         "kl_mode='advantage' shapes each token's advantage by its KL",
     ),
     (
@@ -94,7 +95,7 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
     """Options that contradict each other or would have no effect (each option's own range is
     its field's check, already passed)."""
     problems: list[PreflightProblem] = []
-    loss, advantages = config.loss, config.advantages
+    loss, advantages = config.loss_fn_config, config.advantages
     if loss.truncated_importance_sampling is not None and not config.precalculate_logprobs:
         problems.append(
             PreflightProblem(
@@ -116,27 +117,27 @@ def conflicts(config: RLConfig) -> list[PreflightProblem]:
         problems.append(
             PreflightProblem("loss_reduction_constant", "only applies to loss_reduction='constant'")
         )
-    if not advantages.scale_rewards and advantages.estimator != "grpo":
+    if not advantages.scale_rewards and advantages.advantage_estimator != "grpo":
         problems.append(
             PreflightProblem(
                 "scale_rewards",
                 f"only applies to advantage_estimator='grpo'; "
-                f"{advantages.estimator!r} never scales by the std",
+                f"{advantages.advantage_estimator!r} never scales by the std",
             )
         )
     problems += token_flow_conflicts(config)
     problems += distill_conflicts(config)
-    if is_custom_loss(config.policy_loss):
+    if is_custom_loss(config.loss_fn):
         return problems + custom_loss_problems(config)
-    unused = unused_options(config.policy_loss, loss)
+    unused = unused_options(config.loss_fn, loss)
     for name, applies in unused:
         readers = " or ".join(f"loss={reader!r}" for reader in applies)
         problems.append(
-            PreflightProblem(name, f"only applies to {readers}, not loss={config.policy_loss!r}")
+            PreflightProblem(name, f"only applies to {readers}, not loss={config.loss_fn!r}")
         )
     try:
         if not unused:  # each was reported above, by name
-            check_config(config.policy_loss, loss)
+            check_config(config.loss_fn, loss)
     except ValueError as exc:
         problems.append(PreflightProblem("loss", str(exc)))
     return problems
@@ -146,12 +147,12 @@ def custom_loss_problems(config: RLConfig) -> list[PreflightProblem]:
     """A custom loss must load (an entry point, a dotted path's import) and reads none of the
     loss options: each set is refused, by name."""
     problems = [
-        PreflightProblem(name, f"has no effect on the custom loss {config.policy_loss!r}")
-        for name, value in option_values(config.loss).items()
+        PreflightProblem(name, f"has no effect on the custom loss {config.loss_fn!r}")
+        for name, value in option_values(config.loss_fn_config).items()
         if name != "allow_training_without_logprobs" and value != _RL_DEFAULTS[name]
     ]
     try:
-        custom_loss(config.policy_loss)
+        custom_loss(config.loss_fn)
     except (ImportError, ValueError, TypeError) as exc:  # its import, or not a function
         problems.append(PreflightProblem("loss", str(exc)))
     return problems
@@ -159,7 +160,7 @@ def custom_loss_problems(config: RLConfig) -> list[PreflightProblem]:
 
 def token_flow_conflicts(config: RLConfig) -> list[PreflightProblem]:
     """Token-flow options the configured transform would ignore, and a SEPA that never pools."""
-    transform = config.advantages.transform
+    transform = config.advantages.tokens.token_transform
     problems: list[PreflightProblem] = []
     for name, readers in FLOW_READERS.items():
         if transform not in readers and _changed(config, name):
@@ -196,9 +197,10 @@ def distill_conflicts(config: RLConfig) -> list[PreflightProblem]:
             ]
         return []
     problems: list[PreflightProblem] = []
-    if advantages.transform != "none" or advantages.estimator in ("reinforce_pp", "gae"):
-        name = "token_transform" if advantages.transform != "none" else "advantage_estimator"
-        value = advantages.transform if name == "token_transform" else advantages.estimator
+    transform, estimator = advantages.tokens.token_transform, advantages.advantage_estimator
+    if transform != "none" or estimator in ("reinforce_pp", "gae"):
+        name = "token_transform" if transform != "none" else "advantage_estimator"
+        value = transform if name == "token_transform" else estimator
         problems.append(
             PreflightProblem(
                 name,
@@ -206,7 +208,7 @@ def distill_conflicts(config: RLConfig) -> list[PreflightProblem]:
                 "(teacher - student logprob) would replace; drop it, or drop teacher",
             )
         )
-    if config.loss.allow_training_without_logprobs:
+    if config.loss_fn_config.allow_training_without_logprobs:
         problems.append(
             PreflightProblem(
                 "allow_training_without_logprobs",
@@ -237,7 +239,7 @@ def token_data_problem(
 ) -> PreflightProblem | None:
     """The configured uncertainty kind reads per-token data the backend does not provide."""
     advantages = config.advantages
-    if advantages.transform == "none" or capabilities.provides_token_entropies:
+    if advantages.tokens.token_transform == "none" or capabilities.provides_token_entropies:
         return None
     kind = advantages.tokens.uncertainty_kind
     try:
@@ -264,7 +266,7 @@ def token_advantage_problem(
     sequence (`preserves` False), token-varying advantages: found from the options (static)
     and by the probe, which also catches flows no static rule names."""
     static = [(name, why) for name, applies, why in TOKEN_VARYING_OPTIONS if applies(config)]
-    transform = config.advantages.transform
+    transform = config.advantages.tokens.token_transform
     if transform != "none":
         mode = config.advantages.algorithm_mode
         name = "algorithm_mode" if mode is not None else "token_transform"
@@ -333,11 +335,20 @@ def takes_custom_loss(option: OptionSchema, value: object) -> bool:
     return admits and is_custom_loss(value) and not is_pair_loss(value)
 
 
+def implied_defaults(config: RLConfig) -> dict[str, object]:
+    """Each option's default, what the loss and `algorithm_mode` imply counting as one (ART's
+    clip range, the mode's estimator and transform): an option is judged set only if set."""
+    aliases = {"loss": config.loss_fn, "algorithm_mode": config.advantages.algorithm_mode}
+    own = option_defaults(type(config))
+    implied = option_values(from_options(type(config), aliases))
+    return implied | {key: own[key] for key in ("loss", "ppo", "algorithm_mode")}
+
+
 def missing_logprobs_problem(
     config: RLConfig, groups: Sequence[TrajectoryGroup]
 ) -> list[PreflightProblem]:
     """The trainer's rule (`trainer.datums.missing_logprobs`), reported with the options'."""
-    allowed = config.loss.allow_training_without_logprobs
+    allowed = config.loss_fn_config.allow_training_without_logprobs
     found = missing_logprobs(groups, allowed=allowed)
     return [] if found is None else [PreflightProblem("allow_training_without_logprobs", found)]
 
@@ -357,7 +368,7 @@ def preflight_rl(
     """
     problems = conflicts(config)
     critic: list[PreflightProblem] = []
-    if config.advantages.estimator == "gae" and not capabilities.supports_critic:
+    if config.advantages.advantage_estimator == "gae" and not capabilities.supports_critic:
         critic.append(
             PreflightProblem(
                 "advantage_estimator",
@@ -369,14 +380,14 @@ def preflight_rl(
     if options is not None:
         # `loss` is judged by the loss the call runs (`ppo=False` means cispo), not its field;
         # a backend that takes `loss` gets `ppo` folded into it, so `ppo` is not judged again.
-        values = {**option_values(config), "loss": config.policy_loss}
-        defaults = {**option_defaults(type(config)), "loss": RLConfig().policy_loss}
+        values = option_values(config)
+        defaults = implied_defaults(config)
         if any(o.name == "loss" for o in options):
             del values["ppo"], defaults["ppo"]
         unsupported = unsupported_options(backend, "train", values, defaults, options)
         # 'gae' outside the declared choices: the critic's problem says why, once.
         problems += [p for p in unsupported if not (critic and p.option == "advantage_estimator")]
-    if config.loss.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
+    if config.loss_fn_config.kl_penalty_coef > 0 and not capabilities.supports_kl_reference:
         problems.append(
             PreflightProblem(
                 "kl_penalty_coef",
@@ -413,7 +424,10 @@ def precision_mismatch(
     sampled_by = train_dtype if engine == "pytorch" else sample_dtype
     if train_dtype == sampled_by == "float32":
         return None
-    if config.precalculate_logprobs and config.loss.truncated_importance_sampling is not None:
+    if (
+        config.precalculate_logprobs
+        and config.loss_fn_config.truncated_importance_sampling is not None
+    ):
         return None
     return (
         f"the trainer runs in {train_dtype} and the sampler in {sampled_by}: their logprobs "

@@ -112,8 +112,8 @@ def probe_advantage_flow(config: RLConfig) -> ProbeFinding | None:
     if not batch.datums:
         return None
     loss_batch = _stand_in_batch(weighted(batch.datums, batch.masks, config))
-    tokens = policy_tokens(loss_batch, config.loss)
-    adv_BT, _ = shaped_advantages(loss_batch, config.loss, tokens)
+    tokens = policy_tokens(loss_batch, config.loss_fn_config)
+    adv_BT, _ = shaped_advantages(loss_batch, config.loss_fn_config, tokens)
     for row in range(adv_BT.shape[0]):
         mask_T = tokens.mask_BT[row]
         for quantity, values in (

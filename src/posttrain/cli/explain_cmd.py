@@ -1,8 +1,9 @@
 """`posttrain explain CONFIG [--json]`: the resolved job, its task (or environment), backend,
-sampling engine, preflight and plan.
+sampling engine, preflight and plan. `posttrain explain --key TABLE[.KEY]`: the help line and
+default of a TOML key (`rl.steps`, `rl.loss`), or of every key of a table.
 
 Nothing is built or trained. Exit status: 0 when the job can run, 1 when preflight refuses
-it, 2 when the config itself cannot be read.
+it, 2 when the config itself (or the key) cannot be read.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from pathlib import Path
 from posttrain.backends.plugins.registry import BackendInfo
 from posttrain.cli.engine_table import OPENAI_PROBED, accepts_inference, mode_of, where
 from posttrain.environments.resolve import ResolvedEnvironment
+from posttrain.finder import did_you_mean
 from posttrain.inference import InferenceConfig
 from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
-from posttrain.jobs.config import JobConfig, load_config
+from posttrain.jobs.config import JobConfig, key_help, load_config
 from posttrain.jobs.tables import redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.tokenizer import Tokenizer
-from posttrain.trainer.config import RLConfig, is_config, option_values
+from posttrain.trainer.config import is_config, option_values
 
 # What each plan entry counts.
 PLAN_NOTES = {
@@ -66,17 +68,29 @@ ENVIRONMENT_PLAN_NOTES = {
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("explain", help="show a job's resolved config, backend and plan")
-    parser.add_argument("config", type=Path, help="the job's TOML file")
+    parser.add_argument("config", type=Path, nargs="?", help="the job's TOML file")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--key", metavar="TABLE[.KEY]", help="show the help of a TOML key, or of a table's keys"
+    )
     parser.set_defaults(handler=run)
 
 
+def key_lines(spec: str) -> list[str]:
+    """`[table] key = default  # help` for `table.key`, or for each key of `table`."""
+    table, _, key = spec.partition(".")
+    keys = key_help(table)
+    if key and key not in keys:
+        raise ValueError(f"[{table}] has no key {key!r}{did_you_mean(key, keys)}")
+    chosen = [key] if key else list(keys)
+    return [f"[{table}] {k} = {keys[k][1]!r}  # {keys[k][0]}" for k in chosen]
+
+
 def _jsonable(value: object) -> object:
-    if is_config(value):  # train() options: flat, by the keys the TOML tables use
-        values = option_values(value)
-        if isinstance(value, RLConfig):  # the loss that runs: unset is cispo, or what ppo says
-            values["loss"] = value.policy_loss
-        return values
+    if is_config(value):
+        # A table's keys and its train() options, flat by the keys the TOML tables use;
+        # canonical: `loss` is the loss that runs.
+        return {key: _jsonable(v) for key, v in option_values(value).items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
@@ -304,6 +318,16 @@ def _print(path: Path, report: dict[str, object]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.key is not None:
+        try:
+            print("\n".join(key_lines(args.key)))
+        except ValueError as exc:
+            print(f"posttrain explain: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.config is None:
+        print("posttrain explain: error: give the job's TOML file (or --key)", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
     except (ValueError, FileNotFoundError) as exc:

@@ -20,8 +20,8 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.dispatch import Dispatch
 from posttrain.engine.executor import InProcessExecutor
+from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.engine.models import (
-    LoraSettings,
     apply_lora,
     check_trainable_dtype,
     load_hf_model,
@@ -145,7 +145,7 @@ def create_training_client(
 def create_training_client(
     base_model: str | Path,
     *,
-    lora_rank: int | None = None,
+    lora_rank: int | None = DEFAULT_LORA_RANK,
     lora_alpha: float | None = None,
     train_attn: bool = True,
     train_mlp: bool = True,
@@ -169,9 +169,10 @@ def create_training_client(
     """Load `base_model` (a local directory or hub id), optionally wrap it with LoRA, and return
     a client over `num_workers` data-parallel replicas.
 
-    `lora_rank=None` trains all weights, in float32 only; `dtype="bfloat16"` is for LoRA on a
+    `lora_rank` is LoRA's rank, by default Tinker's 32 (`DEFAULT_LORA_RANK`, as
+    `create_lora_training_client`); `lora_rank=None` (or 0) trains all weights, in float32 only; `dtype="bfloat16"` is for LoRA on a
     bf16 base (float32 adapters). `train_unembed=None` adapts the unembedding unless the model
-    ties it to the input embedding; True adapts a tied one too (`engine.models.LoraSettings`).
+    ties it to the input embedding; True adapts a tied one too (`engine.lora.LoraSettings`).
     `gradient_checkpointing=True` recomputes each decoder layer in backward: less memory, about
     a third more compute, the same gradients. Replicas start bit-identical. `device="auto"` is
     CUDA where this machine has it, else the CPU; an explicit "cuda" without CUDA is an error.
@@ -201,7 +202,7 @@ def create_training_client(
         device = resolve_worker_device(device, ray.num_gpus, option="device")
     else:
         device = resolve_device(device, option="device")
-    lora = _lora_settings(lora_rank, lora_alpha, train_attn, train_mlp, train_unembed)
+    lora = LoraSettings.of(lora_rank, lora_alpha, train_attn, train_mlp, train_unembed)
     check_trainable_dtype(dtype, lora=lora is not None)
     config = WorkerConfig(
         micro_batch_tokens=micro_batch_tokens,
@@ -218,18 +219,6 @@ def create_training_client(
         client.dispatch.park_for_sampling = park_for_sampling is not False
         return client
     return _local_client(spec, num_workers, storage, compute_thread, park_for_sampling)
-
-
-def _lora_settings(
-    rank: int | None, alpha: float | None, attn: bool, mlp: bool, unembed: bool | None
-) -> LoraSettings | None:
-    """None (full fine-tuning) without a rank; alpha defaults per `LoraSettings.default_alpha`."""
-    if rank is None:
-        return None
-    alpha = alpha if alpha is not None else LoraSettings.default_alpha(rank)
-    return LoraSettings(
-        rank=rank, alpha=alpha, train_attn=attn, train_mlp=mlp, train_unembed=unembed
-    )
 
 
 def _local_client(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine import attention
 from posttrain.engine.logprob_pass import lm_part
+from posttrain.engine.lora import LoraSettings
 from posttrain.engine.model_source import resolve_model_source
 
 DTYPES: dict[str, torch.dtype] = {
@@ -23,9 +23,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -104,57 +101,6 @@ def ties_embeddings(model: nn.Module) -> bool:
     output, embedding = get_output(), get_input()
     weight = getattr(output, "weight", None)
     return weight is not None and weight is getattr(embedding, "weight", None)
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA (Hu et al. 2021: W = W0 + (alpha / rank) B A) with Tinker's train_* switches.
-
-    Defaults are Tinker's: rank 32 and alpha 32, so the adapter scale alpha / rank is 1.
-
-    `train_unembed`: True adapts the unembedding; on a model that ties it to the input
-    embedding that is one LoRA on the shared matrix, which both the embedding lookup and the
-    output projection then see (`apply_lora`). None, the default, adapts the unembedding where
-    it is a matrix of its own and leaves a tied one as it is, so that the adapter holds no
-    embedding-sized factor and PEFT's own merge reproduces it (docs/backends.md, "LoRA").
-    """
-
-    rank: int = 32
-    alpha: float = 32.0
-    dropout: float = 0.0
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if not (self.train_attn or self.train_mlp or self.train_unembed is not False):
-            raise ValueError("LoRA needs at least one of train_attn, train_mlp, train_unembed")
-
-    @staticmethod
-    def default_alpha(rank: int) -> float:
-        """32 up to rank 32 (Tinker's fixed alpha), else `rank`, so alpha / rank stays <= 1."""
-        return 32.0 if rank <= 32 else float(rank)
-
-    def adapts_unembedding(self, tied: bool) -> bool:
-        """Whether the unembedding gets an adapter, on a model that ties it (`tied`) or not."""
-        return (not tied) if self.train_unembed is None else self.train_unembed
-
-    def target_modules(self, tied: bool = False) -> list[str]:
-        """The linear layers LoRA wraps: attention, MLP and unembedding per the flags."""
-        modules: list[str] = []
-        if self.train_attn:
-            modules += ATTN_MODULES
-        if self.train_mlp:
-            modules += MLP_MODULES
-        if self.adapts_unembedding(tied):
-            modules += UNEMBED_MODULES
-        return modules
 
 
 def apply_lora(

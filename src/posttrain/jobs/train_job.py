@@ -258,7 +258,7 @@ async def _dpo_phase(run: _Run, state: JobState) -> None:
             f"[dpo] needs a backend with train_dpo; {type(run.backend).__name__} has none"
         )
     pairs = load_preference_pairs(path, run.sampler.tokenizer)
-    run.echo(f"dpo: {len(pairs)} pairs, {dpo.trainer.epochs} epochs, loss={dpo.trainer.loss}")
+    run.echo(f"dpo: {len(pairs)} pairs, {dpo.trainer.epochs} epochs, loss={dpo.trainer.loss_fn}")
     options = dpo_options(dpo)
     options["save_checkpoint"] = not _checkpoints_on_demand(run)
     state.dpo_done = True

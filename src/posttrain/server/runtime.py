@@ -159,6 +159,7 @@ class Runtime:
                 device=self.config.device,
                 storage_dir=storage,
                 compute_thread=self.compute,
+                lora_rank=None,
             )
         return create_training_client(
             self.config.model_path,

@@ -10,7 +10,7 @@ trainer never imports a backend module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -76,6 +76,7 @@ PolicyLoss = Literal["ppo", "cispo", "importance_sampling", "dro", "gspo"]
 ProtocolPolicyLoss = Literal["ppo", "cispo", "importance_sampling"]
 LRDecay = Literal["cosine", "linear", "constant"]
 AssistantTurns = Literal["all", "last"]
+DEFAULT_LOSS: PolicyLoss = "cispo"  # ART's, when neither loss nor ppo is given
 # The reference of a DPO call: the base model (LoRA off, or a frozen base model), or the policy
 # as it is at the start of the call (the SFT model, when DPO follows SFT).
 DPOReference = Literal["base", "initial"]
@@ -199,13 +200,17 @@ class DistillConfig:
 class RLConfig:
     """Resolved RL options with their defaults (keys are those of `LocalRLOptions`).
 
-    The flat option `loss` names the policy loss (`loss_fn`, as Tinker calls it): the field
-    `loss` is the loss's configuration, Tinker's `loss_fn_config`.
+    Named as Tinker's `forward_backward(data, loss_fn, loss_fn_config)`: `loss_fn` is the policy
+    loss (the flat option `loss`), `loss_fn_config` its configuration. The aliases are resolved
+    once, when the config is built, so readers read only the canonical fields: `ppo` becomes
+    `loss_fn`, ART's clip range fills the unset `epsilon` / `epsilon_high` of ppo and cispo, and
+    `algorithm_mode` becomes `advantage_estimator` and `token_transform` (`AdvantageConfig`).
+    The alias fields keep what was given, for messages that name the option the user wrote.
     """
 
     optimizer: OptimizerConfig = group(OptimizerConfig)
-    loss_fn: PolicyLoss | LossName | None = option(
-        None,
+    loss_fn: PolicyLoss | LossName = option(
+        DEFAULT_LOSS,
         "policy loss from posttrain.algo.losses (default 'cispo' as in ART, 'ppo' when ppo=True), "
         "or a registered custom loss's LossName; unset clip ranges take ART's: ppo epsilon 0.2, "
         "cispo epsilon 1.0 and epsilon_high 4.0",
@@ -216,7 +221,7 @@ class RLConfig:
         None,
         "ART's switch: True means loss='ppo', False loss='cispo' (a conflicting loss is an error)",
     )
-    loss: LossConfig = group(LossConfig)
+    loss_fn_config: LossConfig = group(LossConfig)
     advantages: AdvantageConfig = group(AdvantageConfig)
     distill: DistillConfig = group(DistillConfig)
     num_minibatches: int = option(
@@ -246,28 +251,33 @@ class RLConfig:
         Check("False (posttrain does not scale the learning rate by the reward std dev)", _false),
     )
 
-    @property
-    def policy_loss(self) -> PolicyLoss | LossName:
-        """`loss` if given, else what `ppo` asks for; "cispo" (ART's default) when neither is."""
-        if self.loss_fn is not None:
-            return self.loss_fn
-        return "ppo" if self.ppo else "cispo"
-
-    @property
-    def policy_loss_config(self) -> LossConfig:
-        """`loss` with ART's clip range where epsilon / epsilon_high are unset (the trainer's)."""
-        return with_art_clip_defaults(self.policy_loss, self.loss)
-
     def __post_init__(self) -> None:
         check_fields(self)
-        check_loss_name(self.loss_fn)
-        if self.loss_fn is not None and self.ppo is not None:
+        if self.ppo is not None:
             implied = "ppo" if self.ppo else "cispo"
-            if self.loss_fn != implied:
-                raise ValueError(
-                    f"options loss={self.loss_fn!r} and ppo={self.ppo} disagree (ppo={self.ppo} "
-                    f"means loss={implied!r}): pass only one of them"
-                )
+            # A loss at its default cannot be told from one left out here; `check_given`
+            # refuses an explicit loss='cispo' with ppo=True when the options are read.
+            if self.loss_fn not in (implied, DEFAULT_LOSS):
+                raise _ppo_conflict(self.loss_fn, self.ppo)
+            object.__setattr__(self, "loss_fn", implied)
+        check_loss_name(self.loss_fn)
+        config = with_art_clip_defaults(self.loss_fn, self.loss_fn_config)
+        object.__setattr__(self, "loss_fn_config", config)
+
+    @staticmethod
+    def check_given(options: Mapping[str, object]) -> None:
+        """The conflict `__post_init__` cannot see: an explicit `loss` that `ppo` contradicts."""
+        loss, ppo = options.get("loss"), options.get("ppo")
+        if loss is not None and isinstance(ppo, bool) and loss != ("ppo" if ppo else "cispo"):
+            raise _ppo_conflict(loss, ppo)
+
+
+def _ppo_conflict(loss: object, ppo: bool) -> ValueError:
+    implied = "ppo" if ppo else "cispo"
+    return ValueError(
+        f"options loss={loss!r} and ppo={ppo} disagree (ppo={ppo} means loss={implied!r}): "
+        "pass only one of them"
+    )
 
 
 @dataclass(frozen=True)
@@ -302,9 +312,10 @@ class DPOConfig:
     beta: float = option(
         0.1, "DPO's beta: the inverse temperature of the implicit reward", POSITIVE
     )
-    loss: PairLoss = option(
+    loss_fn: PairLoss = option(
         "sigmoid",
         "'sigmoid' (DPO) on summed logprobs, or 'ipo' (IPO) on per-token averaged logprobs",
+        key="loss",
     )
     reference: DPOReference = option(
         "base",

@@ -191,7 +191,7 @@ async def train_dpo_batches(
     flat = [d for pair in datums for d in pair]
     ref = await reference_logprobs(client, flat, config, reference)  # before any update
     refs = list(zip(ref[::2], ref[1::2], strict=True))
-    fn = custom_loss(loss_name(config.loss))
+    fn = custom_loss(loss_name(config.loss_fn))
     adam = config.optimizer.adam_params()
     metrics = StepMetrics(num_trajectories=len(flat))
     sums = dict.fromkeys(METRICS, 0.0)

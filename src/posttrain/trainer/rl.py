@@ -82,7 +82,7 @@ def prepare_batch(
     # critic's baseline is not the group mean, so such a group still carries a signal).
     # Distillation keeps every group too: the teacher gives each token its own signal.
     advantage_config = config.advantages
-    if config.advantages.estimator == "gae":
+    if config.advantages.advantage_estimator == "gae":
         advantage_config = replace(
             advantage_config, advantage_estimator="grpo", zero_variance_groups="keep"
         )
@@ -113,7 +113,7 @@ def prepare_batch(
             datum, mask = rl_datum(
                 trajectory,
                 adv if tokens_adv is None else tokens_adv,
-                allow_missing_logprobs=config.loss.allow_training_without_logprobs,
+                allow_missing_logprobs=config.loss_fn_config.allow_training_without_logprobs,
             )
             if mask.sum() == 0:
                 continue
@@ -168,7 +168,7 @@ async def add_reference_inputs(
     given, else with the client itself (LoRA off, or a copy inside its workers).
     """
     if config.precalculate_logprobs:
-        allow = config.loss.allow_training_without_logprobs
+        allow = config.loss_fn_config.allow_training_without_logprobs
         scored = await client.forward(
             datums, "importance_sampling", LossConfig(allow_training_without_logprobs=allow)
         )
@@ -176,7 +176,7 @@ async def add_reference_inputs(
             _with_inputs(d, logprobs=out["logprobs"], sampler_logprobs=d.loss_fn_inputs["logprobs"])
             for d, out in zip(datums, scored.loss_fn_outputs, strict=True)
         ]
-    if config.loss.kl_penalty_coef > 0:
+    if config.loss_fn_config.kl_penalty_coef > 0:
         scorer = reference if reference is not None else client
         if not isinstance(scorer, ReferenceScorer):
             raise TypeError(
@@ -224,7 +224,10 @@ async def train_rl_step(
     )
     if isinstance(client, LogprobChunking):
         client.set_logprob_chunk_size(config.logprob_calculation_chunk_size)
-    gae, kl = config.advantages.estimator == "gae", config.loss.kl_penalty_coef > 0
+    gae, kl = (
+        config.advantages.advantage_estimator == "gae",
+        config.loss_fn_config.kl_penalty_coef > 0,
+    )
     value_model = await critic() if critic is not None and gae else None
     scorer = await reference() if reference is not None and kl else None
 
@@ -336,9 +339,9 @@ def _forward_backward(
     client: TrainingClient, datums: list[Datum], config: RLConfig
 ) -> APIFuture[ForwardBackwardOutput]:
     """The configured loss on `datums`: a built-in by name, a registered one on the logprobs."""
-    name = config.policy_loss
+    name = config.loss_fn
     if not is_custom_loss(name):
-        return client.forward_backward(datums, name, config.policy_loss_config)
+        return client.forward_backward(datums, name, config.loss_fn_config)
     if not isinstance(client, CustomLossClient):
         raise TypeError(
             f"loss={name!r} is a custom loss, which needs forward_backward_custom; "

@@ -47,7 +47,7 @@ TRAINER_RUN_STATE_KEYS = frozenset({SEPA_STATE_KEY})
 
 def uses_token_path(config: AdvantageConfig) -> bool:
     """Whether the step computes advantages per token (else one per completion)."""
-    return config.transform != "none" or config.estimator == "reinforce_pp"
+    return config.tokens.token_transform != "none" or config.advantage_estimator == "reinforce_pp"
 
 
 def resolve_kind(kind: str) -> UncertaintyFn:
@@ -71,7 +71,9 @@ def kind_needs_entropies(kind: str) -> bool:
 
 def reads_entropies(config: AdvantageConfig) -> bool:
     """Whether the step reads per-token entropies: a token transform with such a kind."""
-    return config.transform != "none" and kind_needs_entropies(config.tokens.uncertainty_kind)
+    return config.tokens.token_transform != "none" and kind_needs_entropies(
+        config.tokens.uncertainty_kind
+    )
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ def token_advantages(
     tokenizer: Callable[[], object] | None = None,
 ) -> TokenAdvantages:
     """The step's per-token advantages (see the module docstring)."""
-    transform = config.transform
+    transform = config.tokens.token_transform
     decode = _decoder(tokenizer) if transform in NEEDS_PLANNING else None
     grams = parse_grams(config.tokens.strategic_grams)
     all_targets = [[targets(t, decode, grams) for t in g.trajectories] for g in groups]
@@ -234,7 +236,7 @@ def token_advantages(
         )
         out.per_trajectory.append(list(advs))
         masked, total = masked + zeroed, total + sum(a.numel() for a in advs)
-    if config.estimator == "reinforce_pp":
+    if config.advantage_estimator == "reinforce_pp":
         _whiten_in_place(out.per_trajectory)
     if transform != "none":
         out.metrics.update(_uncertainty_stats(u, plans))

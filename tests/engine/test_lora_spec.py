@@ -1,0 +1,40 @@
+"""One LoRA spec (`LoraSettings`) with one default rank, Tinker's 32, at every entry point:
+`TrainableModel`, `create_training_client`, the server's create path (the Tinker SDK's
+`LoraConfig`), and the job's `[model]` table, which builds the same spec from the same keys."""
+
+from __future__ import annotations
+
+import inspect
+
+from posttrain.backends.model import TrainableModel
+from posttrain.clients.create import create_training_client
+from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
+from posttrain.jobs.config import parse_config
+from posttrain.server.tinker_schema import LoraConfig
+
+
+def test_every_entry_point_defaults_to_one_rank():
+    assert DEFAULT_LORA_RANK == 32  # Tinker's create_lora_training_client(rank=32)
+    assert LoraSettings().rank == DEFAULT_LORA_RANK
+    model = TrainableModel(name="m", project="p", base_model="b")
+    assert model.lora == LoraSettings(rank=32, alpha=32.0)
+    signature = inspect.signature(create_training_client)
+    assert signature.parameters["lora_rank"].default == DEFAULT_LORA_RANK
+    assert LoraConfig().rank == DEFAULT_LORA_RANK  # what `posttrain serve` gives the SDK
+
+
+def test_the_job_table_and_the_model_build_the_same_spec():
+    table = {"lora_rank": 4, "train_mlp": False, "train_unembed": True}
+    job = parse_config({"model": table}).model
+    model = TrainableModel(name="m", project="p", base_model="b", **table)
+    # alpha unset: default_alpha(4) = 32 (Tinker's fixed alpha up to rank 32).
+    want = LoraSettings(rank=4, alpha=32.0, train_mlp=False, train_unembed=True)
+    assert job.lora == model.lora == want
+
+
+def test_rank_zero_or_none_is_full_fine_tuning_everywhere():
+    assert LoraSettings.of(0) is None and LoraSettings.of(None) is None
+    assert parse_config({}).model.lora is None  # the job's [model] trains every weight
+    assert TrainableModel(name="m", project="p", base_model="b", lora_rank=0).lora is None
+    # A rank above 32 gets alpha = rank, so alpha / rank stays 1.
+    assert LoraSettings.of(64) == LoraSettings(rank=64, alpha=64.0)
