@@ -125,7 +125,7 @@ def _job(tmp_path: Path, backend: str, table: dict[str, object], **rl: object):
     return parse_config(
         {
             "run": {"task": "reverse", "output_dir": str(tmp_path), "backend": backend},
-            "model": {"base_model": "tiny:qwen2:tiny"},
+            "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
             "rl": {"learning_rate": 1e-5, **rl},
             "backend": table,
         }

@@ -45,7 +45,7 @@ def job(tmp_path: Path, base_model: str) -> Path:
     config = tmp_path / "job.toml"
     config.write_text(
         f'[run]\ntask = "reverse"\noutput_dir = "{tmp_path / "runs"}"\n'
-        f"[model]\nbase_model = {json.dumps(base_model)}\n"
+        f"[model]\nbase_model = {json.dumps(base_model)}\nlora_rank = 0\n"
     )
     return config
 

@@ -19,6 +19,8 @@ from posttrain.cli.main import main
 from posttrain.inference import InferenceConfig
 from posttrain.jobs.config import JobConfig, ModelConfig
 
+# Full fine-tuning, as these jobs trained before LoRA rank 32 became the [model] default.
+FULL = ModelConfig(lora_rank=0)
 GOOD_KEY = "tml-good"
 
 
@@ -207,13 +209,13 @@ def test_a_venv_vllm_found_but_not_configured_says_how_to_use_it(tmp_path, capsy
 
 
 def test_a_config_sampling_with_vllm_fails_without_it(tmp_path, monkeypatch):
-    vllm_job = JobConfig(inference=InferenceConfig(engine="vllm"))
+    vllm_job = JobConfig(model=FULL, inference=InferenceConfig(engine="vllm"))
     (row,) = [c for c in check_engines(vllm_job) if c.name == "sampling engine: vllm"]
     assert row.status == "fail" and VLLM_HINT in row.detail
     # [inference] python wins over $POSTTRAIN_VLLM_PYTHON, as in the engine.
     python = _python_with_vllm(tmp_path)
     vllm_job = JobConfig(
-        model=ModelConfig(base_model="tiny:qwen2:mini"),  # head size 128 / 4 = 32
+        model=ModelConfig(base_model="tiny:qwen2:mini", lora_rank=0),  # head size 128 / 4 = 32
         inference=InferenceConfig(engine="vllm", python=str(python)),
     )
     (row,) = [c for c in check_engines(vllm_job) if c.name == "sampling engine: vllm"]
@@ -232,5 +234,5 @@ def test_a_config_sampling_with_vllm_fails_without_it(tmp_path, monkeypatch):
     ]
     assert row.status == "pass"
     # A job on another engine only warns.
-    (row,) = [c for c in check_engines(JobConfig()) if c.name == "sampling engine: vllm"]
+    (row,) = [c for c in check_engines(JobConfig(model=FULL)) if c.name == "sampling engine: vllm"]
     assert row.status == "warn"

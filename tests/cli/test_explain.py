@@ -16,10 +16,12 @@ from posttrain.cli.explain_cmd import PLAN_NOTES, explain
 from posttrain.cli.main import main
 from posttrain.engine.tiny import build_tokenizer
 from posttrain.inference import InferenceConfig
-from posttrain.jobs.config import JobConfig, RunConfig, load_config
+from posttrain.jobs.config import JobConfig, ModelConfig, RunConfig, load_config
 from posttrain.rollouts.task_rollouts import derive_seed
 from posttrain.tasks import get_task
 
+# Full fine-tuning, as these jobs trained before LoRA rank 32 became the [model] default.
+FULL = ModelConfig(lora_rank=0)
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
 PLUGINS = Path(__file__).parents[1] / "backends"
 # The step counts each shipped example states in its comments.
@@ -236,7 +238,7 @@ def test_explain_shows_the_default_engine(capsys):
 
 def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", "/opt/vllm/bin/python")
-    vllm = _report(JobConfig(inference=InferenceConfig(engine="vllm")))["engine"]
+    vllm = _report(JobConfig(model=FULL, inference=InferenceConfig(engine="vllm")))["engine"]
     assert vllm["where"].startswith(
         "a worker process running /opt/vllm/bin/python ($POSTTRAIN_VLLM_PYTHON)"
     )
@@ -245,12 +247,12 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
         vllm["weight_sync_per_step"] == "the whole (LoRA-merged) weights after every optimizer step"
     )
     split = InferenceConfig(devices="cpu,cpu", threads=2)
-    engine = _report(JobConfig(inference=split))["engine"]
+    engine = _report(JobConfig(model=FULL, inference=split))["engine"]
     assert engine["where"] == "a worker process on cpu (training on cpu), 2 thread(s)"
     fixed = InferenceConfig(
         engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET", sync="none"
     )
-    report = _report(JobConfig(inference=fixed))
+    report = _report(JobConfig(model=FULL, inference=fixed))
     engine = report["engine"]
     assert (
         engine["where"]
@@ -262,19 +264,23 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     assert "SECRET" not in json.dumps(report)
     assert report["config"]["inference"]["api_key"] == "***"
     for sync in ("reload", "auto"):  # auto: the server takes weights, or register refuses it
-        engine = _report(JobConfig(inference=dataclasses.replace(fixed, sync=sync)))["engine"]
+        engine = _report(JobConfig(model=FULL, inference=dataclasses.replace(fixed, sync=sync)))[
+            "engine"
+        ]
         assert engine["capabilities"]["weight_sync"] == "full"
 
 
 def test_explain_says_when_the_backend_cannot_take_an_engine():
-    job = JobConfig(run=RunConfig(backend="tinker"), inference=InferenceConfig(engine="vllm"))
+    job = JobConfig(
+        model=FULL, run=RunConfig(backend="tinker"), inference=InferenceConfig(engine="vllm")
+    )
     assert _report(job)["engine"]["backend_accepts_inference"] is False
 
 
 def test_explain_reads_the_inference_table(tmp_path, capsys):
     config = tmp_path / "job.toml"
     config.write_text(
-        '[model]\nbase_model = "tiny:qwen2:mini"\n'  # head size 32: vLLM-CPU runs it
+        '[model]\nbase_model = "tiny:qwen2:mini"\nlora_rank = 0\n'  # head size 32: vLLM-CPU runs it
         '[inference]\nengine = "vllm"\npython = "/opt/vllm/bin/python"\n'
     )
     engine = _explain(capsys, config)["engine"]
@@ -283,9 +289,9 @@ def test_explain_reads_the_inference_table(tmp_path, capsys):
 
 
 def test_explain_refuses_what_register_refuses_and_shows_the_loss_that_runs():
-    """A Tinker job with [model] lora_rank = 0 (full fine-tuning, the default) is refused by
+    """A Tinker job with [model] lora_rank = 0 (full fine-tuning) is refused by
     explain as train's register refuses it; the [rl] loss shown is the one that runs."""
-    job = JobConfig(run=RunConfig(backend="tinker"))
+    job = JobConfig(model=FULL, run=RunConfig(backend="tinker"))
     report = _report(job)
     assert report["preflight"]["ok"] is False
     [problem] = [p for p in report["preflight"]["problems"] if p["call"] == "model"]
@@ -303,7 +309,7 @@ def test_explain_refuses_vllm_on_a_head_size_its_cpu_attention_lacks(monkeypatch
     """tiny:qwen2:tiny has head size 64 / 4 = 16, which vLLM-CPU has no kernel for: explain
     says so before vLLM would load it (and fail at the first sample); mini's 32 passes."""
     monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", "/opt/vllm/bin/python")
-    job = JobConfig(inference=InferenceConfig(engine="vllm"))
+    job = JobConfig(model=FULL, inference=InferenceConfig(engine="vllm"))
     problems = _report(job)["preflight"]["problems"]
     assert [(p["call"], p["option"]) for p in problems] == [("model", "[inference] engine")]
     assert "no kernel for this model's head size 16" in problems[0]["message"]

@@ -297,7 +297,7 @@ def _job(output: Path, inference: dict[str, object] | None = None, **rl: object)
                 "output_dir": str(output),
                 "seed": 3,
             },
-            "model": {"base_model": "tiny:qwen2:tiny"},
+            "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
             "rl": {
                 "steps": 3,
                 "prompts_per_step": 2,

@@ -103,7 +103,10 @@ def test_unknown_keys_name_the_table_the_key_and_the_nearest(data, message):
         ({"eval": {"held_out": 0}}, r"\[eval\] held_out must be >= 1"),
         ({"rl": 3}, r"\[rl\] must be a table"),
         ({"rl": {"steps": {"a": 1}}}, r"\[rl\] steps must be a value, got a table"),
-        ({"model": {"train_mlp": False}}, r"\[model\] train_mlp = false choose LoRA layers"),
+        (
+            {"model": {"lora_rank": 0, "train_mlp": False}},
+            r"\[model\] train_mlp = false choose LoRA layers",
+        ),
         (
             {"model": {"lora_rank": 4, **dict.fromkeys(LORA_LAYERS, False)}},
             r"\[model\] LoRA needs one of train_attn",

@@ -26,7 +26,7 @@ def _config(output: Path) -> JobConfig:
     return parse_config(
         {
             "run": {"task": "reverse", "name": "det", "project": "t", "output_dir": str(output)},
-            "model": {"base_model": "tiny:qwen2:mini"},
+            "model": {"base_model": "tiny:qwen2:mini", "lora_rank": 0},
             "sft": {"examples": 48, "batch_size": 48, "epochs": 3, "learning_rate": 1e-3},
             "rl": {
                 "steps": 2,

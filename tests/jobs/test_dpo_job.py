@@ -34,7 +34,7 @@ def _config(output: Path, data: Path, **dpo: object) -> JobConfig:
     return parse_config(
         {
             "run": {"task": "reverse", "name": "job", "project": "t", "output_dir": str(output)},
-            "model": {"base_model": "tiny:qwen2:tiny"},
+            "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
             "dpo": {"data": str(data), "learning_rate": 1e-2, "batch_size": 2, **dpo},
             "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens": 4},
             "eval": {"held_out": 2},

@@ -53,7 +53,7 @@ def _trajectories(run_dir: Path) -> list[dict]:
 CALCULATOR: dict[str, dict[str, object]] = {
     "run": {"environment": "calculator", "name": "calc", "project": "t", "seed": 5},
     "environment": {"max_value": 9, "operations": "+", "system_prompt": ""},
-    "model": {"base_model": "tiny:qwen2:tiny"},
+    "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
     "sft": {"examples": 64, "batch_size": 16, "epochs": 20, "learning_rate": 1e-2},
     "rl": {"steps": 5, "prompts_per_step": 4, "group_size": 4, "max_tokens": 96,
            "max_turns": 3, "learning_rate": 1e-3},
@@ -149,7 +149,7 @@ def _digits_job(tmp_path: Path, **rl: object) -> Path:
         "run": {"environment": "digits_env:Digits", "name": "d", "project": "t", "seed": 2,
                 "output_dir": "runs"},
         "environment": {"question": "write digits"},
-        "model": {"base_model": "tiny:qwen2:tiny"},
+        "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
         "rl": {"steps": 1, "prompts_per_step": 6, "group_size": 2, "max_tokens": 6,
                "max_turns": 2, **rl},
         "eval": {"held_out": 2},

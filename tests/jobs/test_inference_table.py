@@ -24,7 +24,7 @@ def _job(output: Path, inference: dict[str, object], **run: object) -> JobConfig
     return parse_config(
         {
             "run": {"task": "reverse", "name": "job", "output_dir": str(output), **run},
-            "model": {"base_model": "tiny:qwen2:tiny"},
+            "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
             "rl": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_tokens": 4},
             "eval": {"held_out": 2},
             "inference": inference,

@@ -33,7 +33,7 @@ def _job(tmp_path: Path, backend: str = PLUGIN, table: dict | None = None, **rl:
             "output_dir": str(tmp_path / "runs"),
             "backend": backend,
         },
-        "model": {"base_model": "tiny:qwen2:tiny"},
+        "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
         "sft": {"examples": 4, "batch_size": 4, "learning_rate": 1e-3},
         "rl": {
             "steps": 1,

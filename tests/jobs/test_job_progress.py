@@ -21,7 +21,7 @@ async def test_a_job_without_a_terminal_prints_progress_lines(tmp_path):
     config = parse_config(
         {
             "run": {"task": "reverse", "name": "job", "output_dir": str(tmp_path), "seed": 1},
-            "model": {"base_model": "tiny:qwen2:tiny"},
+            "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
             "sft": {"examples": 8, "batch_size": 4, "epochs": 2, "learning_rate": 1e-3},
             "rl": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_tokens": 4},
             "eval": {"held_out": 4},

@@ -38,7 +38,7 @@ SEPA = {
 def job(output: Path, steps: int) -> dict[str, dict[str, object]]:
     return {
         "run": {"task": "reverse", "name": "job", "project": "t", "seed": 5, "output_dir": str(output)},
-        "model": {"base_model": "tiny:qwen2:tiny"},
+        "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
         "sft": {"examples": 8, "batch_size": 4, "epochs": 2, "learning_rate": 1e-3},
         "rl": {"steps": steps, "prompts_per_step": 4, "group_size": 4, "max_tokens": 6,
                "learning_rate": 1e-3, **SEPA},

@@ -88,7 +88,7 @@ def test_a_dotted_path_task_is_killed_and_resumes_with_resume_alone(tmp_path, mo
     tables: dict[str, dict[str, object]] = {
         "run": {"task": "copytasks:make_task", "name": "job", "project": "t", "seed": 5},
         "task": {"letters": "ab"},
-        "model": {"base_model": "tiny:qwen2:tiny"},
+        "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
         "sft": {"examples": 8, "batch_size": 4, "epochs": 2, "learning_rate": 1e-3},
         "rl": {"steps": 5, "prompts_per_step": 4, "group_size": 4, "max_tokens": 6,
                "learning_rate": 1e-3},
@@ -152,7 +152,7 @@ def _dataset_job(tmp_path: Path, **rl: object) -> Path:
         "run": {"name": "job", "project": "t", "output_dir": "runs", "seed": 1},
         "data": {"train": "train.jsonl", "held_out": "test.jsonl", "prompt_field": "q",
                  "answer_field": "a", "reward": "my_grader:graded", "system_prompt": "add"},
-        "model": {"base_model": "tiny:qwen2:tiny"},
+        "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
         "sft": {"examples": 4, "dataset": "sft.jsonl", "batch_size": 5, "epochs": 1},
         "rl": {"steps": 1, "prompts_per_step": 4, "group_size": 3, "max_tokens": 4, **rl},
         "eval": {"held_out": 10},

@@ -29,7 +29,7 @@ def _config(output: Path, **rl: object) -> JobConfig:
                 "output_dir": str(output),
                 "seed": 3,
             },
-            "model": {"base_model": "tiny:qwen2:tiny"},
+            "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
             "sft": {"examples": 8, "batch_size": 4, "epochs": 2, "learning_rate": 1e-3},
             "rl": {
                 "steps": 2,
@@ -143,7 +143,7 @@ def test_cli_train_and_its_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "job.toml"
     config.write_text(
-        '[run]\ntask = "addition"\n[model]\nbase_model = "tiny:llama:tiny"\n'
+        '[run]\ntask = "addition"\n[model]\nbase_model = "tiny:llama:tiny"\nlora_rank = 0\n'
         "[rl]\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_tokens = 4\n[eval]\nheld_out = 2\n"
     )
     assert main(["train", str(config)]) == 0
@@ -189,7 +189,7 @@ def test_cli_refuses_a_damaged_latest_checkpoint_and_resumes_an_earlier_step(
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "job.toml"
     config.write_text(
-        '[run]\ntask = "addition"\n[model]\nbase_model = "tiny:llama:tiny"\n'
+        '[run]\ntask = "addition"\n[model]\nbase_model = "tiny:llama:tiny"\nlora_rank = 0\n'
         "[rl]\nsteps = 2\nprompts_per_step = 2\ngroup_size = 2\nmax_tokens = 4\n[eval]\nheld_out = 2\n"
     )
     assert main(["train", str(config)]) == 0
@@ -230,7 +230,7 @@ def test_a_sigkilled_train_process_resumes_bit_for_bit(tmp_path):
     history.jsonl) as an uninterrupted run, bit for bit, timing columns aside."""
     data: dict[str, dict[str, object]] = {
         "run": {"task": "reverse", "name": "job", "project": "t", "seed": 5},
-        "model": {"base_model": "tiny:qwen2:tiny"},
+        "model": {"base_model": "tiny:qwen2:tiny", "lora_rank": 0},
         "sft": {"examples": 8, "batch_size": 4, "epochs": 2, "learning_rate": 1e-3},
         "rl": {"steps": 5, "prompts_per_step": 4, "group_size": 4, "max_tokens": 6,
                "learning_rate": 1e-3},
