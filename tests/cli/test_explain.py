@@ -331,7 +331,7 @@ def test_explain_shows_the_help_of_a_toml_key(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert (
         lines[1]
-        == "[model] lora_rank = 0  # 0 trains every weight; >= 1 trains LoRA adapters of that rank"
+        == "[model] lora_rank = 32  # LoRA adapters of this rank (>= 1); 0 trains every weight"
     )
     assert len(lines) == 7  # base_model, lora_rank, lora_alpha, dtype and the three layer flags
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.engine.lora import DEFAULT_LORA_RANK
 from posttrain.jobs.config import JobConfig, load_config, parse_config
 from posttrain.jobs.run_dir import JOB_FILE, config_changes, config_record, prepare_run_dir
 from posttrain.jobs.tables import is_secret, parse_tiny_spec
@@ -24,7 +25,7 @@ def test_empty_config_is_all_defaults():
     assert config.rl.trainer == RLConfig()
     assert config.sft.trainer == SFTConfig()
     assert not config.sft.enabled
-    assert config.model.lora_rank == 0  # full fine-tuning unless asked
+    assert config.model.lora_rank == DEFAULT_LORA_RANK  # LoRA unless lora_rank = 0
 
 
 def test_tables_fill_their_dataclasses_and_trainer_options_pass_through():
@@ -205,7 +206,7 @@ def test_a_resume_compares_the_task_tables_and_tolerates_new_keys_at_their_defau
 def test_lora_rank_zero_is_full_fine_tuning_in_toml_and_python():
     from posttrain.backends.model import TrainableModel
 
-    assert parse_config({}).model.lora_rank == 0
+    assert parse_config({"model": {"lora_rank": 0}}).model.lora_rank == 0
     # The job passes [model] lora_rank as it is; TrainableModel reads 0 as None: one meaning.
     model = TrainableModel(name="m", project="p", base_model="b", lora_rank=0)
     assert model.lora_rank is None and model.config_dict()["lora_rank"] is None

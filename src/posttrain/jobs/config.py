@@ -32,7 +32,7 @@ from typing import Literal, get_type_hints
 
 from posttrain.algo.config_fields import option, option_defaults, option_help
 from posttrain.backends.plugins.registry import resolve as resolve_backend
-from posttrain.engine.lora import LoraSettings
+from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
 from posttrain.engine.packaged_models import known_model
@@ -114,9 +114,11 @@ class ModelConfig:
         "tiny:qwen2:tiny",
         "a directory, hub id, .gguf file, packaged:<name>, or tiny:<arch>:<size>[:<seed>]",
     )
-    # 0, full fine-tuning, is what a job without lora_rank has always trained (the shipped
-    # examples and job tests rely on it); a LoRA job names its rank.
-    lora_rank: int = option(0, "0 trains every weight; >= 1 trains LoRA adapters of that rank")
+    # The one default rank (`DEFAULT_LORA_RANK`, Tinker's), as `TrainableModel` and
+    # `create_training_client`; a job that trains every weight says lora_rank = 0.
+    lora_rank: int = option(
+        DEFAULT_LORA_RANK, "LoRA adapters of this rank (>= 1); 0 trains every weight"
+    )
     lora_alpha: float | None = option(None, "LoRA alpha (None: the default for the rank)")
     dtype: Literal["float32", "bfloat16", "float16"] = option(
         "float32", "the dtype of the trained weights"
