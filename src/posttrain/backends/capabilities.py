@@ -38,7 +38,7 @@ class Capabilities:
     # Its models can get a value model beside the policy, trained with it: PPO with a learned
     # critic (advantage_estimator='gae'). Optional for plugins, like provides_token_entropies.
     supports_critic: bool = False
-    # It trains every weight of a model registered without lora_rank. Optional for plugins and
+    # It trains every weight of a model registered with lora_rank=None (or 0). Optional for plugins and
     # True there: a plugin that cannot says so at register, as TinkerBackend does.
     supports_full_finetuning: bool = True
 
