@@ -1,4 +1,5 @@
 """The data every layer shares, importing nothing above it: trajectories and their token
-segments (`trajectories`), OpenAI choices turned into segments (`openai_choices`) and DPO's
-preference pairs (`preferences`). Tinker's datum types are in `posttrain.types`.
+segments (`trajectories`), OpenAI choices turned into segments (`openai_choices`), DPO's
+preference pairs (`preferences`), and the checks on values that arrive from outside the type
+system (`checks`). Tinker's datum types are in `posttrain.types`.
 """
