@@ -59,7 +59,7 @@ async def measure(args: argparse.Namespace, base: str, path: str) -> list[float]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--size", default="small", choices=["tiny", "mini", "small"])
     parser.add_argument("--pairs", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)

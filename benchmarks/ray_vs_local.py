@@ -55,7 +55,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def workloads(
-    client: LocalTrainingClient, args: argparse.Namespace
+    client: LocalTrainingClient | RayTrainingClient, args: argparse.Namespace
 ) -> dict[str, Callable[[], object]]:
     datums = make_datums(args.batch, args.tokens)
     prompts = [ModelInput.from_ints([5 + i, 6, 7, 8]) for i in range(args.prompts)]

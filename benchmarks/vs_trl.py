@@ -239,7 +239,7 @@ def build_group(
     for sequence in response.sequences:
         turn = builder.fork()
         text = turn.completion(sequence)
-        trajectories.append(turn.build(reward=letter_share(problem.answer, text)))
+        trajectories.append(turn.build(reward=letter_share(problem.answer or "", text)))
     return TrajectoryGroup(tuple(trajectories))
 
 
@@ -256,9 +256,9 @@ class StepGate(TrainerCallback):
         self.arrivals: queue.Queue[float | BaseException] = queue.Queue()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        # Returning None leaves TRL's `control` as it is.
         self.arrivals.put(time.perf_counter())
         self.release.acquire()
-        return control
 
 
 class TrlSide:
