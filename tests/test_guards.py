@@ -140,17 +140,11 @@ def test_at_most_seven_top_level_modules():
 # their TOML (`posttrain.tasks`, `posttrain.environments`). The README, docs and recipes show
 # users' code, so they import nothing deeper.
 PUBLIC_NAMESPACES = {"posttrain.blocks", "posttrain.tasks", "posttrain.environments"}
-DEEP_IMPORT = re.compile(r"^\s*(?:from|import)\s+(posttrain\.[\w.]+)", re.MULTILINE)
 
 
 def test_docs_and_recipes_import_from_the_top_level():
-    shown = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "recipes").rglob("*.py")]
-    deep = [
-        f"{path.relative_to(ROOT)}: {match.group(1)}"
-        for path in shown
-        for match in DEEP_IMPORT.finditer(path.read_text())
-        if match.group(1) not in PUBLIC_NAMESPACES
-    ]
+    found = _layout_report().deep_imports_in_docs()  # "path: module" lines
+    deep = [line for line in found if line.rpartition(": ")[2] not in PUBLIC_NAMESPACES]
     assert not deep, "import these from `posttrain` (add to posttrain._EXPORTS if needed):\n" + (
         "\n".join(sorted(deep))
     )
