@@ -32,6 +32,7 @@ from typing import Literal, get_type_hints
 
 from posttrain.algo.config_fields import option, option_defaults, option_help
 from posttrain.backends.plugins.registry import resolve as resolve_backend
+from posttrain.data.rows import resolve_spec
 from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
@@ -165,12 +166,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SFTWarmupConfig:
-    """Optional supervised warm-up before RL: task solutions and/or a JSONL chat dataset."""
+    """Optional supervised warm-up before RL: task solutions and/or a chat dataset."""
 
     examples: int = option(
         0, "task problems solved by the task's solution, drawn from the training split"
     )
-    dataset: str | None = option(None, 'JSONL of {"messages": [...]}, relative to the config file')
+    dataset: str | None = option(
+        None, 'rows of {"messages": [...]} (or prompt, answer), in any format [data] train takes'
+    )
     trainer: SFTConfig = field(default_factory=SFTConfig)  # the rest of [sft]: train_sft options
 
     def __post_init__(self) -> None:
@@ -318,11 +321,11 @@ class JobConfig:
         """Where relative paths in the config point from: the config file's directory."""
         return self.source.parent if self.source is not None else Path.cwd()
 
-    def dataset_path(self) -> Path | None:
-        """`[sft] dataset`, resolved against the config file's directory."""
+    def dataset_path(self) -> Path | str | None:
+        """`[sft] dataset`: a path from the config file's directory, or a hub id as it is."""
         if self.sft.dataset is None:
             return None
-        return self.base_dir / self.sft.dataset
+        return resolve_spec(self.sft.dataset, self.base_dir)
 
     def dpo_path(self) -> Path | None:
         """`[dpo] data`, resolved against the config file's directory."""

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from posttrain.data.preferences import PreferencePair
+from posttrain.data.rows import json_object
 from posttrain.rollouts.sft_data import ROLES
-from posttrain.tasks.dataset import json_object
 from posttrain.tokenizer import Tokenizer, TurnClosing, assistant_closing, render_chat
 
 
