@@ -251,8 +251,9 @@ def _file_rows(path: Path, suffix: str, what: str) -> ArrowRows:
     if kind == "Parquet":  # converted once into the datasets cache, then memory-mapped
         return ArrowRows(datasets.Dataset.from_parquet(str(path)), str(path), path)
     with path.open(newline="", encoding="utf-8") as f:
-        header = next(csv.reader(f), None)
-    if not header:
+        reader = csv.reader(f)
+        header, first = next(reader, None), next(reader, None)
+    if not header or first is None:  # no rows (datasets would refuse a file of no data)
         return ArrowRows(datasets.Dataset.from_dict({}), str(path), path)
     # Every column as text, and only an empty cell missing: pandas would otherwise read "007"
     # as 7 and "NA" or "None" as missing, which would change answers.
