@@ -10,7 +10,7 @@ built-in such as "calculator", a dotted path, an entry point of `posttrain.envir
 with `[environment]` its factory's keyword arguments. `[sft]` and `[rl]` also
 accept every option of `backend.train_sft` / `backend.train` (`SFTConfig` / `LocalRLOptions`);
 the job passes each backend the options it declares, and preflight refuses the others.
-`[dpo]` (optional) names a JSONL file of preference pairs (`data`) and takes every option of
+`[dpo]` (optional) names a data file of preference pairs (`data`) and takes every option of
 `backend.train_dpo` (`DPOConfig`): one DPO call after the SFT warm-up, before RL.
 `[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
 name, or a dotted path "package.module:Factory". `[backend]` holds its constructor's keyword
@@ -190,10 +190,10 @@ class SFTWarmupConfig:
 
 @dataclass(frozen=True)
 class DPOJobConfig:
-    """One `train_dpo` call after the warm-up, on a JSONL file of preference pairs
+    """One `train_dpo` call after the warm-up, on a data file of preference pairs
     (`jobs.dpo_data`: prompt or messages, chosen, rejected)."""
 
-    data: str = option("", "JSONL file of preference pairs, relative to the config file")
+    data: str = option("", "preference pairs, in any format [data] train takes")
     trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
     # The train_dpo options the table sets: each reaches train_dpo, or preflight refuses it,
     # even at its default (TinkerBackend's reference is 'initial' whatever the default says).
@@ -327,9 +327,9 @@ class JobConfig:
             return None
         return resolve_spec(self.sft.dataset, self.base_dir)
 
-    def dpo_path(self) -> Path | None:
+    def dpo_path(self) -> Path | str | None:
         """`[dpo] data`, resolved against the config file's directory."""
-        return self.base_dir / self.dpo.data if self.dpo is not None else None
+        return resolve_spec(self.dpo.data, self.base_dir) if self.dpo is not None else None
 
 
 def load_config(path: str | Path) -> JobConfig:

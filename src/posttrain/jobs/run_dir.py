@@ -10,6 +10,7 @@ from pathlib import Path
 
 from posttrain.backends.tinker_index import INDEX as TINKER_INDEX
 from posttrain.backends.tinker_index import parse
+from posttrain.data.rows import open_rows
 from posttrain.engine.checkpoint import step_directories
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig
@@ -194,8 +195,19 @@ def dpo_record(config: JobConfig) -> dict[str, object] | None:
     if config.dpo is None:
         return None
     path = config.dpo_path()
-    digest = file_digest(path) if path is not None and path.is_file() else None
+    digest = _dpo_digest(path) if path is not None else None
     return {"data": config.dpo.data, **option_values(config.dpo.trainer), "data_sha256": digest}
+
+
+def _dpo_digest(path: Path | str) -> str | None:
+    """A file's or directory's sha256, or a hub dataset's fingerprint; None if it is missing or
+    does not load (the DPO phase then says why)."""
+    if isinstance(path, Path):
+        return file_digest(path) if path.exists() else None
+    try:
+        return open_rows(path, what="DPO dataset").digest()[1]
+    except (ValueError, ImportError, OSError):
+        return None
 
 
 def dpo_changes(saved: Mapping[str, object], now: dict[str, object] | None) -> list[str]:
