@@ -168,8 +168,9 @@ class DataConfig:
     train: str = option(
         "",
         "training problems (required): a .jsonl, .json, .csv, .parquet or .arrow file or a "
-        "datasets.save_to_disk directory (DIR@SPLIT for a DatasetDict), or "
-        "hf:NAME[:CONFIG][@SPLIT]; all but JSONL and JSON need pip install 'posttrain[data]'",
+        "datasets.save_to_disk directory (DIR@SPLIT for a DatasetDict), relative to the config "
+        "file, or hf:NAME[:CONFIG][@SPLIT]; all but JSONL and JSON need pip install "
+        "'posttrain[data]'",
     )
     held_out: str | None = option(
         None, "held-out problems, in any format train takes (None: split off train)"
