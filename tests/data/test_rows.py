@@ -76,6 +76,9 @@ def test_csv_cells_are_text_and_an_empty_cell_is_missing(tmp_path):
         (f"{path}, row 3", {"prompt": "c", "answer": "NA"}),
     ]
     assert rows.unit == "row" and rows[2] == {"prompt": "c", "answer": "NA"}
+    # A spreadsheet's UTF-8 byte order mark is not part of the first column's name.
+    path.write_bytes(b"\xef\xbb\xbfprompt,answer\nx,1\n")
+    assert open_rows(path)[0] == {"prompt": "x", "answer": "1"}
 
 
 def test_parquet_and_arrow_files_keep_their_types_and_drop_nulls(tmp_path):

@@ -39,6 +39,8 @@ EXTRA = "pip install 'posttrain[data]'"
 # Suffixes read through the `datasets` library; any other file is JSONL.
 ARROW_FORMATS = {".csv": "CSV", ".parquet": "Parquet", ".pq": "Parquet", ".arrow": "Arrow"}
 FORMATS = "JSONL, JSON, CSV, Parquet, Arrow, a datasets.save_to_disk directory, hf:NAME"
+# What turns datasets' hub access off (datasets reads them when it is imported).
+OFFLINE_VARIABLES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 BATCH_ROWS = 1024  # rows per batch when streaming through an Arrow table
 DigestKind = Literal["sha256", "fingerprint"]
 
@@ -78,11 +80,6 @@ class Rows(Sequence[dict[str, Any]]):
     def digest(self) -> tuple[DigestKind, str]:
         raise NotImplementedError
 
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    __hash__ = object.__hash__
-
 
 class JsonRows(Rows):
     """Rows parsed with the standard library, kept as dicts (a JSONL or JSON file)."""
@@ -115,7 +112,9 @@ class ArrowRows(Rows):
     """Rows of a `datasets.Dataset`, left in its Arrow table until asked for."""
 
     def __init__(self, dataset: Dataset, source: str, origin: Path | None) -> None:
-        self.dataset, self.source, self._origin = dataset, source, origin
+        # Rows as Python values, whatever format (torch, numpy) the dataset was saved with.
+        self.dataset, self.source, self._origin = dataset.with_format(None), source, origin
+        self.fingerprint = str(dataset._fingerprint)  # as loaded: with_format makes a new one
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -141,7 +140,7 @@ class ArrowRows(Rows):
 
     def digest(self) -> tuple[DigestKind, str]:
         if self._origin is None:  # from the hub: what `datasets` says identifies its content
-            return "fingerprint", str(self.dataset._fingerprint)
+            return "fingerprint", self.fingerprint
         if self._origin.is_dir():
             return "sha256", directory_sha256(self._origin)
         return "sha256", file_sha256(self._origin)
@@ -250,7 +249,7 @@ def _file_rows(path: Path, suffix: str, what: str) -> ArrowRows:
         return ArrowRows(datasets.Dataset.from_file(str(path)), str(path), path)
     if kind == "Parquet":  # converted once into the datasets cache, then memory-mapped
         return ArrowRows(datasets.Dataset.from_parquet(str(path)), str(path), path)
-    with path.open(newline="", encoding="utf-8") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:  # without a BOM, as pandas reads it
         reader = csv.reader(f)
         header, first = next(reader, None), next(reader, None)
     if not header or first is None:  # no rows (datasets would refuse a file of no data)
@@ -302,8 +301,8 @@ def _hub_rows(spec: str, name: str, config: str | None, split: str | None, what:
     except ValueError as exc:  # an unknown split or config
         raise ValueError(f"{what} {spec!r}: {exc}") from None
     except OSError as exc:  # ConnectionError, and datasets' DatasetNotFoundError
-        offline = os.environ.get("HF_DATASETS_OFFLINE") or os.environ.get("HF_HUB_OFFLINE")
-        mode = "offline (HF_DATASETS_OFFLINE is set)" if offline else "from here"
+        offline = [name for name in OFFLINE_VARIABLES if os.environ.get(name, "0") not in ("", "0")]
+        mode = f"offline ({offline[0]} is set)" if offline else "from here"
         arguments = ", ".join(
             [
                 repr(name),
