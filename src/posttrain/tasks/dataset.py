@@ -175,7 +175,7 @@ class Reading:
                     number_value(problem.reference())
                 except ValueError as exc:
                     raise ValueError(f"field {self.fields.answer!r}: {exc}") from None
-        except ValueError as exc:  # json.JSONDecodeError is a ValueError too
+        except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         return key, problem
 
