@@ -27,6 +27,7 @@ SMOKE: dict[str, str] = {
     "attention_dtypes.py": "--rounds 1 --threads 1",
     "bf16_agreement.py": "--size tiny --samples 2 --tokens 4",
     "cpu_peak.py": "--size 64 --repeats 1 --rounds 1 --threads 1",
+    "dataset_memory.py": "--rows 2000 --steps 1 --prompts 4",
     "datum_check_memory.py": "--long 256 --short 8 --short-length 16",
     "dpo_speed.py": "--size tiny --pairs 4 --batch-size 2 --prompt 8 --completion 8 "
     "--repeats 1 --threads 1",

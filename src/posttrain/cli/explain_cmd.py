@@ -122,14 +122,14 @@ def load_tokenizer(config: JobConfig) -> Tokenizer | None:
 
 def dataset_rows(config: JobConfig, tokenizer: Tokenizer | None) -> int:
     """Conversations in `[sft] dataset`: read as the job reads them when the tokenizer is at
-    hand, else its non-blank lines."""
+    hand, else its rows (a JSONL file's non-blank lines)."""
     path = config.dataset_path()
     if path is None:
         return 0
     if tokenizer is None:
-        if not path.is_file():
-            raise FileNotFoundError(f"SFT dataset {str(path)!r} does not exist")
-        return sum(1 for line in path.read_text().splitlines() if line.strip())
+        from posttrain.data.rows import open_rows
+
+        return len(open_rows(path, what="SFT dataset"))
     from posttrain.jobs.train_job import sft_fields
     from posttrain.rollouts.sft_data import load_sft_dataset
 
@@ -161,7 +161,7 @@ def plan(
     problems: list[JobProblem] = []
     try:
         rows = dataset_rows(config, tokenizer)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         rows = 0
         problems.append(JobProblem("train_sft", "[sft] dataset", str(exc)))
     sft = config.sft.trainer

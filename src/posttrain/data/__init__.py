@@ -1,5 +1,5 @@
 """The data every layer shares, importing nothing above it: trajectories and their token
 segments (`trajectories`), OpenAI choices turned into segments (`openai_choices`), DPO's
-preference pairs (`preferences`), and the checks on values that arrive from outside the type
-system (`checks`). Tinker's datum types are in `posttrain.types`.
+preference pairs (`preferences`), the checks on values that arrive from outside the type
+system (`checks`), and the rows of dataset files in every format the jobs read (`rows`). Tinker's datum types are in `posttrain.types`.
 """

@@ -10,7 +10,7 @@ built-in such as "calculator", a dotted path, an entry point of `posttrain.envir
 with `[environment]` its factory's keyword arguments. `[sft]` and `[rl]` also
 accept every option of `backend.train_sft` / `backend.train` (`SFTConfig` / `LocalRLOptions`);
 the job passes each backend the options it declares, and preflight refuses the others.
-`[dpo]` (optional) names a JSONL file of preference pairs (`data`) and takes every option of
+`[dpo]` (optional) names a data file of preference pairs (`data`) and takes every option of
 `backend.train_dpo` (`DPOConfig`): one DPO call after the SFT warm-up, before RL.
 `[run] backend` names the backend: "local", "ray", "tinker", an installed plugin's entry-point
 name, or a dotted path "package.module:Factory". `[backend]` holds its constructor's keyword
@@ -32,6 +32,7 @@ from typing import Literal, get_type_hints
 
 from posttrain.algo.config_fields import option, option_defaults, option_help
 from posttrain.backends.plugins.registry import resolve as resolve_backend
+from posttrain.data.rows import resolve_spec
 from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
@@ -165,12 +166,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SFTWarmupConfig:
-    """Optional supervised warm-up before RL: task solutions and/or a JSONL chat dataset."""
+    """Optional supervised warm-up before RL: task solutions and/or a chat dataset."""
 
     examples: int = option(
         0, "task problems solved by the task's solution, drawn from the training split"
     )
-    dataset: str | None = option(None, 'JSONL of {"messages": [...]}, relative to the config file')
+    dataset: str | None = option(
+        None, 'rows of {"messages": [...]} (or prompt, answer), in any format [data] train takes'
+    )
     trainer: SFTConfig = field(default_factory=SFTConfig)  # the rest of [sft]: train_sft options
 
     def __post_init__(self) -> None:
@@ -187,10 +190,10 @@ class SFTWarmupConfig:
 
 @dataclass(frozen=True)
 class DPOJobConfig:
-    """One `train_dpo` call after the warm-up, on a JSONL file of preference pairs
+    """One `train_dpo` call after the warm-up, on a data file of preference pairs
     (`jobs.dpo_data`: prompt or messages, chosen, rejected)."""
 
-    data: str = option("", "JSONL file of preference pairs, relative to the config file")
+    data: str = option("", "preference pairs, in any format [data] train takes")
     trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
     # The train_dpo options the table sets: each reaches train_dpo, or preflight refuses it,
     # even at its default (TinkerBackend's reference is 'initial' whatever the default says).
@@ -318,15 +321,15 @@ class JobConfig:
         """Where relative paths in the config point from: the config file's directory."""
         return self.source.parent if self.source is not None else Path.cwd()
 
-    def dataset_path(self) -> Path | None:
-        """`[sft] dataset`, resolved against the config file's directory."""
+    def dataset_path(self) -> Path | str | None:
+        """`[sft] dataset`: a path from the config file's directory, or a hub id as it is."""
         if self.sft.dataset is None:
             return None
-        return self.base_dir / self.sft.dataset
+        return resolve_spec(self.sft.dataset, self.base_dir)
 
-    def dpo_path(self) -> Path | None:
+    def dpo_path(self) -> Path | str | None:
         """`[dpo] data`, resolved against the config file's directory."""
-        return self.base_dir / self.dpo.data if self.dpo is not None else None
+        return resolve_spec(self.dpo.data, self.base_dir) if self.dpo is not None else None
 
 
 def load_config(path: str | Path) -> JobConfig:

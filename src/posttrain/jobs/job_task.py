@@ -7,9 +7,10 @@ name the key and the config file.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
+from typing import cast
 
+from posttrain.data.rows import directory_sha256, file_sha256, resolve_spec
 from posttrain.environments.protocol import Demonstrating
 from posttrain.environments.resolve import (
     EnvironmentSpecError,
@@ -72,9 +73,9 @@ def resolve_job_environment(config: JobConfig) -> ResolvedEnvironment:
 
 
 def _data_task(data: DataConfig, base: Path) -> ResolvedTask:
-    task = DatasetTask.from_jsonl(
-        base / data.train,
-        base / data.held_out if data.held_out else None,
+    task = DatasetTask.from_file(
+        resolve_spec(data.train, base),
+        resolve_spec(data.held_out, base) if data.held_out else None,
         held_out_fraction=data.held_out_fraction,
         prompt_field=data.prompt_field,
         messages_field=data.messages_field,
@@ -85,17 +86,21 @@ def _data_task(data: DataConfig, base: Path) -> ResolvedTask:
         pattern=data.pattern,
         search=base,
     )
-    files = {"train": data.train, **({"held_out": data.held_out} if data.held_out else {})}
-    details = {
+    details: dict[str, object] = {
         "reward": data.reward,
         "train_problems": len(task.train),
         "held_out_problems": len(task.held_out_problems),
         "dropped_from_train": task.dropped_from_train,
-        "sha256": {key: file_digest(base / name) for key, name in files.items()},
     }
+    # A file's or directory's sha256 under "sha256" (as runs have always recorded it), a hub
+    # dataset's fingerprint under "fingerprint"; a resume compares both (run_dir.data_changes).
+    for key, rows in task.sources.items():
+        kind, digest = rows.digest()
+        cast(dict[str, str], details.setdefault(kind, {}))[key] = digest
     return ResolvedTask(task, DATA_TASK, "data", "posttrain.tasks.dataset:DatasetTask", details)
 
 
 def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes: a resumed run checks its data did not change."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of a file's bytes, or over a directory's files: a resumed run checks its data
+    did not change."""
+    return directory_sha256(path) if path.is_dir() else file_sha256(path)

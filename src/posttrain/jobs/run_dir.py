@@ -10,6 +10,7 @@ from pathlib import Path
 
 from posttrain.backends.tinker_index import INDEX as TINKER_INDEX
 from posttrain.backends.tinker_index import parse
+from posttrain.data.rows import open_rows
 from posttrain.engine.checkpoint import step_directories
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig
@@ -36,6 +37,8 @@ LATER_TABLES = ("inference",)
 RESOLVED_KEY = "resolved_task"
 # ... or of the resolved environment (`ResolvedEnvironment.record()`): spec, kind, target.
 RESOLVED_ENVIRONMENT_KEY = "resolved_environment"
+# What a dataset task's record (RESOLVED_KEY) keeps of each data source, by kind of source.
+DIGEST_KINDS = ("sha256", "fingerprint")
 # job.json's record of `[dpo]` (`dpo_record`), null for a job without one.
 DPO_KEY = "dpo"
 
@@ -166,18 +169,24 @@ def held_checkpoint(run_dir: Path) -> str | None:
 
 
 def data_changes(saved: object, task: Mapping[str, object] | None) -> list[str]:
-    """Which data files of a dataset task differ from the run's (by sha256)."""
-    if not isinstance(saved, dict) or task is None or "sha256" not in saved:
+    """Which data sources of a dataset task differ from the run's: by sha256 (a file, or a
+    directory's files) or by fingerprint (a hub dataset)."""
+    if not isinstance(saved, dict) or task is None:
         return []
-    before, now = saved["sha256"], task.get("sha256")
-    if not isinstance(before, dict) or not isinstance(now, dict):
-        return []
-    return [
-        f"[data] {key}: the file changed since the run started (sha256 {before[key][:12]}... "
-        f"then, {now.get(key, 'no file')[:12]}... now); resuming would train on other problems"
-        for key in before
-        if before[key] != now.get(key)
-    ]
+    changed: list[str] = []
+    for kind in DIGEST_KINDS:
+        before, now = saved.get(kind), task.get(kind, {})
+        if not isinstance(before, dict) or not isinstance(now, dict):
+            continue
+        what = "file" if kind == "sha256" else "hub dataset"  # a directory is a file here
+        changed += [
+            f"[data] {key}: the {what} changed since the run started ({kind} {before[key][:12]}"
+            f"... then, {now.get(key, 'no such ' + kind)[:12]}... now); resuming would train "
+            "on other problems"
+            for key in before
+            if before[key] != now.get(key)
+        ]
+    return changed
 
 
 def dpo_record(config: JobConfig) -> dict[str, object] | None:
@@ -186,8 +195,19 @@ def dpo_record(config: JobConfig) -> dict[str, object] | None:
     if config.dpo is None:
         return None
     path = config.dpo_path()
-    digest = file_digest(path) if path is not None and path.is_file() else None
+    digest = _dpo_digest(path) if path is not None else None
     return {"data": config.dpo.data, **option_values(config.dpo.trainer), "data_sha256": digest}
+
+
+def _dpo_digest(path: Path | str) -> str | None:
+    """A file's or directory's sha256, or a hub dataset's fingerprint; None if it is missing or
+    does not load (the DPO phase then says why)."""
+    if isinstance(path, Path):
+        return file_digest(path) if path.exists() else None
+    try:
+        return open_rows(path, what="DPO dataset").digest()[1]
+    except (ValueError, ImportError, OSError):
+        return None
 
 
 def dpo_changes(saved: Mapping[str, object], now: dict[str, object] | None) -> list[str]:

@@ -161,11 +161,20 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """A dataset task: JSONL files (relative to the config file) and a reward; see
-    `posttrain.tasks.dataset` for the line format and the held-out split rule."""
+    """A dataset task: data files (relative to the config file) or hub ids and a reward; see
+    `posttrain.tasks.dataset` for the row format and the held-out split rule, and
+    `posttrain.data.rows` for the formats."""
 
-    train: str = option("", "JSONL of training problems (required)")
-    held_out: str | None = option(None, "JSONL of held-out problems (None: split off train)")
+    train: str = option(
+        "",
+        "training problems (required): a .jsonl, .json, .csv, .parquet or .arrow file or a "
+        "datasets.save_to_disk directory (DIR@SPLIT for a DatasetDict), relative to the config "
+        "file, or hf:NAME[:CONFIG][@SPLIT]; all but JSONL and JSON need pip install "
+        "'posttrain[data]'",
+    )
+    held_out: str | None = option(
+        None, "held-out problems, in any format train takes (None: split off train)"
+    )
     held_out_fraction: float | None = option(
         None, "with no held_out file: the fraction split off train (0.1 unless set)"
     )
@@ -182,7 +191,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         if not self.train:
-            raise ValueError("[data] train is required: the JSONL file of training problems")
+            raise ValueError("[data] train is required: the data file of training problems")
         if ":" not in self.reward and self.reward not in BUILTIN_REWARDS:
             raise ValueError(
                 f"[data] reward {self.reward!r} is unknown{did_you_mean(self.reward, BUILTIN_REWARDS)} "

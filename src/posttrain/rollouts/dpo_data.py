@@ -1,46 +1,46 @@
-"""A JSONL file of preferences -> `PreferencePair`s on exact tokens, for `backend.train_dpo`.
+"""A data file of preferences -> `PreferencePair`s on exact tokens, for `backend.train_dpo`.
 
 Each line is `{"prompt": "...", "chosen": "...", "rejected": "..."}` (the prompt a user turn)
 or `{"messages": [...], "chosen": "...", "rejected": "..."}` (the conversation before the
 answers); the answers become assistant turns rendered by the chat template
-(`preference_pair_from_chat`, below). Errors name the file and the line.
+(`preference_pair_from_chat`, below). The file is JSONL or any format of
+`posttrain.data.rows`. Errors name the file and the row (a JSONL file's line).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from posttrain.data.preferences import PreferencePair
+from posttrain.data.rows import open_rows
 from posttrain.rollouts.sft_data import ROLES
-from posttrain.tasks.dataset import json_object
 from posttrain.tokenizer import Tokenizer, TurnClosing, assistant_closing, render_chat
 
 
-def load_preference_pairs(path: str | Path, tokenizer: Tokenizer) -> list[PreferencePair]:
-    """One pair per non-blank line of the JSONL file at `path`."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"DPO dataset {str(path)!r} does not exist")
+def load_preference_pairs(
+    path: str | Path, tokenizer: Tokenizer, *, split: str | None = None
+) -> list[PreferencePair]:
+    """One pair per row of the data at `path`: a JSONL file, or any source
+    `posttrain.data.rows.open_rows` reads (a DatasetDict's `split`, or `DIR@SPLIT`)."""
+    rows = open_rows(path, split=split, what="DPO dataset")
     closing = assistant_closing(tokenizer)
     pairs: list[PreferencePair] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for index, record in rows.records():
         try:
-            prompt, chosen, rejected = _preference(line)
+            prompt, chosen, rejected = _preference(record)
             pairs.append(
                 preference_pair_from_chat(tokenizer, prompt, chosen, rejected, closing=closing)
             )
-        except ValueError as exc:  # json.JSONDecodeError is a ValueError too
-            raise ValueError(f"{path}:{number}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{rows.where(index)}: {exc}") from None
     if not pairs:
-        raise ValueError(f"DPO dataset {str(path)!r} has no pairs")
+        raise ValueError(f"DPO dataset {rows.source!r} has no pairs")
     return pairs
 
 
-def _preference(line: str) -> tuple[list[dict[str, str]], str, str]:
-    record = json_object(line)
+def _preference(record: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
     for name in ("chosen", "rejected"):
         if not isinstance(record.get(name), str):
             raise ValueError(f"field {name!r} must be a string, got {record.get(name)!r}")

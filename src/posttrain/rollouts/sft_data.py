@@ -1,8 +1,8 @@
 """Chat conversations -> SFT trajectories: assistant turns trainable, everything else context.
 
-`load_sft_dataset(path)` reads a JSONL file whose lines are chats (`{"messages": [...]}`) or
-prompt/answer pairs (`{"prompt": "...", "answer": "..."}`, a user turn and the assistant's
-answer), and returns the checked conversations; `load_sft_dataset(path, tokenizer)` returns
+`load_sft_dataset(path)` reads a data file (JSONL, or any format of `posttrain.data.rows`)
+whose rows are chats (`{"messages": [...]}`) or prompt/answer pairs (`{"prompt": "...",
+"answer": "..."}`, a user turn and the assistant's answer), and returns the checked conversations; `load_sft_dataset(path, tokenizer)` returns
 them as trajectories ready for `backend.train_sft` (`conversation_to_trajectory` on each).
 The field names are arguments (the job passes its `[data]` table's), and `system_prompt`, when
 given, goes before each conversation that has none.
@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias, overload
+from typing import Any, TypeAlias, overload
 
+from posttrain.data.rows import open_rows
 from posttrain.data.trajectories import TokenSegment, Trajectory
-from posttrain.tasks.dataset import json_object
 from posttrain.tokenizer import Tokenizer, TurnClosing, assistant_closing, render_chat
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -96,13 +96,21 @@ class SFTFields:
 
 @overload
 def load_sft_dataset(
-    path: str | Path, tokenizer: None = None, *, fields: SFTFields = SFTFields()
+    path: str | Path,
+    tokenizer: None = None,
+    *,
+    fields: SFTFields = SFTFields(),
+    split: str | None = None,
 ) -> list[Conversation]: ...
 
 
 @overload
 def load_sft_dataset(
-    path: str | Path, tokenizer: Tokenizer, *, fields: SFTFields = SFTFields()
+    path: str | Path,
+    tokenizer: Tokenizer,
+    *,
+    fields: SFTFields = SFTFields(),
+    split: str | None = None,
 ) -> list[Trajectory]: ...
 
 
@@ -111,57 +119,59 @@ def load_sft_dataset(
     tokenizer: Tokenizer | None = None,
     *,
     fields: SFTFields = SFTFields(),
+    split: str | None = None,
 ) -> list[Conversation] | list[Trajectory]:
-    """A JSONL file of chats or prompt/answer pairs -> its conversations, checked.
+    """A data file of chats or prompt/answer pairs -> its conversations, checked.
 
-    With a `tokenizer` (e.g. `backend.sampling_client(model).tokenizer`), one SFT trajectory
-    per conversation instead, for `backend.train_sft`: only assistant turns are trained.
-    Errors name the file, the line and the field.
+    `path` is any source `posttrain.data.rows.open_rows` reads: JSONL, JSON, CSV, Parquet,
+    Arrow, a `datasets.save_to_disk` directory (a DatasetDict's `split`, or `DIR@SPLIT`), or
+    `hf:NAME[:CONFIG][@SPLIT]`. With a `tokenizer` (e.g.
+    `backend.sampling_client(model).tokenizer`), one SFT trajectory per conversation instead,
+    for `backend.train_sft`: only assistant turns are trained. Errors name the file, the row
+    (the line of a JSONL file) and the field.
     """
-    conversations = read_conversations(Path(path), fields)
+    conversations = read_conversations(path, fields, split=split)
     if tokenizer is None:
         return [c for _, c in conversations]
     closing = assistant_closing(tokenizer)
     trajectories: list[Trajectory] = []
-    for number, messages in conversations:
+    for where, messages in conversations:
         try:
             trajectories.append(conversation_to_trajectory(messages, tokenizer, closing))
         except ValueError as exc:
-            raise ValueError(f"{path}:{number}: {exc}") from None
+            raise ValueError(f"{where}: {exc}") from None
     return trajectories
 
 
 def read_conversations(
-    path: Path, fields: SFTFields = SFTFields()
-) -> list[tuple[int, Conversation]]:
-    """(line number, messages) of each non-blank line, each checked by `check_messages`."""
-    if not path.is_file():
-        raise FileNotFoundError(f"SFT dataset {str(path)!r} does not exist")
-    conversations: list[tuple[int, Conversation]] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    path: str | Path, fields: SFTFields = SFTFields(), *, split: str | None = None
+) -> list[tuple[str, Conversation]]:
+    """(where, messages) of each row ("file.jsonl:3", "file.parquet, row 3"), each checked by
+    `check_messages`."""
+    rows = open_rows(path, split=split, what="SFT dataset")
+    conversations: list[tuple[str, Conversation]] = []
+    for index, record in rows.records():
         try:
-            messages = _conversation(line, fields)
+            messages = _conversation(record, fields, rows.unit)
             check_messages(messages)
-        except ValueError as exc:  # json.JSONDecodeError is a ValueError too
-            raise ValueError(f"{path}:{number}: {exc}") from None
-        conversations.append((number, messages))
+        except ValueError as exc:
+            raise ValueError(f"{rows.where(index)}: {exc}") from None
+        conversations.append((rows.where(index), messages))
     if not conversations:
-        raise ValueError(f"SFT dataset {str(path)!r} has no conversations")
+        raise ValueError(f"SFT dataset {rows.source!r} has no conversations")
     return conversations
 
 
-def _conversation(line: str, fields: SFTFields) -> Conversation:
-    """One line's chat: its messages field, or a user prompt and the assistant's answer."""
-    record = json_object(line)
+def _conversation(record: dict[str, Any], fields: SFTFields, unit: str) -> Conversation:
+    """One row's chat: its messages field, or a user prompt and the assistant's answer."""
     if fields.messages in record:
         messages = record[fields.messages]
         try:
             check_messages(messages)
         except ValueError as exc:
             raise ValueError(f"field {fields.messages!r}: {exc}") from None
-        chat = [dict(m) for m in messages]
+        # Without null keys: an Arrow list of messages gives each one every key of any.
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
     elif fields.prompt in record and fields.answer in record:
         prompt, answer = record[fields.prompt], record[fields.answer]
         if isinstance(answer, int | float) and not isinstance(answer, bool):
@@ -174,7 +184,7 @@ def _conversation(line: str, fields: SFTFields) -> Conversation:
         has = ", ".join(map(repr, record)) or "no fields"
         raise ValueError(
             f"no field {fields.messages!r} (a chat), nor both {fields.prompt!r} and "
-            f"{fields.answer!r} (a prompt and its answer); the line has {has}"
+            f"{fields.answer!r} (a prompt and its answer); the {unit} has {has}"
         )
     if fields.system_prompt and chat[0]["role"] != "system":
         chat.insert(0, {"role": "system", "content": fields.system_prompt})

@@ -1,17 +1,24 @@
-"""Dataset tasks: problems read from JSONL files, scored by a named reward. No code needed.
+"""Dataset tasks: problems read from data files, scored by a named reward. No code needed.
 
-Each line of a file is a JSON object. Its prompt is a string field (`prompt_field`, "prompt"
-unless named) or a chat, a list of {"role", "content"} messages (`messages_field`) ending with
-a user or tool turn. Its answer is the field `answer_field` ("answer"): a string or a number.
-Every built-in reward needs the answer; a custom reward gets `problem.answer = None` on a line
-without one, and the whole line in `problem.info`. `system_prompt` is put before each prompt.
+A data file is JSONL, JSON, CSV, Parquet, Arrow, a `datasets.save_to_disk` directory
+(`DIR@SPLIT` for a DatasetDict) or a hub id `hf:NAME[:CONFIG][@SPLIT]`: see
+`posttrain.data.rows`, which reads them all. Each row (a JSONL line) is an object. Its prompt is
+a string field (`prompt_field`, "prompt" unless named) or a chat, a list of {"role", "content"}
+messages (`messages_field`) ending with a user or tool turn. Its answer is the field
+`answer_field` ("answer"): a string or a number. Every built-in reward needs the answer; a
+custom reward gets `problem.answer = None` on a row without one, and the whole row in
+`problem.info`. `system_prompt` is put before each prompt.
 
-The held-out split: with a `held_out` file, training uses the `train` file less any line whose
-prompt is also in the held-out file. With one file, a line is held out when its prompt's hash
+The held-out split: with a `held_out` file, training uses the `train` file less any row whose
+prompt is also in the held-out file. With one file, a row is held out when its prompt's hash
 falls in the first `held_out_fraction` of the hash range: blake2b (8 bytes, big-endian) of the
 prompt string (or of the messages list as compact, key-sorted JSON) divided by 2**64 is below
 the fraction. The rule depends on nothing but the prompt, so held-out and training are
 disjoint (equal prompts land on the same side) and stay so whatever the seeds and sizes.
+
+Every row is checked when the task is built, so a bad row fails before any training; the task
+then keeps only each split's row numbers, and builds a problem when a step draws it (a
+Parquet file of millions of rows stays in its memory-mapped Arrow table).
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
+from posttrain.data.rows import HUB_PREFIX, Rows, open_rows, parse_hub_id
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.rewards import BUILTIN_REWARDS, RewardFn, make_reward, number_value
 from posttrain.types import StopReason
@@ -34,7 +43,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass(frozen=True)
 class Fields:
-    """Which JSONL fields hold the prompt (a string, or chat messages) and the answer."""
+    """Which fields of a row hold the prompt (a string, or chat messages) and the answer."""
 
     prompt: str | None = None
     messages: str | None = None
@@ -65,56 +74,30 @@ def split_key(prompt: str | list[dict[str, str]]) -> str:
     return json.dumps(prompt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def read_problems(
-    path: Path, fields: Fields, *, system_prompt: str | None = None, needs_answer: bool = True
-) -> list[tuple[str, Problem]]:
-    """(split key, problem) of each non-blank line; errors name the file, line and field."""
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
-    problems: list[tuple[str, Problem]] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            problems.append(_problem(line, fields, system_prompt, needs_answer, f"{path}:{number}"))
-        except ValueError as exc:  # json.JSONDecodeError is a ValueError too
-            raise ValueError(f"{path}:{number}: {exc}") from None
-    if not problems:
-        raise ValueError(f"data file {str(path)!r} has no lines")
-    return problems
-
-
-def json_object(line: str) -> dict[str, Any]:
-    """One JSONL line's object, or a ValueError saying what the line is instead."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"each line must be a JSON object, got {type(record).__name__}")
-    return record
-
-
 def _problem(
-    line: str, fields: Fields, system_prompt: str | None, needs_answer: bool, source: str
+    record: dict[str, Any],
+    fields: Fields,
+    system_prompt: str | None,
+    needs_answer: bool,
+    source: str,
+    unit: str = "line",
 ) -> tuple[str, Problem]:
-    record = json_object(line)
     key = fields.prompt_key
     option = "messages_field" if fields.messages else "prompt_field"
     if key not in record:
-        raise ValueError(f"no field {key!r} ({option}); the line has {_keys(record)}")
+        raise ValueError(f"no field {key!r} ({option}); the {unit} has {_keys(record)}")
     value = record[key]
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     if fields.messages:
         messages = _check_chat(value, key)
         prompt = next(m["content"] for m in reversed(messages) if m["role"] != "system")
         if messages[0]["role"] == "system":
-            system = []  # the line's own system prompt wins
+            system = []  # the row's own system prompt wins
     else:
         if not isinstance(value, str):
             raise ValueError(f"field {key!r} (prompt_field) must be a string, got {value!r}")
         messages, prompt = [{"role": "user", "content": value}], value
-    answer = _answer(record, fields.answer, needs_answer)
+    answer = _answer(record, fields.answer, needs_answer, unit)
     problem = Problem(
         prompt=prompt,
         answer=answer,
@@ -125,11 +108,11 @@ def _problem(
     return split_key(value), problem
 
 
-def _answer(record: dict[str, object], field: str, needed: bool) -> str | None:
+def _answer(record: dict[str, object], field: str, needed: bool, unit: str) -> str | None:
     if field not in record:
         if needed:
             raise ValueError(
-                f"no field {field!r} (answer_field), which the reward compares with; the line "
+                f"no field {field!r} (answer_field), which the reward compares with; the {unit} "
                 f"has {_keys(record)}"
             )
         return None
@@ -171,23 +154,85 @@ def _keys(record: dict[str, object]) -> str:
 
 
 @dataclass(frozen=True)
-class DatasetTask:
-    """A task made of JSONL problems and a reward; see the module docstring for the files.
+class Reading:
+    """How a row becomes a problem: the fields, the system prompt, whether it needs an answer,
+    and whether that answer must be a number (the `number` reward)."""
 
-    Build one with `DatasetTask.from_jsonl(...)`. Each RL step draws distinct training problems
-    (all of them, in a new order, when it asks for more than there are); `held_out(seed, n)` is
-    the first n of a seeded shuffle of the held-out problems (all of them when n exceeds it).
+    fields: Fields
+    system_prompt: str | None
+    needs_answer: bool
+    numeric: bool = False
+
+    def problem(self, rows: Rows, index: int, record: dict[str, Any]) -> tuple[str, Problem]:
+        """(split key, problem) of row `index`; a ValueError names the row and the field."""
+        where = rows.where(index)
+        try:
+            key, problem = _problem(
+                record, self.fields, self.system_prompt, self.needs_answer, where, rows.unit
+            )
+            if self.numeric:
+                try:
+                    number_value(problem.reference())
+                except ValueError as exc:
+                    raise ValueError(f"field {self.fields.answer!r}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return key, problem
+
+    def scan(self, rows: Rows) -> Iterator[tuple[int, str]]:
+        """(index, split key) of every row, each checked, none kept: one pass, streamed."""
+        for index, record in rows.records():
+            yield index, self.problem(rows, index, record)[0]
+
+
+class ProblemRows(Sequence[Problem]):
+    """The problems of some rows of a source, built when asked for: only row numbers are kept."""
+
+    def __init__(self, rows: Rows, indices: array[int], reading: Reading) -> None:
+        self.rows, self.indices, self.reading = rows, indices, reading
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, index: int) -> Problem: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Problem]: ...
+    def __getitem__(self, index: int | slice) -> Problem | Sequence[Problem]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        row = self.indices[index]  # an IndexError past the end, which ends iteration
+        return self.reading.problem(self.rows, row, self.rows[row])[1]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ProblemRows | tuple | list):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = object.__hash__
+
+
+@dataclass(frozen=True)
+class DatasetTask:
+    """A task made of a data file's problems and a reward; see the module docstring.
+
+    Build one with `DatasetTask.from_file(...)` (`from_jsonl` is the same). Each RL step draws
+    distinct training problems (all of them, in a new order, when it asks for more than there
+    are); `held_out(seed, n)` is the first n of a seeded shuffle of the held-out problems (all
+    of them when n exceeds it).
     """
 
     name: str
-    train: tuple[Problem, ...]
-    held_out_problems: tuple[Problem, ...]
+    train: Sequence[Problem]
+    held_out_problems: Sequence[Problem]
     reward_fn: RewardFn
     reward_spec: str  # how errors and records name the reward: "exact", "pkg.mod:fn", ...
-    dropped_from_train: int = 0  # training lines left out because the held-out file has them
+    dropped_from_train: int = 0  # training rows left out because the held-out file has them
+    # The rows each split came from ("train", "held_out"): a resumed job compares their digests.
+    sources: Mapping[str, Rows] = field(default_factory=dict[str, Rows], compare=False)
 
     @classmethod
-    def from_jsonl(
+    def from_file(
         cls,
         train: str | Path,
         held_out: str | Path | None = None,
@@ -203,8 +248,10 @@ class DatasetTask:
         name: str | None = None,
         search: Path | None = None,
     ) -> DatasetTask:
-        """Read the files (all of it, now: a bad line is an error before any training).
+        """Read and check every row now (a bad row is an error before any training).
 
+        `train` and `held_out` are any source `posttrain.data.rows.open_rows` reads: a file,
+        a `datasets.save_to_disk` directory (`DIR@SPLIT`), or `hf:NAME[:CONFIG][@SPLIT]`.
         `reward` is a built-in name, a dotted path (imported from `sys.path`, then `search`),
         or the function itself.
         """
@@ -214,40 +261,45 @@ class DatasetTask:
             spec = reward
         else:
             reward_fn, spec = reward, f"{reward.__module__}:{reward.__qualname__}"
-        needs_answer = spec in BUILTIN_REWARDS
-        read = {"system_prompt": system_prompt, "needs_answer": needs_answer}
-        lines = read_problems(Path(train), fields, **read)
+        reading = Reading(fields, system_prompt, spec in BUILTIN_REWARDS, spec == "number")
+        if held_out is not None and held_out_fraction is not None:
+            raise ValueError(
+                "held_out_fraction splits the train file when there is no held_out file; "
+                "give one or the other"
+            )
+        fraction = DEFAULT_HELD_OUT_FRACTION if held_out_fraction is None else held_out_fraction
+        if held_out is None and not 0 < fraction < 1:
+            raise ValueError(f"held_out_fraction must be in (0, 1), got {fraction}")
+        rows = _nonempty(open_rows(train))
+        kept, held = array("q"), array("q")
+        sources = {"train": rows}
         if held_out is not None:
-            if held_out_fraction is not None:
-                raise ValueError(
-                    "held_out_fraction splits the train file when there is no held_out file; "
-                    "give one or the other"
-                )
-            tests = read_problems(Path(held_out), fields, **read)
-            keys = {key for key, _ in tests}
-            kept = [p for key, p in lines if key not in keys]
-            held = [p for _, p in tests]
+            for _ in reading.scan(rows):  # the train file's errors first, as it is named first
+                pass
+            tests = _nonempty(open_rows(held_out))
+            keys = {key for _, key in reading.scan(tests)}
+            # A second pass: keeping the first pass's keys would hold every prompt in memory.
+            for index, key in reading.scan(rows):
+                if key not in keys:
+                    kept.append(index)
+            held_problems = ProblemRows(tests, array("q", range(len(tests))), reading)
+            sources["held_out"] = tests
         else:
-            fraction = DEFAULT_HELD_OUT_FRACTION if held_out_fraction is None else held_out_fraction
-            if not 0 < fraction < 1:
-                raise ValueError(f"held_out_fraction must be in (0, 1), got {fraction}")
-            kept = [p for key, p in lines if not held_out_by_hash(key, fraction)]
-            held = [p for key, p in lines if held_out_by_hash(key, fraction)]
-        _check_split(Path(train), held_out, len(lines), kept, held)
-        if spec == "number":
-            for problem in [*kept, *held]:
-                try:
-                    number_value(problem.reference())
-                except ValueError as exc:
-                    raise ValueError(f"{problem.source}: field {answer_field!r}: {exc}") from None
+            for index, key in reading.scan(rows):
+                (held if held_out_by_hash(key, fraction) else kept).append(index)
+            held_problems = ProblemRows(rows, held, reading)
+        _check_split(rows, held_out, len(kept), len(held_problems))
         return cls(
-            name=name or Path(train).stem,
-            train=tuple(kept),
-            held_out_problems=tuple(held),
+            name=name or _name(train),
+            train=ProblemRows(rows, kept, reading),
+            held_out_problems=held_problems,
             reward_fn=reward_fn,
             reward_spec=spec,
-            dropped_from_train=len(lines) - len(kept) if held_out is not None else 0,
+            dropped_from_train=len(rows) - len(kept) if held_out is not None else 0,
+            sources=sources,
         )
+
+    from_jsonl = from_file  # its name from when JSONL was the only format
 
     def make_prompts(self, rng: random.Random, n: int) -> list[Problem]:
         if n < 0:
@@ -260,9 +312,11 @@ class DatasetTask:
     def held_out(self, seed: int, n: int) -> list[Problem]:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        order = list(self.held_out_problems)
+        # Shuffled as positions: a shuffle's swaps depend on the length alone, so this is the
+        # order a shuffle of the problems themselves gives, without building them all.
+        order = list(range(len(self.held_out_problems)))
         random.Random(f"held-out:{seed}").shuffle(order)
-        return order[:n]
+        return [self.held_out_problems[i] for i in order[:n]]
 
     def reward(
         self, problem: Problem, completion: str, stop_reason: StopReason
@@ -273,22 +327,29 @@ class DatasetTask:
         return problem.reference()
 
 
-def _check_split(
-    train: Path,
-    held_out: str | Path | None,
-    lines: int,
-    kept: Sequence[Problem],
-    held: Sequence[Problem],
-) -> None:
+def _nonempty(rows: Rows) -> Rows:
+    if not len(rows):
+        raise ValueError(f"data file {rows.source!r} has no {rows.unit}s")
+    return rows
+
+
+def _name(train: str | Path) -> str:
+    """A task's default name: the file's stem, or a hub dataset's own name."""
+    if str(train).startswith(HUB_PREFIX):
+        return parse_hub_id(str(train))[0].rpartition("/")[2]
+    return Path(train).stem
+
+
+def _check_split(rows: Rows, held_out: str | Path | None, kept: int, held: int) -> None:
     if not kept:
         why = (
-            f"every line is also in the held_out file {str(held_out)!r}"
+            f"every {rows.unit} is also in the held_out file {str(held_out)!r}"
             if held_out is not None
-            else "the split held out all of its lines; lower held_out_fraction"
+            else f"the split held out all of its {rows.unit}s; lower held_out_fraction"
         )
-        raise ValueError(f"data file {str(train)!r} leaves no training problems: {why}")
+        raise ValueError(f"data file {rows.source!r} leaves no training problems: {why}")
     if not held:
         raise ValueError(
-            f"data file {str(train)!r}: the split put none of its {lines} lines in the held-out "
-            "set; raise held_out_fraction, add lines, or give a held_out file"
+            f"data file {rows.source!r}: the split put none of its {len(rows)} {rows.unit}s in "
+            "the held-out set; raise held_out_fraction, add rows, or give a held_out file"
         )
