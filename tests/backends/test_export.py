@@ -211,7 +211,7 @@ def test_a_run_with_several_models_asks_which(lora_run, tmp_path: Path):
     shutil.copytree(model_dir, run / "models" / "b")
     with pytest.raises(ValueError, match=r"holds 2 models \(a, b\).*--model"):
         export_model(run, tmp_path / "out")
-    assert export_model(run, tmp_path / "out", model="b").source == run / "models" / "b"
+    assert export_model(run, tmp_path / "out", model="b").source == str(run / "models" / "b")
 
 
 def test_the_command(lora_run, tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -29,6 +29,12 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
+from posttrain.backends.tinker_export import (
+    TINKER_PREFIX,
+    fetch_tinker_checkpoint,
+    is_tinker_model,
+    tinker_checkpoint,
+)
 from posttrain.engine import atomic_replace
 from posttrain.engine.checkpoint import (
     ADAPTER_CONFIG,
@@ -60,8 +66,8 @@ class ExportResult:
     """What `export_model` wrote: where, from which checkpoint, in which form."""
 
     path: Path
-    source: Path  # the model directory
-    step: int
+    source: str  # the model directory, or the tinker:// checkpoint
+    step: int | None  # None: a tinker:// path, which names no step
     form: Literal["merged", "adapter", "full"]
     dtype: ExportDtype
     base_model: str
@@ -73,8 +79,8 @@ class ExportResult:
 class _Source:
     """One checkpoint to export and the settings of the model it belongs to."""
 
-    model_dir: Path
-    step: int
+    origin: str  # the model directory, or the tinker:// checkpoint
+    step: int | None
     checkpoint: Path
     base_model: str  # as model.json names it, a relative one made absolute
 
@@ -88,6 +94,8 @@ def export_model(
     mode: ExportMode | None = None,
     dtype: ExportDtype | None = None,
     force: bool = False,
+    base_url: str | None = None,
+    api_key: str | None = None,
 ) -> ExportResult:
     """Write the checkpoint of `step` (default: the latest) of the model in `run_dir` to
     `out_dir` as a Hugging Face model directory.
@@ -98,10 +106,37 @@ def export_model(
     adapter for `PeftModel.from_pretrained(base, out_dir)`. A full fine-tuning run is written as
     its weights. `dtype`: the weights' dtype, default the base model's. `force` replaces an
     existing `out_dir`.
+
+    A Tinker run: `run_dir` is a `tinker://` checkpoint path, or a TinkerBackend model
+    directory (its `checkpoints.jsonl`); the weights are fetched from the service at `base_url`
+    (default $TINKER_BASE_URL) with `api_key` (default $TINKER_API_KEY) through the tinker SDK.
     """
     out = Path(out_dir)
-    source = _find_source(Path(run_dir), model, step)
-    _check_out_dir(out, source.model_dir, force)
+    text = str(run_dir)
+    model_dir = None if text.startswith(TINKER_PREFIX) else _model_directory(Path(run_dir), model)
+    if model_dir is not None and not is_tinker_model(model_dir):
+        _check_out_dir(out, model_dir, force)
+        return _export(_local_source(model_dir, step), out, mode, dtype, force)
+    tinker_path, tinker_step = tinker_checkpoint(text if model_dir is None else model_dir, step)
+    _check_out_dir(out, model_dir, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fetch_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.fetch-", dir=out.parent))
+    try:
+        fetched = fetch_tinker_checkpoint(
+            tinker_path, fetch_dir / "checkpoint", base_url=base_url, api_key=api_key
+        )
+        problem = checkpoint_problem(fetched.directory)
+        if problem is not None:
+            raise ValueError(f"the weights fetched from {tinker_path} are damaged: {problem}")
+        source = _Source(tinker_path, tinker_step, fetched.directory, fetched.base_model)
+        return _export(source, out, mode, dtype, force)
+    finally:
+        shutil.rmtree(fetch_dir, ignore_errors=True)
+
+
+def _export(
+    source: _Source, out: Path, mode: ExportMode | None, dtype: ExportDtype | None, force: bool
+) -> ExportResult:
     kind = checkpoint_kind(source.checkpoint)
     if kind == "full" and mode == "adapter":
         raise ValueError(
@@ -125,7 +160,7 @@ def export_model(
             untied = _write_merged(source, base_dir, tmp, out_dtype, lora=kind == "lora")
         notes = (_UNTIED_NOTE,) if untied else ()
         result = ExportResult(
-            out, source.model_dir, source.step, form, out_dtype, source.base_model, untied, notes
+            out, source.origin, source.step, form, out_dtype, source.base_model, untied, notes
         )
         _write_provenance(tmp / PROVENANCE, result, source)
         with atomic_replace.name_lock(out):
@@ -145,8 +180,7 @@ _UNTIED_NOTE = (
 )
 
 
-def _find_source(run_dir: Path, model: str | None, step: int | None) -> _Source:
-    model_dir = _model_directory(run_dir, model)
+def _local_source(model_dir: Path, step: int | None) -> _Source:
     record = json.loads((model_dir / "model.json").read_text())
     base = str(record.get("base_model") or "")
     if not base:
@@ -154,7 +188,7 @@ def _find_source(run_dir: Path, model: str | None, step: int | None) -> _Source:
     if base.startswith("./"):  # a base model inside the directory (a copied or moved run)
         base = str((model_dir / base).resolve())
     checkpoint = _checkpoint(model_dir, step)
-    return _Source(model_dir, int(checkpoint.name), checkpoint, base)
+    return _Source(str(model_dir), int(checkpoint.name), checkpoint, base)
 
 
 def _model_directory(run_dir: Path, model: str | None) -> Path:
@@ -187,11 +221,6 @@ def _model_directory(run_dir: Path, model: str | None) -> Path:
 def _checkpoint(model_dir: Path, step: int | None) -> Path:
     """The checkpoint of `step`, or of the latest step; intact, or an error saying why not."""
     directory = model_dir / "checkpoints"
-    if (model_dir / "checkpoints.jsonl").is_file() and not directory.is_dir():
-        raise ValueError(
-            f"{model_dir} is a TinkerBackend model: its checkpoints are on the Tinker service; "
-            "export its tinker:// path with --base-url (see docs/export.md)"
-        )
     steps = step_directories(directory)
     if not steps:
         raise FileNotFoundError(f"{model_dir} has no checkpoints (no {directory.name}/<step>/)")
@@ -210,9 +239,11 @@ def _checkpoint(model_dir: Path, step: int | None) -> Path:
     return chosen
 
 
-def _check_out_dir(out: Path, model_dir: Path, force: bool) -> None:
+def _check_out_dir(out: Path, model_dir: Path | None, force: bool) -> None:
     resolved = out.resolve()
-    if resolved == model_dir.resolve() or resolved in model_dir.resolve().parents:
+    if model_dir is not None and (
+        resolved == model_dir.resolve() or resolved in model_dir.resolve().parents
+    ):
         raise ValueError(f"OUT_DIR {out} holds the model being exported; pick another directory")
     if out.exists() and not force:
         raise FileExistsError(_exists_message(out))
@@ -333,7 +364,9 @@ def _write_provenance(path: Path, result: ExportResult, source: _Source) -> None
     record = {
         "format_version": 1,
         **{k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()},
-        "checkpoint": str(source.checkpoint),
+        "checkpoint": source.origin
+        if source.origin.startswith(TINKER_PREFIX)
+        else str(source.checkpoint),
         "notes": list(result.notes),
     }
     record.pop("path")

@@ -20,11 +20,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "posttrain_export.json (where it came from). A LoRA run is merged into the base "
             "weights (W = W0 + alpha/r * B A) unless --adapter asks for the PEFT adapter; a full "
             "fine-tuning run is written as its weights. RUN_DIR is the directory a run printed "
-            "(holding models/<name>/) or a model directory (model.json, checkpoints/<step>/). "
+            "(holding models/<name>/) or a model directory (model.json, checkpoints/<step>/); "
+            "a Tinker run's checkpoint is fetched from the service through the tinker SDK. "
             "See docs/export.md."
         ),
     )
-    parser.add_argument("run_dir", type=Path, help="run directory or model directory")
+    parser.add_argument(
+        "run_dir",
+        help="run directory, model directory, or a tinker:// checkpoint path (with --base-url)",
+    )
     parser.add_argument("out_dir", type=Path, help="the new model directory")
     parser.add_argument(
         "--step", type=int, default=None, help="the checkpoint's step (default: the latest)"
@@ -54,6 +58,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the weights' dtype (default: the base model's)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    parser.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="the Tinker service of a tinker:// path or a TinkerBackend model (default: "
+        "$TINKER_BASE_URL; the key is $TINKER_API_KEY)",
+    )
     parser.set_defaults(handler=run_export, mode=None)
 
 
@@ -71,8 +82,9 @@ def run_export(args: argparse.Namespace) -> int:
             mode=args.mode,
             dtype=args.dtype,
             force=args.force,
+            base_url=args.base_url,
         )
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as err:
         print(f"posttrain export: error: {err}", file=sys.stderr)
         return 2
     for note in result.notes:
