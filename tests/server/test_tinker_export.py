@@ -13,7 +13,10 @@ import torch
 from serve_helpers import KEY, ServerProcess
 from transformers import AutoModelForCausalLM
 
+from local_groups import synthetic_groups
 from posttrain.backends.export import PROVENANCE, export_model
+from posttrain.backends.model import TrainableModel
+from posttrain.backends.tinker import TinkerBackend
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
@@ -99,3 +102,30 @@ def server_base(server: ServerProcess) -> str:
             f"{server.url}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY}
         ).json()
     return answer["supported_models"][0]["model_name"]
+
+
+async def test_a_tinker_backend_model_directory_exports(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+):
+    backend = TinkerBackend(tmp_path / "runs", base_url=server.url, api_key=KEY)
+    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+    await model.register(backend)
+    for step in range(2):
+        await backend.train(model, synthetic_groups(step), learning_rate=1e-2)
+    await backend.close()
+    index = [json.loads(line) for line in (model.directory / "checkpoints.jsonl").open()]
+    # The run directory a user has (runs/p, holding models/m), the latest step by default.
+    result = export_model(
+        tmp_path / "runs" / "p", tmp_path / "out", base_url=server.url, api_key=KEY
+    )
+    assert (result.step, result.source) == (2, index[-1]["path"])
+    first = export_model(
+        model.directory, tmp_path / "first", step=1, base_url=server.url, api_key=KEY
+    )
+    assert (first.step, first.source) == (1, index[0]["path"])
+    merged = [AutoModelForCausalLM.from_pretrained(tmp_path / name) for name in ("out", "first")]
+    ids = torch.tensor([TOKENS])
+    with torch.no_grad():
+        assert (merged[0](input_ids=ids).logits - merged[1](input_ids=ids).logits).abs().max() > 0
+    with pytest.raises(ValueError, match=r"step 5 has no checkpoint .*: 1, 2"):
+        export_model(model.directory, tmp_path / "x", step=5, base_url=server.url, api_key=KEY)
