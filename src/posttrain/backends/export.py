@@ -152,6 +152,7 @@ def _export(
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server run as another user
     try:
         if form == "adapter":
             untied = False

@@ -91,6 +91,6 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     print(
         f"exported step {result.step} of {result.source} ({result.form}, {result.dtype}) "
-        f"to {result.path} in {time.perf_counter() - began:.1f}s"
+        f"to {result.path} in {time.perf_counter() - began:.2f}s"
     )
     return 0
