@@ -186,6 +186,12 @@ def test_clear_errors_and_nothing_half_written(lora_run, tmp_path: Path):
     assert json.loads((out / PROVENANCE).read_text())["step"] == 2
     with pytest.raises(ValueError, match="holds the model being exported"):
         export_model(model_dir, model_dir.parent, force=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"not an export .*even with --force"):
+        export_model(model_dir, tmp_path / "notes", force=True)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    shutil.rmtree(tmp_path / "notes")
     # A damaged checkpoint (a file shorter than its manifest says) is named, with the way out.
     copy = tmp_path / "copy"
     shutil.copytree(model_dir, copy)

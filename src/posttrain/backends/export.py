@@ -111,6 +111,8 @@ def export_model(
     directory (its `checkpoints.jsonl`); the weights are fetched from the service at `base_url`
     (default $TINKER_BASE_URL) with `api_key` (default $TINKER_API_KEY) through the tinker SDK.
     """
+    if mode not in (None, "merge", "adapter"):
+        raise ValueError(f"mode must be 'merge', 'adapter' or None, got {mode!r}")
     out = Path(out_dir)
     text = str(run_dir)
     model_dir = None if text.startswith(TINKER_PREFIX) else _model_directory(Path(run_dir), model)
@@ -250,6 +252,12 @@ def _check_out_dir(out: Path, model_dir: Path | None, force: bool) -> None:
         raise FileExistsError(_exists_message(out))
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"OUT_DIR {out} exists and is not a directory")
+    if out.exists() and not (out / PROVENANCE).is_file() and any(out.iterdir()):
+        # --force replaces an earlier export, never a directory of something else.
+        raise FileExistsError(
+            f"OUT_DIR {out} is a non-empty directory that is not an export (no {PROVENANCE}); "
+            "refusing to replace it even with --force: pick another OUT_DIR"
+        )
 
 
 def _exists_message(out: Path) -> str:
