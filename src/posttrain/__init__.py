@@ -28,6 +28,7 @@ _EXPORTS = {
     "LocalBackend": "posttrain.backends.local",
     "RayBackend": "posttrain.backends.ray",
     "TinkerBackend": "posttrain.backends.tinker",
+    "export_model": "posttrain.backends.export",
     "InferenceConfig": "posttrain.inference.config",
     "Teacher": "posttrain.clients.teacher",
     # losses and advantages: the algorithm core's entry points
@@ -57,6 +58,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from posttrain.algo.advantages import group_advantages as group_advantages
+    from posttrain.backends.export import export_model as export_model
     from posttrain.backends.local import LocalBackend as LocalBackend
     from posttrain.backends.model import Model as Model
     from posttrain.backends.model import TrainableModel as TrainableModel

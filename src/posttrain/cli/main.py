@@ -9,6 +9,7 @@ from posttrain.cli import (
     backends_cmd,
     doctor_cmd,
     explain_cmd,
+    export_cmd,
     models_cmd,
     serve_cmd,
     tiny_cmd,
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_cmd.add_parser(subparsers)
     explain_cmd.add_parser(subparsers)
     serve_cmd.add_parser(subparsers)
+    export_cmd.add_parser(subparsers)
     return parser
 
 
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 # start (`posttrain serve` sets it itself, after its cheap checks). Not at import time:
 # importing posttrain changes nothing.
 COMPUTE_COMMANDS = frozenset(
-    {"train", "demo", "make-tiny-model", "explain", "import-model", "fetch-model"}
+    {"train", "demo", "make-tiny-model", "explain", "import-model", "fetch-model", "export"}
 )
 
 

@@ -29,9 +29,11 @@ from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.protocol import WeightSnapshot
 
 _PEFT_PREFIX = "base_model.model."
-_LORA = re.compile(r"^(?P<layer>.+)\.lora_(?P<which>[AB])\.[^.]+\.weight$")
+# In memory a factor's name holds its adapter's name (`.lora_A.default.weight`); PEFT's saved
+# adapter file leaves it out (`.lora_A.weight`): both are read.
+_LORA = re.compile(r"^(?P<layer>.+)\.lora_(?P<which>[AB])(\.[^.]+)?\.weight$")
 # An embedding's LoRA (a tied model's unembedding adapter): A is [rank, vocab], B [hidden, rank].
-_EMBEDDING_LORA = re.compile(r"^(?P<layer>.+)\.lora_embedding_(?P<which>[AB])\.[^.]+$")
+_EMBEDDING_LORA = re.compile(r"^(?P<layer>.+)\.lora_embedding_(?P<which>[AB])(\.[^.]+)?$")
 _KEEP = (
     "config.json",
     "generation_config.json",
@@ -40,6 +42,8 @@ _KEEP = (
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
     "chat_template.jinja",
 )
 
@@ -56,6 +60,48 @@ def load_base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     for file in files:
         weights.update(load_file(str(file)))
     return weights
+
+
+def base_weights_for_merge(base_dir: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """(weights, tied) of a base model directory; a tied model's `lm_head.weight`, if saved, is
+    dropped: it is the embedding, and whatever is trained or merged is derived from that."""
+    weights = load_base_weights(base_dir)
+    tied = ties_word_embeddings(base_dir)
+    if tied:
+        weights.pop("lm_head.weight", None)
+    return weights, tied
+
+
+def ties_word_embeddings(model_dir: Path) -> bool:
+    """Whether the model directory's config ties the unembedding to the input embedding."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def write_model_directory(
+    weights: Mapping[str, torch.Tensor],
+    base_dir: Path,
+    directory: Path,
+    *,
+    untie: bool,
+    dtype: str | None = None,
+) -> None:
+    """A Hugging Face model directory: `weights` as `model.safetensors`, and the base model's
+    config, generation config and tokenizer files; `untie` writes tie_word_embeddings false
+    (the weights hold an `lm_head` of their own), `dtype` the config's dtype."""
+    save_file(dict(weights), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for name in _KEEP:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, directory / name)
+    if untie or dtype is not None:
+        config = json.loads((directory / "config.json").read_text())
+        if untie:
+            config["tie_word_embeddings"] = False
+        if dtype is not None:
+            # transformers >= 4.56 writes "dtype", older ones (and vLLM's reader) "torch_dtype".
+            for key in ("dtype", "torch_dtype"):
+                config[key] = dtype
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def merge_trainable(
@@ -120,8 +166,7 @@ class WeightExporter:
                 "copy of the model needs a local directory (config.json and safetensors)"
             )
         self.directory = directory
-        config = json.loads((self.base_dir / "config.json").read_text())
-        self.tied = bool(config.get("tie_word_embeddings", False))
+        self.tied = ties_word_embeddings(self.base_dir)
         self.lora_scale = None if not lora_rank else (lora_alpha or 32.0) / lora_rank
         self.keep = keep
         self._base: dict[str, torch.Tensor] | None = None
@@ -130,21 +175,14 @@ class WeightExporter:
     def export(self, trainable: Mapping[str, torch.Tensor], version: int) -> WeightSnapshot:
         """Write version `version`'s weights; returns where they are."""
         if self._base is None:
-            self._base = load_base_weights(self.base_dir)
-            if self.tied:  # lm_head is the embedding: derive it, trained or merged, from that
-                self._base.pop("lm_head.weight", None)
+            self._base, _ = base_weights_for_merge(self.base_dir)
         merged = merge_trainable(self._base, trainable, lora_scale=self.lora_scale)
         final = self.directory / f"v{version}"
         tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
         tmp.mkdir(parents=True)
-        save_file(merged, str(tmp / "model.safetensors"))
-        for name in _KEEP:
-            if (self.base_dir / name).is_file():
-                shutil.copy2(self.base_dir / name, tmp / name)
-        if self.tied and "lm_head.weight" in merged:  # an adapter of lm_head alone
-            config = json.loads((tmp / "config.json").read_text())
-            config["tie_word_embeddings"] = False
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        # An adapter of a tied model's lm_head alone unties it.
+        untie = self.tied and "lm_head.weight" in merged
+        write_model_directory(merged, self.base_dir, tmp, untie=untie)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

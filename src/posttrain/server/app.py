@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from posttrain.server.config import KEY_PREFIX, ServerConfig, owner_of
+from posttrain.server.config import EXTERNAL_FILES, KEY_PREFIX, ServerConfig, owner_of
 from posttrain.server.runtime import Runtime
 from posttrain.server.store import Store
 
@@ -154,7 +154,8 @@ class ApiKeyAuth:
         return any(matches)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].startswith(EXTERNAL_FILES):
+            # A download URL of external weights carries its own token (`tinker_external`).
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])

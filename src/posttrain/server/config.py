@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KEY_PREFIX = "tml-"
+# Download URLs of external weights (`tinker_external`): their token is the credential.
+EXTERNAL_FILES = "/api/v1/external_weights_files/"
 
 
 def is_loopback(host: str) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 FutureStatus = Literal["pending", "completed", "failed"]
-CheckpointKind = Literal["weights", "sampler"]
+CheckpointKind = Literal["weights", "sampler", "external"]
 SessionState = Literal["live", "finished"]
 
 SCHEMA = """

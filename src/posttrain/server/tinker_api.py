@@ -49,6 +49,7 @@ ORDERED_ROUTES = frozenset(
         "optim_step",
         "save_weights",
         "save_weights_for_sampler",
+        "save_weights_external",
         "load_weights",
     )
 )
@@ -388,6 +389,7 @@ def str_dict(values: dict[str, Any] | None) -> dict[str, str]:
 def create_tinker_router(runtime: Runtime) -> APIRouter:
     """The protocol's endpoints under /api/v1."""
     from posttrain.server.tinker_checkpoints import CheckpointApi
+    from posttrain.server.tinker_external import add_external_routes
     from posttrain.server.tinker_sampling import SamplingApi
 
     api = Api(runtime)
@@ -405,6 +407,7 @@ def create_tinker_router(runtime: Runtime) -> APIRouter:
     post("/save_weights")(checkpoints.save_weights)
     post("/save_weights_for_sampler")(checkpoints.save_for_sampler)
     post("/load_weights")(checkpoints.load_weights)
+    add_external_routes(router, api)
     sampling = SamplingApi(api)
     post("/create_sampling_session")(sampling.create_sampling_session)
     get("/samplers/{sampler_id}")(sampling.get_sampler)

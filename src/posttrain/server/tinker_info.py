@@ -15,7 +15,7 @@ from posttrain.server.store import CheckpointRow, ModelRow
 from posttrain.server.tinker_api import not_found, owner
 from posttrain.server.tinker_schema import INT64_MAX
 
-CHECKPOINT_TYPES = {"weights": "training", "sampler": "sampler"}
+CHECKPOINT_TYPES = {"weights": "training", "sampler": "sampler", "external": "external"}
 MAX_PAGE = 10_000  # training runs per page
 
 
@@ -24,7 +24,7 @@ def _time(seconds: float) -> str:
 
 
 def checkpoint_json(row: CheckpointRow) -> dict[str, object]:
-    segment = "weights" if row.kind == "weights" else "sampler_weights"
+    segment = {"weights": "weights", "sampler": "sampler_weights"}.get(row.kind, "external_weights")
     return {
         "checkpoint_id": f"{segment}/{row.name}",
         "checkpoint_type": CHECKPOINT_TYPES[row.kind],

@@ -146,6 +146,14 @@ class SaveWeightsForSampler(Body):
     user_metadata: dict[str, str] | None = None
 
 
+class SaveWeightsExternal(Body):
+    model_id: str
+    seq_id: SeqId
+    # A file name under the model's storage: letters, digits, '.', '_' and '-'.
+    path: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]
+    ttl_seconds: Ttl | None = None
+
+
 class LoadWeights(Body):
     path: str
     optimizer: bool = False
