@@ -22,10 +22,17 @@ import random
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from posttrain.tasks.protocol import Problem
-from posttrain.tasks.rewards import BUILTIN_REWARDS, RewardFn, make_reward, number_value
+from posttrain.tasks.rewards import (
+    BUILTIN_REWARDS,
+    GroupRewardFn,
+    RewardFn,
+    RewardSource,
+    make_reward,
+    number_value,
+)
 from posttrain.types import StopReason
 
 DEFAULT_HELD_OUT_FRACTION = 0.1
@@ -185,6 +192,12 @@ class DatasetTask:
     reward_fn: RewardFn
     reward_spec: str  # how errors and records name the reward: "exact", "pkg.mod:fn", ...
     dropped_from_train: int = 0  # training lines left out because the held-out file has them
+    reward_source: RewardSource | None = None  # a Judge or RewardModel given as the reward
+
+    @property
+    def group_reward(self) -> GroupRewardFn | None:
+        """The reward source's group reward (a group judge, a reward model), else None."""
+        return self.reward_source.group_reward if self.reward_source is not None else None
 
     @classmethod
     def from_jsonl(
@@ -197,7 +210,7 @@ class DatasetTask:
         messages_field: str | None = None,
         answer_field: str = "answer",
         system_prompt: str | None = None,
-        reward: str | RewardFn = "exact",
+        reward: str | RewardFn | RewardSource = "exact",
         tolerance: float | None = None,
         pattern: str | None = None,
         name: str | None = None,
@@ -206,14 +219,19 @@ class DatasetTask:
         """Read the files (all of it, now: a bad line is an error before any training).
 
         `reward` is a built-in name, a dotted path (imported from `sys.path`, then `search`),
-        or the function itself.
+        the function itself, or a reward object (`Judge`, `RewardModel`).
         """
         fields = Fields(prompt_field, messages_field, answer_field)
+        source = None
         if isinstance(reward, str):
             reward_fn = make_reward(reward, tolerance=tolerance, pattern=pattern, search=search)
             spec = reward
+        elif isinstance(getattr(reward, "spec", None), str) and hasattr(reward, "group_reward"):
+            source = cast(RewardSource, reward)
+            reward_fn, spec = source.reward, source.spec
         else:
-            reward_fn, spec = reward, f"{reward.__module__}:{reward.__qualname__}"
+            function = cast(RewardFn, reward)
+            reward_fn, spec = function, f"{function.__module__}:{function.__qualname__}"
         needs_answer = spec in BUILTIN_REWARDS
         read = {"system_prompt": system_prompt, "needs_answer": needs_answer}
         lines = read_problems(Path(train), fields, **read)
@@ -247,6 +265,7 @@ class DatasetTask:
             reward_fn=reward_fn,
             reward_spec=spec,
             dropped_from_train=len(lines) - len(kept) if held_out is not None else 0,
+            reward_source=source,
         )
 
     def make_prompts(self, rng: random.Random, n: int) -> list[Problem]:
