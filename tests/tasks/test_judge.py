@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "rollouts"))
 from test_task_rollouts import ScriptedSampler  # pyright: ignore[reportMissingImports]
 
 PROMPT = "What is 2+3?"
-
-
-@pytest.fixture
-def standin() -> Iterator[StandinJudge]:
-    server = StandinJudge().start()
-    yield server
-    server.shutdown()
-    server.server_close()
 
 
 def judge(server: StandinJudge, cache: Path | None = None, **options: object) -> Judge:

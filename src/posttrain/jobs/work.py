@@ -168,9 +168,10 @@ class TaskWork:
         return replace(step, metrics={**step.metrics, **meter.metrics()})
 
     async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
-        result = await evaluate(
-            sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
-        )
+        with reward_step():  # an evaluation has a judge's per-step budget of its own
+            result = await evaluate(
+                sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
+            )
         return Evaluated(result.accuracy, {"accuracy": result.accuracy})
 
 

@@ -14,9 +14,10 @@ Two modes:
 
 Each request is retried (`retries`, waiting `backoff_s`, doubled each time) after a transport
 error, a timeout, an HTTP 429 or 5xx, or an unparsable answer; other HTTP errors are not
-retried. At most `max_concurrency` requests run at once. Within one RL step (`reward_step`;
-outside one, over the judge's life) at most `max_calls_per_step` requests are made and none
-runs past `max_seconds_per_step` after the step's first request began. A request that fails
+retried. At most `max_concurrency` requests run at once. Within one RL step (a `reward_step()`:
+the job opens one per RL step and per evaluation; outside one no budget holds) at most
+`max_calls_per_step` requests are made and none runs past `max_seconds_per_step` after the
+step's first request began. A request that fails
 for good, or that the budget refuses, raises `JudgeError`, a `RewardError`: the job counts the
 rollout (in group mode, the group's rollouts) as bad, against `[rl] max_bad_rollouts`; it is
 never scored 0.
@@ -324,17 +325,17 @@ class Judge:
     ) -> list[float]:
         """One request, retried; the step's budget checked before each attempt."""
         config = self.config
-        budget = meter if meter is not None else self.stats
         problem: Exception | None = None
         for attempt in range(config.retries + 1):
             if attempt:
                 await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
-            remaining = self._check_budget(budget, problem)
+            remaining = self._check_budget(meter, problem)
+            self._count(meter, "judge_calls")  # counted now: concurrent requests see it
             try:
                 text = await asyncio.wait_for(self._request(system, user, meter), remaining)
                 return parse(text)
             except TimeoutError:
-                if remaining is not None and remaining < config.timeout_s:
+                if remaining < config.timeout_s:
                     spent = f"budget: max_seconds_per_step = {config.max_seconds_per_step} spent"
                     raise self._error(spent, problem) from None
                 problem = TimeoutError(f"no answer within timeout_s = {config.timeout_s}")
@@ -342,22 +343,18 @@ class Judge:
                 problem = exc
         raise self._error(f"failed after {config.retries + 1} attempts", problem)
 
-    def _check_budget(self, budget: RewardMeter, problem: Exception | None) -> float | None:
-        """Seconds left for this attempt (None: no limit); a JudgeError when none are."""
+    def _check_budget(self, meter: RewardMeter | None, problem: Exception | None) -> float:
+        """Seconds this attempt may take; a JudgeError when the step's budget is spent (a
+        budget holds within a `reward_step()` only)."""
         config = self.config
-        if config.max_calls_per_step is not None and (
-            budget.count("judge_calls") >= config.max_calls_per_step
-        ):
-            raise self._error(
-                f"budget: max_calls_per_step = {config.max_calls_per_step} spent", problem
-            )
-        if config.max_seconds_per_step is None:
+        calls, seconds = config.max_calls_per_step, config.max_seconds_per_step
+        if meter is not None and calls is not None and meter.count("judge_calls") >= calls:
+            raise self._error(f"budget: max_calls_per_step = {calls} spent", problem)
+        if meter is None or seconds is None:
             return config.timeout_s
-        left = budget.began("judge") + config.max_seconds_per_step - time.perf_counter()
+        left = meter.began("judge") + seconds - time.perf_counter()
         if left <= 0:
-            raise self._error(
-                f"budget: max_seconds_per_step = {config.max_seconds_per_step} spent", problem
-            )
+            raise self._error(f"budget: max_seconds_per_step = {seconds} spent", problem)
         return min(left, config.timeout_s)
 
     async def _request(self, system: str, user: str, meter: RewardMeter | None) -> str:
@@ -370,7 +367,6 @@ class Judge:
             "max_tokens": self.config.max_tokens,
         }
         async with self._slots_of_loop():
-            self._count(meter, "judge_calls")
             self._span(meter, "began")
             try:
                 response = await self._client().post(
