@@ -23,7 +23,7 @@ import time
 from difflib import SequenceMatcher
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-_ANSWER = re.compile(r"\nReference answer: (.*?)(?:\n\n|$)", re.S)
+_ANSWER = re.compile(r"Reference answer: (.*?)(?:\n\n|$)", re.S)
 _POINTWISE = "\n\nCompletion to score:\n"
 _GROUP = re.compile(r"\n\nCompletion (\d+):\n")
 

@@ -13,7 +13,7 @@ import pytest
 from posttrain.engine.tiny import build_tokenizer
 from posttrain.rollouts.task_rollouts import sample_groups
 from posttrain.tasks import DatasetTask, Judge, JudgeError, Problem, reward_step
-from posttrain.tasks.judge import parse_group, parse_pointwise
+from posttrain.tasks.judge_prompts import parse_group, parse_pointwise
 from posttrain.tasks.rewards import RewardError, score_group
 from posttrain.types import SamplingParams
 
@@ -171,3 +171,24 @@ async def test_group_rewards_are_checked_like_rewards():
     results = await score_group(Broken(), Problem("p"), ["a", "b"], ["stop", "stop"])  # pyright: ignore[reportArgumentType]
     assert all(isinstance(r, RewardError) for r in results)
     assert "must be a list of 2 finite numbers" in str(results[0])
+
+
+async def test_rescore_sets_rewards_of_gathered_groups(standin: StandinJudge):
+    """ART-style: rollouts gathered by gather_groups, rewarded by the judge as each group
+    completes (`after_each`), the prompt being the messages before the last assistant turn."""
+    from posttrain import Trajectory, TrajectoryGroup, gather_groups
+    from posttrain.data.trajectories import TokenSegment
+
+    def rollout(answer: str) -> Trajectory:
+        chat = [
+            {"role": "user", "content": "Reference answer: abc"},
+            {"role": "assistant", "content": answer},
+        ]
+        return Trajectory(segments=[TokenSegment((1, 2))], messages=chat, reward=0.0)
+
+    j = judge(standin, mode="group")
+    groups = [TrajectoryGroup([rollout("abc"), rollout("ab"), rollout("zzz")])]
+    done = await gather_groups(groups, after_each=j.rescore, progress=False)
+    # The stand-in finds the reference in the prompt: "abc" 1, "ab" 2*2/5, "zzz" 0; one request.
+    assert [t.reward for t in done[0].trajectories] == pytest.approx([1.0, 0.8, 0.0], abs=1e-6)
+    assert standin.requests == 1

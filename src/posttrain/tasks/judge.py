@@ -36,16 +36,26 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from posttrain.algo.config_fields import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, option
 from posttrain.algo.config_fields import from_options as build_options
+from posttrain.data.trajectories import TrajectoryGroup
+from posttrain.tasks.judge_prompts import (
+    GROUP_SYSTEM,
+    POINTWISE_SYSTEM,
+    PROMPT_VERSION,
+    Prompt,
+    chat_of,
+    conversation,
+    parse_group,
+    parse_pointwise,
+)
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.reward_meter import RewardMeter, current_meter
 from posttrain.tasks.rewards import GroupRewardFn, RewardError
@@ -55,23 +65,7 @@ if TYPE_CHECKING:  # the optional `judge` extra
     import httpx
 
 JudgeMode = Literal["pointwise", "group"]
-Prompt = str | Sequence[Mapping[str, str]]
-# In every cache key: a change to the prompts below never reuses scores asked the old way.
-PROMPT_VERSION = 1
-_SCORE_LINE = re.compile(r"SCORE:\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)", re.IGNORECASE)
 _RETRIED_STATUS = (429, 500, 502, 503, 504)
-
-POINTWISE_SYSTEM = (
-    "You are a judge. Score the final assistant completion of the conversation below against "
-    "the rubric, from 0 (worst) to 1 (best).\nRubric: {rubric}\nReason briefly if you like, "
-    'then end your answer with a line "SCORE: <a number from 0 to 1>".'
-)
-GROUP_SYSTEM = (
-    "You are a judge. Below are {n} completions of the same conversation, numbered from 1. "
-    "Score each against the rubric, relative to the others, from 0 (worst) to 1 (best).\n"
-    "Rubric: {rubric}\nAnswer with JSON only, one entry per completion: "
-    '{{"scores": [{{"id": 1, "score": 0.5}}, ...]}}'
-)
 
 
 class JudgeError(RewardError):
@@ -131,64 +125,6 @@ class JudgeConfig:
             )
 
 
-def parse_pointwise(text: str) -> float:
-    """The number of the answer's last `SCORE:` line, in [0, 1] (see the module docstring)."""
-    found = _SCORE_LINE.findall(text)
-    if not found:
-        raise ValueError(f"no 'SCORE: <number>' in the judge's answer {text[-200:]!r}")
-    return _unit(float(found[-1]), "score")
-
-
-def parse_group(text: str, n: int) -> list[float]:
-    """Scores of completions 1..n from the judge's JSON answer (see the module docstring)."""
-    start, end = text.find("{"), text.rfind("}")
-    if start < 0 or end < start:
-        raise ValueError(f"no JSON object in the judge's answer {text[-200:]!r}")
-    try:
-        data = json.loads(text[start : end + 1])
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"the judge's JSON does not parse: {exc}") from None
-    entries = data.get("scores") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        raise ValueError('the judge\'s JSON has no "scores" list')
-    scores: dict[int, float] = {}
-    for entry in entries:
-        ident = entry.get("id") if isinstance(entry, dict) else None
-        value = entry.get("score") if isinstance(entry, dict) else None
-        if isinstance(ident, str) and ident.isdigit():
-            ident = int(ident)
-        if not isinstance(ident, int) or isinstance(ident, bool) or not 1 <= ident <= n:
-            raise ValueError(f"entry {entry!r}: id must be one of 1..{n}")
-        if ident in scores:
-            raise ValueError(f"id {ident} is scored twice")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"entry {entry!r}: score must be a number")
-        scores[ident] = _unit(float(value), f"score of id {ident}")
-    missing = sorted(set(range(1, n + 1)) - set(scores))
-    if missing:
-        raise ValueError(f"ids {missing} have no score (of {n} completions)")
-    return [scores[i] for i in range(1, n + 1)]
-
-
-def _unit(value: float, what: str) -> float:
-    if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise ValueError(f"{what} {value} is not in [0, 1]")
-    return value
-
-
-def chat_of(prompt: Prompt) -> list[dict[str, str]]:
-    """A prompt as chat messages: a string is one user message."""
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [{"role": m["role"], "content": m["content"]} for m in prompt]
-
-
-def _conversation(chat: list[dict[str, str]], answer: str | None) -> str:
-    lines = [f"[{m['role']}] {m['content']}" for m in chat]
-    reference = f"\n\nReference answer: {answer}" if answer is not None else ""
-    return "Conversation:\n" + "\n".join(lines) + reference
-
-
 class Judge:
     """An LLM judge: `Judge(base_url=..., model=..., rubric=..., mode="group")`, or
     `Judge(config)`; the other keywords are `JudgeConfig`'s. `cache` is a SQLite file for
@@ -245,7 +181,7 @@ class Judge:
         chat = chat_of(prompt)
         key = self._key("pointwise", chat, answer, [completion])
         system = POINTWISE_SYSTEM.format(rubric=self.config.rubric)
-        user = f"{_conversation(chat, answer)}\n\nCompletion to score:\n{completion}"
+        user = f"{conversation(chat, answer)}\n\nCompletion to score:\n{completion}"
         scores = await self._scored(key, system, user, lambda text: [parse_pointwise(text)])
         return scores[0]
 
@@ -259,7 +195,7 @@ class Judge:
         key = self._key("group", chat, answer, list(completions))
         system = GROUP_SYSTEM.format(n=n, rubric=self.config.rubric)
         shown = "\n\n".join(f"Completion {i}:\n{c}" for i, c in enumerate(completions, start=1))
-        user = f"{_conversation(chat, answer)}\n\n{shown}"
+        user = f"{conversation(chat, answer)}\n\n{shown}"
         return await self._scored(key, system, user, lambda text: parse_group(text, n))
 
     async def reward(self, problem: Problem, completion: str, stop_reason: StopReason) -> float:
@@ -283,6 +219,32 @@ class Judge:
             )
         except JudgeError as exc:
             raise JudgeError(f"{exc} (on {problem.where()})") from exc
+
+    async def rescore(self, group: TrajectoryGroup) -> TrajectoryGroup:
+        """`group` with each trajectory's reward set to the judge's score of its last assistant
+        message, given the messages before it: `gather_groups(..., after_each=judge.rescore)`,
+        as ART's RULER. In group mode the trajectories must share their prompt."""
+        prompts, completions = [], []
+        for trajectory in group.trajectories:
+            messages = [
+                {"role": str(m.get("role")), "content": str(m.get("content") or "")}
+                for m in trajectory.chat_messages()
+            ]
+            if not messages or messages[-1]["role"] != "assistant":
+                raise JudgeError("judge.rescore: a trajectory does not end with an assistant turn")
+            prompts.append(messages[:-1])
+            completions.append(messages[-1]["content"])
+        if self.config.mode == "group" and completions:
+            if any(p != prompts[0] for p in prompts):
+                raise JudgeError("judge.rescore in group mode: the group's prompts differ")
+            scores = await self.score_group(prompts[0], completions)
+        else:
+            scores = await asyncio.gather(
+                *(self.score(p, c) for p, c in zip(prompts, completions, strict=True))
+            )
+        for trajectory, value in zip(group.trajectories, scores, strict=True):
+            trajectory.reward = value
+        return group
 
     async def _scored(
         self, key: str, system: str, user: str, parse: Callable[[str], list[float]]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 
 from posttrain.algo.config_fields import AT_LEAST_ONE, option
 from posttrain.algo.config_fields import from_options as build_options
-from posttrain.tasks.judge import Prompt, chat_of
+from posttrain.tasks.judge_prompts import Prompt, chat_of
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.rewards import MODEL_PREFIX, GroupRewardFn, RewardError
 from posttrain.types import StopReason
