@@ -301,7 +301,9 @@ class Judge:
                     spent = f"budget: max_seconds_per_step = {config.max_seconds_per_step} spent"
                     raise self._error(spent, problem) from None
                 problem = TimeoutError(f"no answer within timeout_s = {config.timeout_s}")
-            except (_Retry, ValueError) as exc:
+            except JudgeError:
+                raise  # an HTTP error that another try would not change (401, 404, ...)
+            except (_Retry, ValueError) as exc:  # ValueError: an unparsable answer
                 problem = exc
         raise self._error(f"failed after {config.retries + 1} attempts", problem)
 
