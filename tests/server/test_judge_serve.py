@@ -35,7 +35,7 @@ async def test_garbage_answers_are_retried_then_bad_rollouts(
         with pytest.raises(JudgeError, match=r"failed after 3 attempts; last error: no 'SCORE"):
             await judge.reward(problem, "5", "stop")
         # One request and two retries spent 3 of the step's 4 calls: the next gets one try.
-        with pytest.raises(JudgeError, match="sums.jsonl:1") as second:
+        with pytest.raises(JudgeError, match=r"sums\.jsonl:1") as second:
             await judge.reward(problem, "6", "stop")
     assert "max_calls_per_step = 4 spent" in str(second.value)
     assert meter.count("judge_calls") == 4 and meter.count("judge_failures") == 2
@@ -43,9 +43,9 @@ async def test_garbage_answers_are_retried_then_bad_rollouts(
     check_bad_rollouts([second.value, second.value], 4, 0.5)
     with pytest.raises(JudgeError, match="2 of 4 rollouts"):
         check_bad_rollouts([second.value, second.value], 4, 0.25)
-    with reward_step() as meter:  # not cached: a failure is asked again in the next step
-        with pytest.raises(JudgeError):
-            await judge.reward(problem, "5", "stop")
+    # Not cached: a failure is asked again in the next step.
+    with reward_step() as meter, pytest.raises(JudgeError):
+        await judge.reward(problem, "5", "stop")
     assert meter.count("judge_calls") == 3 and meter.count("judge_cache_hits") == 0
 
 

@@ -192,3 +192,11 @@ async def test_rescore_sets_rewards_of_gathered_groups(standin: StandinJudge):
     # The stand-in finds the reference in the prompt: "abc" 1, "ab" 2*2/5, "zzz" 0; one request.
     assert [t.reward for t in done[0].trajectories] == pytest.approx([1.0, 0.8, 0.0], abs=1e-6)
     assert standin.requests == 1
+
+
+def test_the_docs_show_the_stand_in_judge_of_recipes():
+    """docs/own-task.md's judge_standin.py block is recipes/judge_standin.py, verbatim."""
+    root = Path(__file__).parents[2]
+    page = (root / "docs" / "own-task.md").read_text()
+    block = page.split("```python file=judge_standin.py\n", 1)[1].split("```", 1)[0]
+    assert block == (root / "recipes" / "judge_standin.py").read_text()
