@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,16 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
     path = tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"
     return path, write_tiny_gguf(path, seed=3)
+
+
+@pytest.fixture
+def standin() -> Iterator[object]:
+    """The stand-in judge server of recipes/judge_standin.py on a free loopback port, in a
+    thread (its `requests`, `fail_first` and `delay_s` are the test's to read and set)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
+    from judge_standin import StandinJudge  # pyright: ignore[reportMissingImports]
+
+    server = StandinJudge().start()
+    yield server
+    server.shutdown()
+    server.server_close()

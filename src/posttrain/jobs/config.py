@@ -1,7 +1,7 @@
 """The `posttrain train` job's TOML configuration, as frozen dataclasses, one per table.
 
 Tables: `[run]`, `[model]`, `[sft]`, `[dpo]`, `[rl]`, `[eval]`, `[backend]`, `[inference]`, `[task]`,
-`[data]`, `[environment]`, `[teacher]` (on-policy distillation's teacher).
+`[data]`, `[environment]`, `[teacher]` (distillation's teacher), `[judge]`, `[reward_model]`.
 `[run] task` names the task: a built-in ("reverse"), a dotted path ("mypkg.tasks:make_task"),
 an entry point of the `posttrain.tasks` group, or "data" for the dataset task that `[data]`
 describes (the default when there is a `[data]` table). `[task]` holds a task factory's
@@ -50,8 +50,12 @@ from posttrain.jobs.tables import (
     TeacherConfig,
     build_table,
     parse_tiny_spec,
+    reward_tables,
+    table_of,
 )
+from posttrain.tasks.judge import JudgeConfig
 from posttrain.tasks.resolve import TaskError, task_kind
+from posttrain.tasks.reward_model import RewardModelConfig
 from posttrain.trainer.config import (
     DPOConfig,
     LRDecay,
@@ -314,6 +318,8 @@ class JobConfig:
     environment: Mapping[str, object] = field(default_factory=dict[str, object])  # its kwargs
     inference: InferenceConfig = field(default_factory=InferenceConfig)  # [inference]
     teacher: TeacherConfig | None = None  # [teacher]: on-policy distillation
+    judge: JudgeConfig | None = None  # [judge]: the LLM judge of [data] reward = "judge"
+    reward_model: RewardModelConfig | None = None  # [reward_model]: of reward = "model:PATH"
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -349,6 +355,7 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
     """Build a JobConfig from parsed TOML."""
     names = ["run", "model", "sft", "rl", "eval"]
     names += ["dpo", "backend", "inference", "task", "data", "environment", "teacher"]
+    names += ["judge", "reward_model"]
     for name, value in data.items():
         if name not in names:
             raise ValueError(
@@ -356,34 +363,35 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
             )
         if not isinstance(value, dict):
             raise ValueError(f"[{name}] must be a table, got {value!r}")
-    run = _table(data, "run")
+    run = table_of(data, "run")
     _check_task_tables(run.get("task"), data)
     _check_environment_tables(run, data)
     if "data" in data:
         run.setdefault("task", DATA_TASK)
     run_table = build_table(RunConfig, run, "run")
-    model = build_table(ModelConfig, _table(data, "model"), "model")
-    sft = build_table(SFTWarmupConfig, _table(data, "sft"), "sft")
-    rl = build_table(RLJobConfig, _table(data, "rl"), "rl")
-    evaluation = build_table(EvalConfig, _table(data, "eval"), "eval")
+    model = build_table(ModelConfig, table_of(data, "model"), "model")
+    sft = build_table(SFTWarmupConfig, table_of(data, "sft"), "sft")
+    rl = build_table(RLJobConfig, table_of(data, "rl"), "rl")
+    evaluation = build_table(EvalConfig, table_of(data, "eval"), "eval")
     free: dict[str, dict[str, object]] = {}
     # A verifiers environment's [environment] is its verifiers env config, tables and all.
     nested = str(run.get("environment")).startswith(VERIFIERS_PREFIX)
     for name in ("backend", "task", "environment"):
-        free[name] = _table(data, name)
+        free[name] = table_of(data, name)
         for key, value in free[name].items():
             if isinstance(value, dict) and not (nested and name == "environment"):
                 raise ValueError(f"[{name}] {key} must be a value, got a table")
-    dataset = build_table(DataConfig, _table(data, "data"), "data") if "data" in data else None
-    inference = _inference(_table(data, "inference"))
+    dataset = build_table(DataConfig, table_of(data, "data"), "data") if "data" in data else None
+    inference = _inference(table_of(data, "inference"))
     dpo = None
     if "dpo" in data:
-        table = _table(data, "dpo")
+        table = table_of(data, "dpo")
         dpo = build_table(DPOJobConfig, table, "dpo")
         dpo = replace(dpo, written=frozenset(table) & set(option_fields(DPOConfig)))
     teacher = None
     if "teacher" in data:
-        teacher = build_table(TeacherConfig, _table(data, "teacher"), "teacher")
+        teacher = build_table(TeacherConfig, table_of(data, "teacher"), "teacher")
+    judge, reward_model = reward_tables(data, dataset)
     return JobConfig(
         *(run_table, model, sft, dpo, rl, evaluation),
         backend=free["backend"],
@@ -392,6 +400,8 @@ def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> J
         environment=free["environment"],
         inference=inference,
         teacher=teacher,
+        judge=judge,
+        reward_model=reward_model,
         source=source,
     )
 
@@ -406,6 +416,8 @@ OPTION_TABLES: dict[str, tuple[type, type | None]] = {
     "eval": (EvalConfig, None),
     "data": (DataConfig, None),
     "teacher": (TeacherConfig, None),
+    "judge": (JudgeConfig, None),
+    "reward_model": (RewardModelConfig, None),
 }
 
 
@@ -424,14 +436,6 @@ def key_help(table: str) -> dict[str, tuple[str, object]]:
             defaults = option_defaults(config_type)
             out |= {k: (text, defaults.get(k)) for k, text in option_help(config_type).items()}
     return out
-
-
-def _table(data: Mapping[str, object], name: str) -> dict[str, object]:
-    """The table `[name]` (checked to be one by `parse_config`), or {} when absent."""
-    table = data.get(name) or {}
-    if not isinstance(table, dict):
-        raise ValueError(f"[{name}] must be a table, got {table!r}")
-    return {str(key): value for key, value in table.items()}
 
 
 def _inference(table: dict[str, object]) -> InferenceConfig:

@@ -19,7 +19,10 @@ from posttrain.environments.resolve import (
 )
 from posttrain.jobs.config import DATA_TASK, NO_DATA_TABLE, DataConfig, JobConfig
 from posttrain.tasks.dataset import DatasetTask
+from posttrain.tasks.judge import Judge
 from posttrain.tasks.resolve import ResolvedTask, TaskError, resolve_task
+from posttrain.tasks.reward_model import RewardModel, RewardModelConfig
+from posttrain.tasks.rewards import JUDGE, MODEL_PREFIX, RewardSource
 
 
 class JobTaskError(ValueError):
@@ -38,7 +41,7 @@ def resolve_job_task(config: JobConfig) -> ResolvedTask:
         if config.data is None:  # parse_config refuses it; a JobConfig built in Python may not
             raise JobTaskError("[run] task", NO_DATA_TABLE, config.source)
         try:
-            return _data_task(config.data, config.base_dir)
+            return _data_task(config.data, config.base_dir, _reward(config))
         except (ValueError, ImportError, FileNotFoundError) as exc:
             raise JobTaskError("[data]", str(exc), config.source) from exc
     try:
@@ -72,7 +75,21 @@ def resolve_job_environment(config: JobConfig) -> ResolvedEnvironment:
     return found
 
 
-def _data_task(data: DataConfig, base: Path) -> ResolvedTask:
+def _reward(config: JobConfig) -> str | RewardSource:
+    """`[data] reward`, or for a model's the object its table builds (nothing loads yet)."""
+    assert config.data is not None
+    spec = config.data.reward
+    if spec == JUDGE:
+        if config.judge is None:  # parse_config refuses it; a JobConfig built in Python may not
+            raise ValueError('reward = "judge" needs a [judge] table (JobConfig.judge)')
+        return Judge(config.judge)
+    if spec.startswith(MODEL_PREFIX):
+        path = config.base_dir / spec.removeprefix(MODEL_PREFIX)
+        return RewardModel(path, config.reward_model or RewardModelConfig())
+    return spec
+
+
+def _data_task(data: DataConfig, base: Path, reward: str | RewardSource) -> ResolvedTask:
     task = DatasetTask.from_file(
         resolve_spec(data.train, base),
         resolve_spec(data.held_out, base) if data.held_out else None,
@@ -81,7 +98,7 @@ def _data_task(data: DataConfig, base: Path) -> ResolvedTask:
         messages_field=data.messages_field,
         answer_field=data.answer_field,
         system_prompt=data.system_prompt,
-        reward=data.reward,
+        reward=reward,
         tolerance=data.tolerance,
         pattern=data.pattern,
         search=base,

@@ -27,10 +27,15 @@ RESUMABLE_CHANGES = frozenset(
     | {f"inference.{key}" for key in ("devices", "threads", "python", "kv_cache_mb")}
     | {f"inference.{key}" for key in ("url", "api_key", "start_timeout_s")}
     | {"teacher.url", "teacher.api_key"}  # where the same teacher is served
+    # Where the same judge is served, and what a step may spend on it.
+    | {f"judge.{key}" for key in ("base_url", "api_key_env", "max_calls_per_step")}
+    | {f"judge.{key}" for key in ("max_seconds_per_step", "retries", "backoff_s")}
+    | {f"judge.{key}" for key in ("max_concurrency", "timeout_s")}
+    | {"reward_model.batch_size", "reward_model.device"}
 )
 JOB_FILE = "job.json"
 # In job.json only when the config has them.
-OPTIONAL_TABLES = ("task", "data", "environment", "teacher")
+OPTIONAL_TABLES = ("task", "data", "environment", "teacher", "judge", "reward_model")
 # Tables posttrain added after runs began: a run's job.json without one ran at its defaults.
 LATER_TABLES = ("inference",)
 # job.json's record of the resolved task (`ResolvedTask.record()`): spec, kind, target, ...
@@ -77,6 +82,10 @@ def config_record(config: JobConfig) -> dict[str, dict[str, object]]:
         record["environment"] = dict(config.environment)
     if config.teacher is not None:
         record["teacher"] = redact_secrets(asdict(config.teacher))
+    if config.judge is not None:
+        record["judge"] = asdict(config.judge)
+    if config.reward_model is not None:
+        record["reward_model"] = asdict(config.reward_model)
     return record
 
 

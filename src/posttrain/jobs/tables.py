@@ -1,6 +1,7 @@
 """Job tables as values: a table's dataclass built from TOML (its unknown keys named, with the
 closest valid one), the secrets a table must not show, the tiny-model spec, and the tables
-`[teacher]`, `[eval]` and `[data]` (the others are in `jobs.config`)."""
+`[teacher]`, `[eval]` and `[data]`, and the checks of `[judge]` and `[reward_model]` (the others
+are in `jobs.config`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import TYPE_CHECKING, TypeVar, get_args
 from posttrain.algo.config_fields import option
 from posttrain.engine.tiny import Arch, Size, resolve_arch
 from posttrain.finder import did_you_mean
-from posttrain.tasks.rewards import BUILTIN_REWARDS
+from posttrain.tasks.judge import JudgeConfig
+from posttrain.tasks.reward_model import RewardModelConfig
+from posttrain.tasks.rewards import BUILTIN_REWARDS, JUDGE, MODEL_PREFIX
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -184,7 +187,11 @@ class DataConfig:
     messages_field: str | None = option(None, 'or a chat field: a list of {"role", "content"}')
     answer_field: str = option("answer", "the field holding the reference answer")
     system_prompt: str | None = option(None, "a system prompt put before each problem")
-    reward: str = option("exact", 'exact, contains, number, regex, math, or "pkg.module:function"')
+    reward: str = option(
+        "exact",
+        'exact, contains, number, regex, math, "pkg.module:function", "judge" (the [judge] '
+        'table\'s LLM judge) or "model:PATH" (a reward model directory)',
+    )
     tolerance: float | None = option(None, 'reward "number": absolute tolerance (default 1e-6)')
     pattern: str | None = option(None, 'reward "regex": the pattern that extracts the answer')
 
@@ -192,8 +199,47 @@ class DataConfig:
         check_field_types(self)
         if not self.train:
             raise ValueError("[data] train is required: the data file of training problems")
-        if ":" not in self.reward and self.reward not in BUILTIN_REWARDS:
+        known = (*BUILTIN_REWARDS, JUDGE)
+        if ":" not in self.reward and self.reward not in known:
             raise ValueError(
-                f"[data] reward {self.reward!r} is unknown{did_you_mean(self.reward, BUILTIN_REWARDS)} "
-                f"(built-in: {', '.join(BUILTIN_REWARDS)}; or a function 'pkg.module:function')"
+                f"[data] reward {self.reward!r} is unknown{did_you_mean(self.reward, known)} "
+                f"(built-in: {', '.join(BUILTIN_REWARDS)}; or a function 'pkg.module:function', "
+                "'judge', 'model:PATH')"
             )
+        if self.reward == MODEL_PREFIX:
+            raise ValueError("[data] reward 'model:' needs the reward model's directory after it")
+
+
+def reward_tables(
+    data: Mapping[str, object], dataset: DataConfig | None
+) -> tuple[JudgeConfig | None, RewardModelConfig | None]:
+    """`[judge]` goes with `[data] reward = "judge"` (which needs it), `[reward_model]` with
+    `reward = "model:PATH"` (optional: its defaults)."""
+    reward = dataset.reward if dataset is not None else None
+    if reward == JUDGE and "judge" not in data:
+        raise ValueError(
+            '[data] reward = "judge" needs a [judge] table: base_url, model and rubric at least'
+        )
+    if "judge" in data and reward != JUDGE:
+        raise ValueError(
+            '[judge] configures the judge of [data] reward = "judge"; set it or remove [judge]'
+        )
+    if "reward_model" in data and not (reward or "").startswith(MODEL_PREFIX):
+        raise ValueError(
+            '[reward_model] configures [data] reward = "model:PATH"; set it or remove [reward_model]'
+        )
+    judge = build_table(JudgeConfig, table_of(data, "judge"), "judge") if "judge" in data else None
+    reward_model = None
+    if (reward or "").startswith(MODEL_PREFIX):
+        reward_model = build_table(
+            RewardModelConfig, table_of(data, "reward_model"), "reward_model"
+        )
+    return judge, reward_model
+
+
+def table_of(data: Mapping[str, object], name: str) -> dict[str, object]:
+    """The table `[name]` (checked to be one by `parse_config`), or {} when absent."""
+    table = data.get(name) or {}
+    if not isinstance(table, dict):
+        raise ValueError(f"[{name}] must be a table, got {table!r}")
+    return {str(key): value for key, value in table.items()}

@@ -6,7 +6,8 @@ Phases: optional SFT warm-up (one `train_sft` call), optional DPO on `[dpo] data
 (`prompts_per_step` x `group_size` samples in one batched call, or as many multi-turn
 episodes of an environment, rewards, `backend.train`, `model.log`), evaluation again.
 Everything lives in the run directory `<output_dir>/<project>/models/<name>/`: checkpoints,
-`history.jsonl`, `metrics.jsonl`, `curve.png`, `job.json`. What differs between a task and an
+`history.jsonl`, `metrics.jsonl`, `curve.png`, `job.json`, and an LLM judge's score cache
+`judge_cache.sqlite`. What differs between a task and an
 environment is in `jobs.work`.
 
 Resume is exact: the prompts (or environment seeds) and the sampling seed of RL step k derive
@@ -57,8 +58,11 @@ from posttrain.jobs.work import JobWork, job_work, policy_version
 from posttrain.rollouts.dpo_data import load_preference_pairs
 from posttrain.rollouts.sft_data import SFTFields, load_sft_dataset
 from posttrain.rollouts.task_rollouts import SampledStep
+from posttrain.tasks.judge import Judge
 from posttrain.trainer.config import option_defaults, option_values, with_options
 from posttrain.trainer.progress import INTERVAL_S, duration, report_progress
+
+JUDGE_CACHE = "judge_cache.sqlite"  # in the run directory: an LLM judge's scores
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,9 @@ async def run_job(
         task=None if is_environment else resolved.record(),
         environment=resolved.record() if is_environment else None,
     )
+    cache = getattr(getattr(resolved, "task", None), "reward_source", None)
+    if isinstance(cache, Judge):  # a resumed run asks its judge nothing it asked before
+        cache.use_cache(run_dir / JUDGE_CACHE)
     base = resolve_base_model(config.model.base_model, run_dir)
     model = TrainableModel(
         name=name,
@@ -380,7 +387,7 @@ async def _train_step(
     state.rl_steps_done = k + 1
     state.save(run.model.run_state)
     result = await run.backend.train(run.model, groups, **options)
-    bad = {"bad_rollouts": float(step.bad_rollouts)}
+    bad = {"bad_rollouts": float(step.bad_rollouts), **step.metrics}  # + a judge's costs
     logged = await run.model.log(groups, metrics={**result.metrics, **bad}, step=result.step)
     # No loss when every group had zero reward variance: nothing was trained this step.
     loss = result.metrics.get("loss", math.nan)

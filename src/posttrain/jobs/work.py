@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from posttrain.data.checks import expect
@@ -44,6 +44,7 @@ from posttrain.rollouts.task_rollouts import (
     sft_examples,
 )
 from posttrain.tasks import Problem, ResolvedTask, Task
+from posttrain.tasks.reward_meter import reward_step
 from posttrain.tokenizer import Tokenizer, TurnClosing, assistant_closing
 from posttrain.trainer.token_advantages import reads_entropies
 from posttrain.types import SamplingParams
@@ -155,19 +156,22 @@ class TaskWork:
     async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
         rl = self.config.rl
         rng = random.Random(derive_seed(self.config.run.seed, "rl", k))
-        return await sample_groups(
-            sampler,
-            self.task,
-            self.task.make_prompts(rng, rl.prompts_per_step),
-            rl.group_size,
-            rl_params(self.config, k),
-            max_bad_rollouts=rl.max_bad_rollouts,
-        )
+        with reward_step() as meter:  # what the step's rewards cost (a judge's requests)
+            step = await sample_groups(
+                sampler,
+                self.task,
+                self.task.make_prompts(rng, rl.prompts_per_step),
+                rl.group_size,
+                rl_params(self.config, k),
+                max_bad_rollouts=rl.max_bad_rollouts,
+            )
+        return replace(step, metrics={**step.metrics, **meter.metrics()})
 
     async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
-        result = await evaluate(
-            sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
-        )
+        with reward_step():  # an evaluation has a judge's per-step budget of its own
+            result = await evaluate(
+                sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
+            )
         return Evaluated(result.accuracy, {"accuracy": result.accuracy})
 
 

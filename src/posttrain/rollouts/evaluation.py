@@ -22,7 +22,7 @@ from typing import Protocol
 
 from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.tasks.protocol import Problem, Task
-from posttrain.tasks.rewards import score
+from posttrain.tasks.rewards import score_group
 from posttrain.tokenizer import Tokenizer, TurnClosing, as_tokenizer, assistant_closing
 from posttrain.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
 
@@ -117,15 +117,14 @@ async def evaluate(
         [(completion_text(tokenizer, s, closing), s) for s in response.sequences]
         for response in responses
     ]
-    scored = await asyncio.gather(
+    results = await asyncio.gather(
         *(
-            score(task, problem, text, sequence.stop_reason)
+            score_group(task, problem, [t for t, _ in row], [s.stop_reason for _, s in row])
             for problem, row in zip(chosen, completions, strict=True)
-            for text, sequence in row
         )
     )
-    flat = iter(scored)
-    rewards = [[next(flat) for _ in row] for row in completions]
+    rewards = [[_reward(result) for result in row] for row in results]
+    scored = [r for row in rewards for r in row]
     correct = [sum(r >= 1.0 for r in row) for row in rewards]
     return Evaluation(
         accuracy=sum(correct) / len(scored),
@@ -137,3 +136,10 @@ async def evaluate(
         completions=[[text for text, _ in row] for row in completions],
         rewards=rewards,
     )
+
+
+def _reward(result: float | BaseException) -> float:
+    """A reward, or its error raised (evaluation tolerates no failed reward)."""
+    if isinstance(result, BaseException):
+        raise result
+    return result

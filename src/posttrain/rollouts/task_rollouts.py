@@ -1,7 +1,8 @@
 """Task rollouts for the job: one batched sampling call per RL step, rewarded, with a bound on
 rollouts whose reward (or, for an environment's episodes, whose environment) fails.
 
-A rollout whose reward raises or is not a finite number is bad. Up to `max_bad_rollouts` (a
+A rollout whose reward raises or is not a finite number is bad (a task's `group_reward` that
+fails makes each of its problem's rollouts bad). Up to `max_bad_rollouts` (a
 fraction of the step's rollouts) are counted and dropped whole: no trajectory is built for
 them, and a group left empty is dropped too. More than that fails the step with the first
 (in prompt order) bad rollout's error, before anything is trained.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from posttrain.data.trajectories import JSONScalar, Trajectory, TrajectoryGroup
 from posttrain.environments.runner import EpisodeError
@@ -26,7 +27,7 @@ from posttrain.rollouts.evaluation import (
 )
 from posttrain.rollouts.sft_data import conversation_to_trajectory
 from posttrain.tasks import Problem, Task
-from posttrain.tasks.rewards import RewardError, score
+from posttrain.tasks.rewards import RewardError, score_group
 from posttrain.tokenizer import Tokenizer, as_tokenizer, assistant_closing
 from posttrain.types import SamplingParams
 
@@ -60,6 +61,8 @@ class SampledStep:
     groups: list[TrajectoryGroup]
     bad_rollouts: int
     rollouts: int  # sampled, bad ones included
+    # What the step's rewards cost (a judge's requests, cache hits, seconds), for its metrics row.
+    metrics: dict[str, float] = field(default_factory=dict[str, float])
 
 
 async def sample_groups(
@@ -80,14 +83,13 @@ async def sample_groups(
         [completion_text(tokenizer, s, closing) for s in response.sequences]
         for response in responses
     ]
-    results = await asyncio.gather(
+    scored = await asyncio.gather(
         *(
-            score(task, problem, text, sequence.stop_reason)
+            score_group(task, problem, row, [s.stop_reason for s in response.sequences])
             for problem, response, row in zip(problems, responses, texts, strict=True)
-            for sequence, text in zip(response.sequences, row, strict=True)
-        ),
-        return_exceptions=True,
+        )
     )
+    results = [result for row in scored for result in row]
     bad = [r for r in results if isinstance(r, BaseException)]
     check_bad_rollouts(bad, len(results), max_bad_rollouts)
     rewards = iter(results)

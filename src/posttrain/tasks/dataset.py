@@ -30,11 +30,18 @@ from array import array
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, cast, overload
 
 from posttrain.data.rows import HUB_PREFIX, Rows, open_rows, parse_hub_id
 from posttrain.tasks.protocol import Problem
-from posttrain.tasks.rewards import BUILTIN_REWARDS, RewardFn, make_reward, number_value
+from posttrain.tasks.rewards import (
+    BUILTIN_REWARDS,
+    GroupRewardFn,
+    RewardFn,
+    RewardSource,
+    make_reward,
+    number_value,
+)
 from posttrain.types import StopReason
 
 DEFAULT_HELD_OUT_FRACTION = 0.1
@@ -230,6 +237,12 @@ class DatasetTask:
     dropped_from_train: int = 0  # training rows left out because the held-out file has them
     # The rows each split came from ("train", "held_out"): a resumed job compares their digests.
     sources: Mapping[str, Rows] = field(default_factory=dict[str, Rows], compare=False)
+    reward_source: RewardSource | None = None  # a Judge or RewardModel given as the reward
+
+    @property
+    def group_reward(self) -> GroupRewardFn | None:
+        """The reward source's group reward (a group judge, a reward model), else None."""
+        return self.reward_source.group_reward if self.reward_source is not None else None
 
     @classmethod
     def from_file(
@@ -242,7 +255,7 @@ class DatasetTask:
         messages_field: str | None = None,
         answer_field: str = "answer",
         system_prompt: str | None = None,
-        reward: str | RewardFn = "exact",
+        reward: str | RewardFn | RewardSource = "exact",
         tolerance: float | None = None,
         pattern: str | None = None,
         name: str | None = None,
@@ -253,14 +266,19 @@ class DatasetTask:
         `train` and `held_out` are any source `posttrain.data.rows.open_rows` reads: a file,
         a `datasets.save_to_disk` directory (`DIR@SPLIT`), or `hf:NAME[:CONFIG][@SPLIT]`.
         `reward` is a built-in name, a dotted path (imported from `sys.path`, then `search`),
-        or the function itself.
+        the function itself, or a reward object (`Judge`, `RewardModel`).
         """
         fields = Fields(prompt_field, messages_field, answer_field)
+        source = None
         if isinstance(reward, str):
             reward_fn = make_reward(reward, tolerance=tolerance, pattern=pattern, search=search)
             spec = reward
+        elif isinstance(getattr(reward, "spec", None), str) and hasattr(reward, "group_reward"):
+            source = cast(RewardSource, reward)
+            reward_fn, spec = source.reward, source.spec
         else:
-            reward_fn, spec = reward, f"{reward.__module__}:{reward.__qualname__}"
+            function = cast(RewardFn, reward)
+            reward_fn, spec = function, f"{function.__module__}:{function.__qualname__}"
         reading = Reading(fields, system_prompt, spec in BUILTIN_REWARDS, spec == "number")
         if held_out is not None and held_out_fraction is not None:
             raise ValueError(
@@ -297,6 +315,7 @@ class DatasetTask:
             reward_spec=spec,
             dropped_from_train=len(rows) - len(kept) if held_out is not None else 0,
             sources=sources,
+            reward_source=source,
         )
 
     from_jsonl = from_file  # its name from when JSONL was the only format

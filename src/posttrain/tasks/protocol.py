@@ -67,6 +67,12 @@ class Task(Protocol):
     `reward` may be a coroutine function (an `async def`): the job and `posttrain.evaluate`
     await what it returns. It must give a finite number; a completion counts as correct
     (accuracy, pass@k) when its reward is at least 1.
+
+    Optionally a task also has `async def group_reward(problem, completions, stop_reasons) ->
+    list[float]`, one score per completion, for a reward that compares a problem's completions
+    (a group judge) or batches them (a reward model). Where it is present (and not None) the
+    job and `evaluate` score each problem's completions with one call of it instead of
+    `reward` per completion (`posttrain.tasks.rewards.score_group`).
     """
 
     @property

@@ -15,25 +15,36 @@ answer, else 0.0; a completion cut by max_tokens (stop_reason "length") gets 0.0
 
 A custom reward is any function `(problem, completion, stop_reason) -> float`, or an
 `async def` one, named by dotted path: `"mypkg.rewards:score"`.
+
+Rewards from models: `judge` (an LLM judge, `posttrain.tasks.judge`) and `model:PATH` (a
+reward model, `posttrain.tasks.reward_model`) are objects a job builds from its `[judge]` or
+`[reward_model]` table; in Python, pass the object as a dataset task's reward. A task may also
+score a problem's whole group of completions at once (`group_reward`, see `score_group`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Protocol, cast
 
 from posttrain.finder import Kind, load
 from posttrain.tasks.protocol import Problem, Task
 from posttrain.types import StopReason
 
 RewardFn = Callable[[Problem, str, StopReason], float | Awaitable[float]]
+# A reward of a problem's whole group of completions: one score per completion, in order.
+GroupRewardFn = Callable[[Problem, Sequence[str], Sequence[StopReason]], Awaitable[list[float]]]
 BUILTIN_REWARDS = ("exact", "contains", "number", "regex", "math")
+JUDGE = "judge"  # [data] reward = "judge": the [judge] table's LLM judge
+MODEL_PREFIX = "model:"  # [data] reward = "model:PATH": a local reward model
 # make_reward builds the built-ins itself (some take a tolerance or a pattern).
 REWARDS = Kind("reward", dict.fromkeys(BUILTIN_REWARDS), example="mypkg.rewards:score")
 DEFAULT_TOLERANCE = 1e-6
@@ -134,6 +145,11 @@ def make_reward(
         raise ValueError(f"tolerance is for reward 'number' only, not {spec!r}")
     if pattern is not None and spec != "regex":
         raise ValueError(f"pattern is for reward 'regex' only, not {spec!r}")
+    if spec == JUDGE or spec.startswith(MODEL_PREFIX):
+        raise ValueError(
+            f"reward {spec!r} is a model: a job builds it from its [judge] or [reward_model] "
+            "table; in Python pass the object, reward=Judge(...) or reward=RewardModel(path)"
+        )
     if spec == "exact":
         return exact
     if spec == "contains":
@@ -192,3 +208,72 @@ async def score(task: Task, problem: Problem, completion: str, stop_reason: Stop
         f"reward {reward_label(task)} returned {what} for {problem.where()}: a reward must be a "
         "finite number (a float)"
     )
+
+
+class RewardSource(Protocol):
+    """A reward object (`Judge`, `RewardModel`): its name, a per-completion reward, and a group
+    reward or None."""
+
+    @property
+    def spec(self) -> str: ...
+
+    def reward(
+        self, problem: Problem, completion: str, stop_reason: StopReason
+    ) -> Awaitable[float]: ...
+
+    @property
+    def group_reward(self) -> GroupRewardFn | None: ...
+
+
+def group_reward_of(task: Task) -> GroupRewardFn | None:
+    """The task's optional `group_reward(problem, completions, stop_reasons)`, or None."""
+    found = getattr(task, "group_reward", None)
+    return cast(GroupRewardFn, found) if callable(found) else None
+
+
+async def score_group(
+    task: Task, problem: Problem, completions: Sequence[str], stop_reasons: Sequence[StopReason]
+) -> list[float | BaseException]:
+    """Each completion's reward, or the error that stands for it: one `task.group_reward` call
+    when the task has one (a failure of it is every completion's RewardError), else `score`
+    per completion (each failing alone)."""
+    group = group_reward_of(task)
+    if group is None:
+        return list(
+            await asyncio.gather(
+                *(
+                    score(task, problem, c, s)
+                    for c, s in zip(completions, stop_reasons, strict=True)
+                ),
+                return_exceptions=True,
+            )
+        )
+    try:
+        values: object = await group(problem, list(completions), list(stop_reasons))
+    except RewardError as exc:
+        return [exc] * len(completions)
+    except Exception as exc:  # user code may fail in any way: say whose code and where
+        error = RewardError(
+            f"group reward {reward_label(task)} raised {type(exc).__name__}: {exc} (on "
+            f"{problem.where()})"
+        )
+        error.__cause__ = exc
+        return [error] * len(completions)
+    if not isinstance(values, list | tuple) or len(values) != len(completions):
+        error = RewardError(
+            f"group reward {reward_label(task)} returned {values!r} for {problem.where()}: it "
+            f"must be a list of {len(completions)} finite numbers, one per completion"
+        )
+        return [error] * len(completions)
+    out: list[float | BaseException] = []
+    for value in values:
+        if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+            out.append(float(value))
+        else:
+            out.append(
+                RewardError(
+                    f"group reward {reward_label(task)} returned {value!r} for a completion of "
+                    f"{problem.where()}: a reward must be a finite number (a float)"
+                )
+            )
+    return out
