@@ -46,7 +46,9 @@ from posttrain.finder import did_you_mean
 from posttrain.inference.config import InferenceConfig
 from posttrain.jobs.tables import (
     DataConfig,
+    DPOJobConfig,
     EvalConfig,
+    SFTWarmupConfig,
     TeacherConfig,
     build_table,
     parse_tiny_spec,
@@ -166,49 +168,6 @@ class ModelConfig:
             )
         if len(off) == len(layers):
             raise ValueError("[model] LoRA needs one of train_attn, train_mlp, train_unembed true")
-
-
-@dataclass(frozen=True)
-class SFTWarmupConfig:
-    """Optional supervised warm-up before RL: task solutions and/or a chat dataset."""
-
-    examples: int = option(
-        0, "task problems solved by the task's solution, drawn from the training split"
-    )
-    dataset: str | None = option(
-        None, 'rows of {"messages": [...]} (or prompt, answer), in any format [data] train takes'
-    )
-    trainer: SFTConfig = field(default_factory=SFTConfig)  # the rest of [sft]: train_sft options
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if self.examples < 0:
-            raise ValueError(f"[sft] examples must be >= 0, got {self.examples}")
-        if not self.trainer.save_checkpoint:
-            raise ValueError("[sft] save_checkpoint must be true: resuming needs the checkpoint")
-
-    @property
-    def enabled(self) -> bool:
-        return self.examples > 0 or self.dataset is not None
-
-
-@dataclass(frozen=True)
-class DPOJobConfig:
-    """One `train_dpo` call after the warm-up, on a data file of preference pairs
-    (`jobs.dpo_data`: prompt or messages, chosen, rejected)."""
-
-    data: str = option("", "preference pairs, in any format [data] train takes")
-    trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
-    # The train_dpo options the table sets: each reaches train_dpo, or preflight refuses it,
-    # even at its default (TinkerBackend's reference is 'initial' whatever the default says).
-    written: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not self.data:
-            raise ValueError('[dpo] needs data, a JSONL file of pairs, e.g. data = "pairs.jsonl"')
-        if not self.trainer.save_checkpoint:
-            raise ValueError("[dpo] save_checkpoint must be true: resuming needs the checkpoint")
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Job tables as values: a table's dataclass built from TOML (its unknown keys named, with the
-closest valid one), the secrets a table must not show, the tiny-model spec, and the tables
-`[teacher]`, `[eval]` and `[data]`, and the checks of `[judge]` and `[reward_model]` (the others
-are in `jobs.config`)."""
+closest valid one), the secrets a table must not show, the tiny-model spec, the tables `[sft]`,
+`[dpo]`, `[teacher]`, `[eval]` and `[data]`, and the checks of `[judge]` and `[reward_model]`
+(the others are in `jobs.config`)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, TypeVar, get_args
 
 from posttrain.algo.config_fields import option
@@ -98,6 +98,49 @@ def build_table(cls: type[T], table: Mapping[str, object], name: str) -> T:
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith("[") else f"[{name}] {message}") from None
+
+
+@dataclass(frozen=True)
+class SFTWarmupConfig:
+    """Optional supervised warm-up before RL: task solutions and/or a chat dataset."""
+
+    examples: int = option(
+        0, "task problems solved by the task's solution, drawn from the training split"
+    )
+    dataset: str | None = option(
+        None, 'rows of {"messages": [...]} (or prompt, answer), in any format [data] train takes'
+    )
+    trainer: SFTConfig = field(default_factory=SFTConfig)  # the rest of [sft]: train_sft options
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.examples < 0:
+            raise ValueError(f"[sft] examples must be >= 0, got {self.examples}")
+        if not self.trainer.save_checkpoint:
+            raise ValueError("[sft] save_checkpoint must be true: resuming needs the checkpoint")
+
+    @property
+    def enabled(self) -> bool:
+        return self.examples > 0 or self.dataset is not None
+
+
+@dataclass(frozen=True)
+class DPOJobConfig:
+    """One `train_dpo` call after the warm-up, on a data file of preference pairs
+    (`jobs.dpo_data`: prompt or messages, chosen, rejected)."""
+
+    data: str = option("", "preference pairs, in any format [data] train takes")
+    trainer: DPOConfig = field(default_factory=DPOConfig)  # the rest of [dpo]: train_dpo options
+    # The train_dpo options the table sets: each reaches train_dpo, or preflight refuses it,
+    # even at its default (TinkerBackend's reference is 'initial' whatever the default says).
+    written: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.data:
+            raise ValueError('[dpo] needs data, a JSONL file of pairs, e.g. data = "pairs.jsonl"')
+        if not self.trainer.save_checkpoint:
+            raise ValueError("[dpo] save_checkpoint must be true: resuming needs the checkpoint")
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,11 @@ from posttrain.jobs.backend import (
     job_problems,
     work_problems,
 )
-from posttrain.jobs.config import DataConfig, DPOJobConfig, JobConfig, load_config
+from posttrain.jobs.config import DataConfig, JobConfig, load_config
 from posttrain.jobs.pipeline import Prefetch, drop_stale
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
+from posttrain.jobs.tables import DPOJobConfig
 from posttrain.jobs.teacher import build_teacher
 from posttrain.jobs.work import JobWork, job_work, policy_version
 from posttrain.rollouts.dpo_data import load_preference_pairs
