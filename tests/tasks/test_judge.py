@@ -195,8 +195,13 @@ async def test_rescore_sets_rewards_of_gathered_groups(standin: StandinJudge):
 
 
 def test_the_docs_show_the_stand_in_judge_of_recipes():
-    """docs/own-task.md's judge_standin.py block is recipes/judge_standin.py, verbatim."""
+    """Each docs page's judge_standin.py block (own-task.md, data-to-model.md) is
+    recipes/judge_standin.py, verbatim."""
     root = Path(__file__).parents[2]
-    page = (root / "docs" / "own-task.md").read_text()
-    block = page.split("```python file=judge_standin.py\n", 1)[1].split("```", 1)[0]
-    assert block == (root / "recipes" / "judge_standin.py").read_text()
+    recipe = (root / "recipes" / "judge_standin.py").read_text()
+    marker = "```python file=judge_standin.py\n"
+    pages = [p for p in sorted((root / "docs").glob("*.md")) if marker in p.read_text()]
+    assert {p.name for p in pages} == {"own-task.md", "data-to-model.md"}
+    for page in pages:
+        block = page.read_text().split(marker, 1)[1].split("```", 1)[0]
+        assert block == recipe, page.name
