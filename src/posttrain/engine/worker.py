@@ -3,7 +3,8 @@
 A worker knows micro-batches, never mini-batches: it splits whatever it is given by a token
 budget, longest datums first so that similar lengths share a micro-batch, rows that start with
 the same tokens together so those run once (`shared_prefix`), and accumulates gradients with sum
-semantics, so the split never changes the result.
+semantics, so the split never changes the result. With `packing` it lays datums end to end in
+rows instead, each attending only to itself (`packing`), for the same results.
 
 A forward_backward is all or nothing. All of its input is checked before the first backward
 (`datum_checks`, one micro-batch at a time), so bad input changes nothing; and for a fault
