@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     # data: what rollouts produce and backends train on; Tinker's primitive types
     "Trajectory": "posttrain.data.trajectories",
-    "TokenSegment": "posttrain.data.trajectories",
     "TrajectoryGroup": "posttrain.data.trajectories",
     "PreferencePair": "posttrain.data.preferences",
     "TrainResult": "posttrain.types",
@@ -68,7 +67,6 @@ if TYPE_CHECKING:
     from posttrain.clients.custom_loss import register_loss as register_loss
     from posttrain.clients.teacher import Teacher as Teacher
     from posttrain.data.preferences import PreferencePair as PreferencePair
-    from posttrain.data.trajectories import TokenSegment as TokenSegment
     from posttrain.data.trajectories import Trajectory as Trajectory
     from posttrain.data.trajectories import TrajectoryGroup as TrajectoryGroup
     from posttrain.engine.tiny import make_tiny_model as make_tiny_model
