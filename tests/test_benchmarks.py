@@ -37,6 +37,8 @@ SMOKE: dict[str, str] = {
     "linear_routes.py": "--size tiny --tokens 32 --repeats 1 --rounds 1 --threads 1 --peak-size 64",
     "logprobs_memory.py": "--vocab 512 --tokens 64 --hidden 32 --chunk 16 --repeats 1",
     "openai_rollouts.py": f"--size tiny --samples 2 --threads 1 {TINY_RL}",
+    "packing.py": "--size tiny --trajectories 4 --batch-size 2 --min-length 4 --rounds 1 "
+    "--threads 1",
     "ppo_critic.py": "--size tiny --prompts 2 --group-size 2 --prompt 8 --completion 8 "
     "--repeats 1 --threads 1",
     "profile_step.py": "--model-size tiny --steps 1 --warmup 1 --threads 1",

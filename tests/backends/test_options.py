@@ -23,6 +23,7 @@ from posttrain.backends.options import (
     DPOConfig,
     DPOOptions,
     LocalRLOptions,
+    LocalSFTOptions,
     PosttrainLossFields,
     RemoteDPOOptions,
     RLConfig,
@@ -33,7 +34,7 @@ from posttrain.backends.options import (
     option_names,
 )
 from posttrain.backends.ray import RayRLConfig, RayRLOptions
-from posttrain.backends.tinker import TinkerRLConfig, TinkerRLOptions
+from posttrain.backends.tinker import TinkerBackend, TinkerRLConfig, TinkerRLOptions
 from posttrain.trainer.config import from_options, option_fields, option_help
 
 CASES = Path(__file__).parents[1] / "pyright_cases" / "wrong_options.py"
@@ -66,7 +67,8 @@ def test_flat_keys_and_nested_fields_correspond_one_to_one(config: type):
 def test_the_full_option_sets_list_exactly_the_configs_keys():
     assert option_names(LocalRLOptions) == set(option_fields(RLConfig))
     assert option_names(RayRLOptions) == set(option_fields(RayRLConfig))
-    assert option_names(SFTOptions) == set(option_fields(SFTConfig))
+    assert option_names(LocalSFTOptions) == set(option_fields(SFTConfig))
+    assert option_names(SFTOptions) == set(option_fields(SFTConfig)) - {"packing"}
     assert option_names(DPOOptions) == set(option_fields(DPOConfig))
     assert option_names(RemoteDPOOptions) == set(option_fields(DPOConfig)) - {"reference"}
 
@@ -93,6 +95,7 @@ OPTION_SETS = [
     (RayRLOptions, RayRLConfig),
     (TinkerRLOptions, TinkerRLConfig),
     (SFTOptions, SFTConfig),
+    (LocalSFTOptions, SFTConfig),
     (DPOOptions, DPOConfig),
     (RemoteDPOOptions, DPOConfig),
 ]
@@ -173,6 +176,15 @@ async def test_runtime_rejects_unknown_option_before_looking_at_anything(tmp_pat
         await backend.train_sft(model, [], kl_penalty_coef=0.1)  # pyright: ignore[reportCallIssue]
 
 
+async def test_tinker_refuses_packing_before_looking_at_anything(tmp_path):
+    # Tinker's wire protocol carries datums, not how the server lays them out: packing cannot
+    # be honoured, so it is refused, never dropped.
+    backend = TinkerBackend(tmp_path, base_url="http://127.0.0.1:9", api_key="tml-x")
+    model = TrainableModel(name="m", project="p", base_model="does-not-exist", lora_rank=8)
+    with pytest.raises(TypeError, match=r"TinkerBackend.train_sft\(\).*'packing'"):
+        await backend.train_sft(model, [], packing=True)  # pyright: ignore[reportCallIssue]
+
+
 # At least one wrong value per option, each wrong in its own way (type, choice, range, NaN).
 BAD_RL_VALUES: dict[str, list[object]] = {
     "learning_rate": [-1e-5, math.nan, math.inf, "1e-5"],
@@ -238,6 +250,7 @@ BAD_SFT_VALUES: dict[str, list[object]] = {
     "weight_decay": [-1.0, math.inf],
     "shuffle_seed": ["0", 1.5, None],
     "save_checkpoint": [1, None],
+    "packing": [1, "true", None],
 }
 
 
@@ -257,7 +270,7 @@ BAD_DPO_VALUES: dict[str, list[object]] = {
 
 def test_every_option_has_wrong_values_in_the_table():
     assert set(BAD_RL_VALUES) == option_names(LocalRLOptions)
-    assert set(BAD_SFT_VALUES) == option_names(SFTOptions)
+    assert set(BAD_SFT_VALUES) == option_names(LocalSFTOptions)
     assert set(BAD_DPO_VALUES) == option_names(DPOOptions)
 
 

@@ -233,6 +233,17 @@ def test_sft_options_are_checked_against_the_schema():
     )
 
 
+def test_packing_on_tinker_is_refused_by_a_job_preflight():
+    # `[sft] packing = true` with backend = "tinker": refused, never silently dropped.
+    tinker, local = registry.describe("tinker"), registry.describe("local")
+    packed = from_options(SFTConfig, {"packing": True})
+    with pytest.raises(PreflightError, match=r"packing: TinkerBackend.train_sft\(\) does not take"):
+        preflight_sft(
+            "TinkerBackend", tinker.capabilities, packed, options=tinker.train_sft_options
+        )
+    preflight_sft("LocalBackend", local.capabilities, packed, options=local.train_sft_options)
+
+
 def test_missing_logprobs_found_before_any_work():
     group = TrajectoryGroup(
         (

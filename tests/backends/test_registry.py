@@ -14,7 +14,13 @@ import pytest
 
 import posttrain.backends
 from posttrain.backends.capabilities import CONSERVATIVE, LOCAL
-from posttrain.backends.options import HELP, LocalRLOptions, SFTOptions, option_names
+from posttrain.backends.options import (
+    HELP,
+    LocalRLOptions,
+    LocalSFTOptions,
+    SFTOptions,
+    option_names,
+)
 from posttrain.backends.plugins import registry
 from posttrain.cli.main import main
 
@@ -86,7 +92,9 @@ def test_local_backend_is_described_from_its_typed_options():
     assert lr.default == 1e-5 and lr.type == "float" and lr.description == HELP["learning_rate"]
     loss = next(o for o in info.train_options if o.name == "loss")
     assert loss.choices == ("ppo", "cispo", "importance_sampling", "dro", "gspo")
-    assert {o.name for o in info.train_sft_options} == set(option_names(SFTOptions))
+    assert {o.name for o in info.train_sft_options} == set(option_names(LocalSFTOptions))
+    tinker = registry.describe("tinker")
+    assert {o.name for o in tinker.train_sft_options} == set(option_names(SFTOptions))
     assert [p.name for p in info.constructor][:1] == ["path"]
 
 

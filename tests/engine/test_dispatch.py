@@ -220,6 +220,9 @@ class RecordingExecutor:
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None:
         self._record("set_logprob_chunk_size", sizes)
 
+    def set_packing(self, values: Sequence[bool | None]) -> None:
+        self._record("set_packing", values)
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
@@ -288,6 +291,8 @@ def test_an_executor_is_all_a_dispatch_needs(tmp_path):
     assert recording.calls[-1] == ("load_state", [LoadRequest(tmp_path, False)] * 3)
     dispatch.set_logprob_chunk_size(64)
     assert recording.calls[-1] == ("set_logprob_chunk_size", [64, 64, 64])
+    dispatch.set_packing(True)
+    assert recording.calls[-1] == ("set_packing", [True, True, True])
     assert dispatch.tokenizer is recording.tokenizer
     # Placement goes to the executor as one move per prepare: sampling parked the gradients
     # and AdamW moments, load_state brought the moments back to load into, and optim_step

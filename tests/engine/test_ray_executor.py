@@ -81,6 +81,7 @@ def test_only_calls_that_change_nothing_may_fail_without_retiring_the_group():
     # A worker's exception in any of these may have left some ranks changed and not others.
     updates = [WorkerHost.forward_backward, WorkerHost.optim_step, WorkerHost.reduce_gradients]
     updates += [WorkerHost.load_state, WorkerHost.move, WorkerHost.set_logprob_chunk_size]
+    updates += [WorkerHost.set_packing]
     updates += [WorkerHost.create_store, WorkerHost.join_group]
     assert not [m.__name__ for m in updates if kind_of(m).read_only]
     reads = [WorkerHost.forward, WorkerHost.sample, WorkerHost.compute_logprobs]

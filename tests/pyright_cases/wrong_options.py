@@ -29,7 +29,7 @@ async def wrong_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
 
 async def right_calls(backend: LocalBackend, generic: TrainableBackend, model: TrainableModel) -> None:
     await backend.train(model, [], learning_rate=1e-5, loss="cispo", kl_penalty_coef=0.1)
-    await backend.train_sft(model, [], batch_size=4, assistant_turns="last")
+    await backend.train_sft(model, [], batch_size=4, assistant_turns="last", packing=True)
     await backend.train_dpo(model, [], beta=0.1, loss="ipo", reference="initial")
     await generic.train(model, [], learning_rate=1e-5, epsilon=0.2)
 
@@ -37,7 +37,7 @@ async def right_calls(backend: LocalBackend, generic: TrainableBackend, model: T
 async def right_ray_calls(backend: RayBackend, model: TrainableModel) -> None:
     generic: TrainableBackend = backend
     await backend.train(model, [], kl_penalty_coef=0.1, check_weights_in_sync=True)
-    await backend.train_sft(model, [], batch_size=4)
+    await backend.train_sft(model, [], batch_size=4, packing=True)
     await backend.train_dpo(model, [], reference="base", batch_size=4)
     await generic.train(model, [], learning_rate=1e-5)
 
@@ -48,6 +48,7 @@ async def wrong_tinker_calls(backend: TinkerBackend, model: TrainableModel) -> N
     await backend.train(model, [], truncated_importance_sampling=2.0)  # expect: truncated_importance_sampling
     await backend.train(model, [], precalculate_logprobs=True)  # expect: precalculate_logprobs
     await backend.train_sft(model, [], epsilon=0.2)  # expect: epsilon
+    await backend.train_sft(model, [], packing=True)  # expect: packing
     await backend.train_dpo(model, [], reference="base")  # expect: reference
     await backend.train(model, [], gae_lambda=0.95)  # expect: gae_lambda
     await backend.train(model, [], critic_learning_rate=1e-5)  # expect: critic_learning_rate

@@ -26,7 +26,7 @@ KEY = "tml-runtime-test"
 HEADERS = {"X-API-Key": KEY}
 
 
-def config(tiny_model_dir: Path, tmp_path: Path, **changes: float) -> ServerConfig:
+def config(tiny_model_dir: Path, tmp_path: Path, **changes: float | bool) -> ServerConfig:
     return ServerConfig(
         base_model="tiny",
         model_path=str(tiny_model_dir),
@@ -123,3 +123,18 @@ def test_forward_outputs_are_decoded_off_the_event_loop(
     assert answer.status_code == 200
     assert answer.json() == forward_backward_output_json(proto)
     assert on_loop == [False]
+
+
+def test_serve_packing_makes_every_training_model_pack(tiny_model_dir: Path, tmp_path: Path):
+    # `posttrain serve --packing`: the Tinker wire cannot ask for packing per call, so the
+    # server packs every training model's passes (TinkerBackend refuses `packing=` itself).
+    lora: dict[str, int | bool] = {
+        "rank": 4, "train_attn": True, "train_mlp": True, "train_unembed": False,
+    }  # fmt: skip
+    for packing in (True, False):
+        app = create_app(config(tiny_model_dir, tmp_path / str(packing), packing=packing))
+        runtime = app.state.runtime
+        client = runtime.build_client("m", lora, 0)
+        assert [w.config.packing for w in client.dispatch.executor.workers] == [packing]
+        client.close()
+        runtime.close()

@@ -9,6 +9,7 @@ import torch
 
 from posttrain.clients.create import create_training_client
 from posttrain.data.trajectories import TokenSegment, Trajectory
+from posttrain.engine.executor import InProcessExecutor
 from posttrain.engine.optim import create_lr_schedule, lr_multiplier
 from posttrain.trainer.config import SFTConfig, from_options
 from posttrain.trainer.sft import sft_batches, train_sft
@@ -74,3 +75,47 @@ def test_a_warmup_longer_than_the_call_is_refused_before_any_update():
         lr_multiplier(0, warmup_steps=4, total_steps=2)
     assert str(raised.value).endswith(str(direct.value))
     sft_batches([trajectory(i) for i in range(3)], replace(config, warmup_steps=2))  # fits
+
+
+def ragged(seed: int, length: int) -> Trajectory:
+    tokens = [(seed * 7 + i * 13) % 250 + 3 for i in range(length)]
+    prompt = max(1, length // 3)
+    return Trajectory(
+        (TokenSegment(tuple(tokens[:prompt])), TokenSegment(tuple(tokens[prompt:]), True)), 0.0
+    )
+
+
+async def test_packed_updates_equal_the_unpacked_ones(tiny_model_dir):
+    # Lengths 4 to 90 tokens; two updates of 4. Packing changes only the sums' order: each
+    # update's token-mean loss and the trained LoRA weights agree to fp32 rounding (measured
+    # equal bit for bit here; the bound allows fp32 rounding), and the client stops packing after.
+    trajectories = [ragged(i, n) for i, n in enumerate((4, 90, 12, 47, 6, 70, 9, 25))]
+    config = from_options(SFTConfig, {"learning_rate": 1e-3, "batch_size": 4})
+    runs = []
+    for packing in (True, False):
+        client = create_training_client(tiny_model_dir, lora_rank=4)
+        losses: list[float] = []
+        await train_sft(
+            client,
+            trajectories,
+            replace(config, packing=packing),
+            on_update=lambda i, m, losses=losses: losses.append(m["loss"]),
+        )
+        executor = client.dispatch.executor
+        assert isinstance(executor, InProcessExecutor)
+        assert not any(w.config.packing for w in executor.workers)
+        runs.append((losses, client.trainable_weights().result()))
+        client.close()
+    (losses, weights), (losses_plain, weights_plain) = runs
+    assert len(losses) == 2 and losses == pytest.approx(losses_plain, rel=1e-6)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, weights_plain[name], rtol=1e-5, atol=1e-7)
+
+
+async def test_packing_on_a_client_that_cannot_pack_is_refused():
+    class WireClient:  # a Tinker-like client: the protocol's calls, no `set_packing`
+        pass
+
+    config = from_options(SFTConfig, {"packing": True})
+    with pytest.raises(ValueError, match=r"packing=True\): WireClient cannot pack"):
+        await train_sft(WireClient(), [trajectory(0)], config)  # pyright: ignore[reportArgumentType]

@@ -17,7 +17,7 @@ from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     DPOOptions,
     LocalRLOptions,
-    SFTOptions,
+    LocalSFTOptions,
     resolve_dpo,
     resolve_rl,
     resolve_sft,
@@ -49,7 +49,7 @@ class LocalBackend:
 
     capabilities: ClassVar[Capabilities] = LOCAL
     rl_options: ClassVar[type] = LocalRLOptions
-    sft_options: ClassVar[type] = SFTOptions
+    sft_options: ClassVar[type] = LocalSFTOptions
     dpo_options: ClassVar[type] = DPOOptions
 
     def __init__(
@@ -141,11 +141,11 @@ class LocalBackend:
         self,
         model: TrainableModel,
         trajectories: Iterable[Trajectory],
-        **options: Unpack[SFTOptions],
+        **options: Unpack[LocalSFTOptions],
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories` (any iterable, read once; their trainable
         segments), then one step."""
-        config = resolve_sft(options, BACKEND)
+        config = resolve_sft(options, LocalSFTOptions, BACKEND)
         return await self._models.train_sft(model, trajectories, config)
 
     async def train_dpo(

@@ -133,7 +133,7 @@ class LocalRLOptions(CriticFields, total=False, closed=True):
     """LocalBackend.train() options."""
 
 
-class SFTOptions(TypedDict, total=False, closed=True):
+class SFTFields(TypedDict, total=False):
     """Supervised fine-tuning options every backend honours."""
 
     learning_rate: float
@@ -147,6 +147,17 @@ class SFTOptions(TypedDict, total=False, closed=True):
     weight_decay: float
     shuffle_seed: int
     save_checkpoint: bool
+
+
+class SFTOptions(SFTFields, total=False, closed=True):
+    """What backend-agnostic code may pass to any backend's `train_sft()`; TinkerBackend's
+    options (Tinker's wire protocol carries datums, not how the server lays them out)."""
+
+
+class LocalSFTOptions(SFTFields, total=False, closed=True):
+    """LocalBackend.train_sft() and RayBackend.train_sft() options: their engine packs."""
+
+    packing: bool
 
 
 class DPOFields(TypedDict, total=False):
@@ -184,7 +195,7 @@ def check_options(
     """Raise TypeError for any option `backend`'s `call` (train or train_sft unless given) does
     not declare, suggesting the nearest."""
     known = option_names(options_type)
-    call = call or ("train_sft" if options_type is SFTOptions else "train")
+    call = call or ("train_sft" if options_type in (SFTOptions, LocalSFTOptions) else "train")
     for name in options:
         if name not in known:
             raise TypeError(
@@ -199,8 +210,8 @@ def resolve_rl(options: Mapping[str, object], options_type: type, backend: str) 
     return from_options(RLConfig, options)
 
 
-def resolve_sft(options: Mapping[str, object], backend: str) -> SFTConfig:
-    check_options(options, SFTOptions, backend)
+def resolve_sft(options: Mapping[str, object], options_type: type, backend: str) -> SFTConfig:
+    check_options(options, options_type, backend, "train_sft")
     return from_options(SFTConfig, options)
 
 
@@ -226,6 +237,8 @@ document(PosttrainLossFields, RLConfig)
 document(WeightsInProcessFields, RLConfig)
 document(CriticFields, RLConfig)
 document(LocalRLOptions, RLConfig)
+document(SFTFields, SFTConfig)
 document(SFTOptions, SFTConfig)
+document(LocalSFTOptions, SFTConfig)
 document(DPOOptions, DPOConfig)
 document(RemoteDPOOptions, DPOConfig)

@@ -26,9 +26,9 @@ from posttrain.backends.openai_serving import OpenAIServer, start_openai_server
 from posttrain.backends.options import (
     CriticFields,
     DPOOptions,
+    LocalSFTOptions,
     RLConfig,
     SFTConfig,
-    SFTOptions,
     check_options,
     document,
     resolve_dpo,
@@ -100,7 +100,7 @@ class RayBackend:
     capabilities = RAY
     rl_options = RayRLOptions
     rl_config = RayRLConfig
-    sft_options = SFTOptions
+    sft_options = LocalSFTOptions
     sft_config = SFTConfig
     dpo_options = DPOOptions
 
@@ -219,11 +219,11 @@ class RayBackend:
         self,
         model: TrainableModel,
         trajectories: Iterable[Trajectory],
-        **options: Unpack[SFTOptions],
+        **options: Unpack[LocalSFTOptions],
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories` (any iterable, read once; their trainable
         segments), then one step."""
-        config = resolve_sft(options, BACKEND)
+        config = resolve_sft(options, LocalSFTOptions, BACKEND)
         return await self._models.train_sft(model, trajectories, config)
 
     async def train_dpo(

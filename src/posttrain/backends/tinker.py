@@ -184,7 +184,9 @@ class TinkerBackend:
         **options: Unpack[SFTOptions],
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories` (any iterable, read once), then one step."""
-        return await self._models.train_sft(model, trajectories, resolve_sft(options, BACKEND))
+        return await self._models.train_sft(
+            model, trajectories, resolve_sft(options, SFTOptions, BACKEND)
+        )
 
     async def train_dpo(
         self,

@@ -60,6 +60,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="sampling models (base model or checkpoints) kept loaded, least recently used first out",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="pack every training model's datums into rows, each attending only to itself "
+        "(the results of the unpacked pass, less padding computed)",
+    )
     parser.set_defaults(handler=run_serve)
 
 
@@ -83,6 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
             session_timeout=args.session_timeout,
             sampler_cache_size=args.sampler_cache_size,
             device=args.device,
+            packing=args.packing,
         )
     except ValueError as err:
         print(f"posttrain serve: {err}", file=sys.stderr)

@@ -268,6 +268,10 @@ class LocalTrainingClient:
             raise ValueError(f"logprob chunk size must be >= 1, got {chunk_size}")
         self._runner.submit(lambda: self.dispatch.set_logprob_chunk_size(chunk_size)).result()
 
+    def set_packing(self, packing: bool) -> None:
+        """Whether every worker packs the datums of the next calls (`engine.packing`)."""
+        self._runner.submit(lambda: self.dispatch.set_packing(packing)).result()
+
     def get_tokenizer(self) -> Tokenizer:
         tokenizer = self.dispatch.tokenizer
         if tokenizer is None:  # only a checkpoint-only replica is built without one

@@ -135,6 +135,14 @@ class LogprobChunking(Protocol):
     def set_logprob_chunk_size(self, chunk_size: int) -> None: ...
 
 
+@runtime_checkable
+class Packing(Protocol):
+    """A client whose workers can pack datums into rows, each attending only to itself
+    (`engine.packing`); results are those of the unpacked pass."""
+
+    def set_packing(self, packing: bool) -> None: ...
+
+
 class SavesTrainerState(Protocol):
     """A client that saves JSON trainer state inside its checkpoint files, for exact resume."""
 

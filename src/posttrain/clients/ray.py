@@ -138,6 +138,9 @@ class RayTrainingClient:
     def set_logprob_chunk_size(self, chunk_size: int) -> None:
         self.core.set_logprob_chunk_size(chunk_size)
 
+    def set_packing(self, packing: bool) -> None:
+        self.core.set_packing(packing)
+
     def get_tokenizer(self) -> Tokenizer:
         return self.core.get_tokenizer()
 

@@ -233,6 +233,10 @@ class Dispatch:
         """Tokens per chunk of every worker's logprob computation, from the next call on."""
         self.pass_through(self.executor.set_logprob_chunk_size, chunk_size)
 
+    def set_packing(self, packing: bool) -> None:
+        """Whether every worker packs its datums (`engine.packing`), from the next call on."""
+        self.pass_through(self.executor.set_packing, packing)
+
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.executor.get_tokenizer()

@@ -100,6 +100,8 @@ class Executor(Protocol):
 
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None: ...
 
+    def set_packing(self, values: Sequence[bool | None]) -> None: ...
+
     def get_tokenizer(self) -> Tokenizer | None:
         """Rank 0's tokenizer (every rank holds the same)."""
         ...
@@ -218,6 +220,9 @@ class InProcessExecutor:
 
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None:
         self._each(sizes, lambda w, size: w.set_logprob_chunk_size(size))
+
+    def set_packing(self, values: Sequence[bool | None]) -> None:
+        self._each(values, lambda w, packing: w.set_packing(packing))
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.workers[0].get_tokenizer()

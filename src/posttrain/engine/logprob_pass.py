@@ -102,6 +102,37 @@ def target_logprobs(
     lm = causal_lm(model)
     decoder = lm_part(lm, "get_decoder")
     hidden_BTH = decoder_hidden(decoder, input_ids_BT, pad_mask_BT, prefix_groups)
+    return head_logprobs(model, hidden_BTH, targets_BT, chunk_size, with_entropy)
+
+
+def packed_target_logprobs(
+    model: nn.Module,
+    input_ids_RW: torch.Tensor,
+    position_ids_RW: torch.Tensor,
+    targets_RW: torch.Tensor,
+    *,
+    chunk_size: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`target_logprobs` of packed rows (`engine.packing`): position ids restart at each
+    document and no mask is given, so transformers masks attention block-diagonally. No cache
+    either: transformers only looks for packed positions when there is none."""
+    decoder = lm_part(causal_lm(model), "get_decoder")
+    hidden_RWH = decoder(
+        input_ids=input_ids_RW, position_ids=position_ids_RW, use_cache=False
+    ).last_hidden_state
+    return head_logprobs(model, hidden_RWH, targets_RW, chunk_size, with_entropy)
+
+
+def head_logprobs(
+    model: nn.Module,
+    hidden_BTH: torch.Tensor,
+    targets_BT: torch.Tensor,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output head on the decoder's hidden states: target logprobs (or a critic's values)."""
+    lm = causal_lm(model)
     if is_value_model(lm):
         head = lm_part(lm, "get_output_embeddings")
         return head(hidden_BTH.float()).squeeze(-1), None

@@ -26,6 +26,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from posttrain.engine.kv_cache import cache_keyword
+from posttrain.engine.packing import PackedRows
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class MicroBatch:
 
     rows: list[int]
     groups: list[PrefixGroup]
+    # Set when the rows run packed (`engine.packing`): which of them share each packed row.
+    packed: PackedRows | None = None
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -3,7 +3,8 @@
 A worker knows micro-batches, never mini-batches: it splits whatever it is given by a token
 budget, longest datums first so that similar lengths share a micro-batch, rows that start with
 the same tokens together so those run once (`shared_prefix`), and accumulates gradients with sum
-semantics, so the split never changes the result.
+semantics, so the split never changes the result. With `packing` it lays datums end to end in
+rows instead, each attending only to itself (`packing`), for the same results.
 
 A forward_backward is all or nothing. All of its input is checked before the first backward
 (`datum_checks`, one micro-batch at a time), so bad input changes nothing; and for a fault
@@ -34,12 +35,18 @@ from posttrain.algo.losses import LossBatch, LossConfig, get_loss
 from posttrain.engine import checkpoint, datum_checks, placement
 from posttrain.engine.batching import pad_datums
 from posttrain.engine.checkpoint import JSONValue
-from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
+from posttrain.engine.logprob_pass import (
+    adapters_disabled,
+    causal_lm,
+    packed_target_logprobs,
+    target_logprobs,
+)
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
+from posttrain.engine.packing import PackedRows, pack_datums, plan_packed
 from posttrain.engine.placement import Parking, StateGroup
 from posttrain.engine.recompute import enable_gradient_checkpointing
 from posttrain.engine.sampler import Sampler
-from posttrain.engine.shared_prefix import MicroBatch, plan_micro_batches
+from posttrain.engine.shared_prefix import MicroBatch, PrefixGroup, plan_micro_batches
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 
@@ -55,6 +62,10 @@ class WorkerConfig:
     # Recompute each decoder layer in backward (`engine.recompute`): activations of one layer
     # instead of all, for about one more forward pass.
     gradient_checkpointing: bool = False
+    # Pack datums end to end into rows, each attending only to itself (`engine.packing`),
+    # instead of padding each to its micro-batch's longest. Rows that share a prefix then run
+    # it once per row: packing turns prefix sharing off.
+    packing: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
@@ -233,7 +244,7 @@ class Worker:
             model = self._reference
         out: list[torch.Tensor] = [torch.empty(0)] * len(datums)
         with torch.no_grad(), adapters_disabled(model):
-            for micro in self._micro_batches(datums):
+            for micro in self._micro_batches(datums, packing=False):
                 batch = pad_datums([datums[r] for r in micro.rows], device=self.config.device)
                 logp_BT, _ = target_logprobs(
                     model,
@@ -247,8 +258,16 @@ class Worker:
                     out[row] = logp_BT[i, : batch.lengths[i]].float().cpu()
         return out
 
-    def _micro_batches(self, datums: Sequence[Datum]) -> list[MicroBatch]:
-        """Longest first within the token budget, keeping rows that share a prefix together."""
+    def _micro_batches(
+        self, datums: Sequence[Datum], *, packing: bool | None = None
+    ) -> list[MicroBatch]:
+        """Longest first within the token budget, keeping rows that share a prefix together;
+        or packed rows within it (`packing`, the config's unless given)."""
+        if self.config.packing if packing is None else packing:
+            return [
+                packed_micro_batch(rows)
+                for rows in plan_packed([d.length for d in datums], self.config.micro_batch_tokens)
+            ]
         return plan_micro_batches(
             [d.model_input.to_ints() for d in datums],
             self.config.micro_batch_tokens,
@@ -257,6 +276,9 @@ class Worker:
 
     def set_logprob_chunk_size(self, chunk_size: int) -> None:
         self.config = replace(self.config, logprob_chunk_size=chunk_size)
+
+    def set_packing(self, packing: bool) -> None:
+        self.config = replace(self.config, packing=packing)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -398,15 +420,28 @@ def loss_pass(
     for micro in plan:
         rows = micro.rows
         batch = pad_datums([datums[r] for r in rows], device=config.device)
-        logp_BT, entropy_BT = target_logprobs(
-            model,
-            batch.input_ids_BT,
-            batch.pad_mask_BT,
-            batch.inputs["target_tokens"],
-            chunk_size=config.logprob_chunk_size,
-            with_entropy=True,
-            prefix_groups=micro.groups,
-        )
+        if micro.packed is not None:
+            packed = pack_datums([datums[r] for r in rows], micro.packed, device=config.device)
+            logp_RW, entropy_RW = packed_target_logprobs(
+                model,
+                packed.input_ids_RW,
+                packed.position_ids_RW,
+                packed.targets_RW,
+                chunk_size=config.logprob_chunk_size,
+                with_entropy=True,
+            )
+            logp_BT = packed.unpack(logp_RW)
+            entropy_BT = None if entropy_RW is None else packed.unpack(entropy_RW)
+        else:
+            logp_BT, entropy_BT = target_logprobs(
+                model,
+                batch.input_ids_BT,
+                batch.pad_mask_BT,
+                batch.inputs["target_tokens"],
+                chunk_size=config.logprob_chunk_size,
+                with_entropy=True,
+                prefix_groups=micro.groups,
+            )
         out = fn(LossBatch(logp_BT, batch.inputs, batch.pad_mask_BT, entropy_BT), loss_config)
         if backward:
             out.loss.backward()
@@ -422,3 +457,12 @@ def loss_pass(
                 entropies[row] = entropy_BT[i, :length].detach().float().cpu()
     merged = {k: torch.cat(v) for k, v in diagnostics.items()}
     return PassResult(logprobs, loss_sum, num_tokens, merged, entropies)
+
+
+def packed_micro_batch(rows: Sequence[Sequence[int]]) -> MicroBatch:
+    """A micro-batch of packed rows of datum indices (`engine.packing.plan_packed`)."""
+    flat = [i for row in rows for i in row]
+    position = {datum: p for p, datum in enumerate(flat)}
+    groups = [PrefixGroup((p,), 0) for p in range(len(flat))]
+    packed = PackedRows(tuple(tuple(position[i] for i in row) for row in rows))
+    return MicroBatch(flat, groups, packed)

@@ -46,6 +46,9 @@ class ServerConfig:
     # beats every 10 s and warns after 120 s without one).
     session_timeout: float = 300.0
     device: str = "cpu"
+    # Every training model's passes pack datums into rows (`engine.packing`): the Tinker wire
+    # cannot ask for it per call, so the server decides for all its models.
+    packing: bool = False
     aliases: tuple[str, ...] = field(default=())  # other names accepted for the base model
 
     def __post_init__(self) -> None:

@@ -161,7 +161,7 @@ class Runtime:
                 compute_thread=self.compute,
                 lora_rank=None,
             )
-        return create_training_client(
+        client = create_training_client(
             self.config.model_path,
             lora_rank=int(lora["rank"]),
             train_attn=bool(lora["train_attn"]),
@@ -172,6 +172,8 @@ class Runtime:
             storage_dir=storage,
             compute_thread=self.compute,
         )
+        client.dispatch.set_packing(self.config.packing)  # on this thread: no queue to wait on
+        return client
 
     def model_dir(self, model_id: str) -> Path:
         return self.config.storage_dir / "runs" / model_id.replace(":", "_")

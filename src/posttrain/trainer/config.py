@@ -282,7 +282,7 @@ def _ppo_conflict(loss: object, ppo: bool) -> ValueError:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """Resolved SFT options with their defaults (keys are those of `SFTOptions`)."""
+    """Resolved SFT options with their defaults (keys are those of `LocalSFTOptions`)."""
 
     optimizer: OptimizerConfig = group(lambda: OptimizerConfig(learning_rate=1e-4))
     lr_schedule: LRDecay = option(
@@ -296,6 +296,11 @@ class SFTConfig:
     )
     batch_size: int = option(8, "trajectories per optimizer step", AT_LEAST_ONE)
     epochs: int = option(1, "passes over the trajectories", AT_LEAST_ONE)
+    packing: bool = option(
+        False,
+        "pack trajectories end to end into rows, each attending only to itself, instead of "
+        "padding each to its micro-batch's longest (LocalBackend, RayBackend)",
+    )
     assistant_turns: AssistantTurns = option("all", "train every assistant turn, or only the last")
     shuffle_seed: int = option(0, "seed of the order the trajectories are visited in")
     save_checkpoint: bool = save_checkpoint_option()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 from posttrain.algo.advantages import reduction_weights
-from posttrain.clients.protocol import TrainingClient
+from posttrain.clients.protocol import Packing, TrainingClient
 from posttrain.data.trajectories import TokenSegment, Trajectory
 from posttrain.engine.optim import lr_multiplier
 from posttrain.trainer.config import SFTConfig
@@ -83,6 +84,12 @@ async def train_sft(
 ) -> StepMetrics:
     """Token-mean cross-entropy over each batch, with the configured learning-rate schedule.
     Bad input fails in `sft_batches`, before `run` runs the updates."""
+    if config.packing and not isinstance(client, Packing):
+        raise ValueError(
+            f"train_sft(packing=True): {type(client).__name__} cannot pack sequences (Tinker's "
+            "wire protocol does not say how the server lays datums out); use LocalBackend or "
+            "RayBackend, or packing=False"
+        )
     batches = sft_batches(trajectories, config)
     return await run(
         lambda: train_sft_batches(
@@ -101,11 +108,27 @@ async def train_sft_batches(
 ) -> StepMetrics:
     """The updates of `train_sft` on batches from `sft_batches` (already validated)."""
     metrics = StepMetrics(num_trajectories=num_trajectories)
-    with Progress("train_sft", len(batches), "update") as progress:
+    with packed(client, config.packing), Progress("train_sft", len(batches), "update") as progress:
         for index, batch in enumerate(batches):
             out = await _sft_update(client, batch, config, index, len(batches), metrics, on_update)
             progress.update(loss=out)
     return metrics
+
+
+@contextlib.contextmanager
+def packed(client: TrainingClient, packing: bool) -> Iterator[None]:
+    """The client's workers pack datums while the updates run (when `packing`), and stop after,
+    so later calls on the client (an RL step) run as they did."""
+    if not packing:
+        yield
+        return
+    if not isinstance(client, Packing):
+        raise ValueError(f"packing=True: {type(client).__name__} cannot pack sequences")
+    client.set_packing(True)
+    try:
+        yield
+    finally:
+        client.set_packing(False)
 
 
 async def _sft_update(

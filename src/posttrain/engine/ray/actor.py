@@ -235,6 +235,11 @@ class WorkerHost:
         if size is not None:
             self.worker.set_logprob_chunk_size(size)
 
+    @rank_call(read_only=False)
+    def set_packing(self, packing: bool | None) -> None:
+        if packing is not None:
+            self.worker.set_packing(packing)
+
     @rank_call(read_only=True)
     def get_tokenizer(self) -> Tokenizer | None:
         return self.worker.get_tokenizer()

@@ -232,6 +232,9 @@ class RayExecutor:
     def set_logprob_chunk_size(self, sizes: Sequence[int | None]) -> None:
         self._calls.per_rank(WorkerHost.set_logprob_chunk_size, sizes)
 
+    def set_packing(self, values: Sequence[bool | None]) -> None:
+        self._calls.per_rank(WorkerHost.set_packing, values)
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self._calls.on_rank(0, WorkerHost.get_tokenizer)
 

@@ -94,7 +94,9 @@ class ShardedWorker:
         """
         datums = [] if shard is None else list(shard.datums)
         rows = [d.model_input.to_ints() for d in datums]
-        # min_length 0: no shared prefixes under FSDP (see __init__).
+        # min_length 0: no shared prefixes under FSDP (see __init__). Planned unpacked even when
+        # the worker packs: a part within the budget padded (rows x longest) packs into one
+        # micro-batch of at most as many rows of that width, so each part is still one pass.
         micro = [m.rows for m in plan_micro_batches(rows, self.worker.config.micro_batch_tokens, 0)]
         count = torch.tensor([len(micro)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
