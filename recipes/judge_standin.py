@@ -54,6 +54,9 @@ class StandinJudge(ThreadingHTTPServer):
     """The server; `requests` counts the chat completions asked of it."""
 
     daemon_threads = True
+    # socketserver's default backlog of 5 drops the 6th of a burst of connections, which the
+    # client's TCP resends only after 1 s: a judge sends up to max_concurrency (8) at once.
+    request_queue_size = 64
 
     def __init__(self, port: int = 0, *, fail_first: int = 0) -> None:
         super().__init__(("127.0.0.1", port), _Handler)
