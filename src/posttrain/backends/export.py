@@ -355,8 +355,10 @@ def _write_adapter(source: _Source, base_dir: Path, tmp: Path, dtype: str) -> No
 
 
 def _portable_base(base_model: str, base_dir: Path) -> str:
-    """A hub id as it is; a local base model as its absolute path."""
-    return str(base_dir.resolve()) if Path(base_model).exists() else base_model
+    """A hub id as it is; any other base model as its local directory's absolute path: PEFT
+    and vLLM read neither posttrain's `packaged:` and `tiny:` names nor a GGUF file."""
+    local = Path(resolve_model_source(base_model)).exists()
+    return str(base_dir.resolve()) if local else base_model
 
 
 def _ensure_generation_config(base_dir: Path, tmp: Path) -> None:
