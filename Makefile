@@ -14,10 +14,12 @@ demo: setup
 demo-real: setup
 	.venv/bin/python -m posttrain.cli.main demo word-problems
 
+# pytest's worksteal: an idle worker takes queued tests from the busy one, so a 3-minute test
+# near the end does not leave the other core idle (the slow suite is most of CI's 35 minutes).
 test: setup
 	.venv/bin/python -m ruff check src tests benchmarks recipes
 	.venv/bin/python -m pyright
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 -q
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist worksteal -q
 
 lint: setup
 	.venv/bin/python -m ruff check src tests benchmarks recipes

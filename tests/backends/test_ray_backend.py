@@ -125,26 +125,33 @@ async def test_train_checkpoint_resume_matches_local(tiny_model_dir, tmp_path, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
-async def test_packed_sft_matches_local_unpacked(tiny_model_dir, tmp_path, sharding):
+async def test_packed_sft_matches_local_unpacked(tiny_model_dir, tmp_path):
     # Packing reaches every Ray rank (and, under FSDP2, each unpacked micro-batch packs into
     # one pass, so the ranks' collectives line up): same metrics and weights as LocalBackend
-    # unpacked, to the tolerance of the module docstring.
+    # unpacked, to the tolerance of the module docstring. Both shardings in one Ray session,
+    # which costs more to start than either run.
     trajectories = [t for g in synthetic_groups(0) for t in g.trajectories]
     local = LocalBackend(tmp_path / "local")
     expected = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     await expected.register(local)
     plain = await local.train_sft(expected, trajectories, batch_size=5, learning_rate=1e-3)
     with ray_session(num_cpus=2):
-        ray = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY, sharding=sharding)
-        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
-        await model.register(ray)
-        packed = await ray.train_sft(
-            model, trajectories, batch_size=5, learning_rate=1e-3, packing=True
-        )
-        assert_same_metrics(packed, plain)
-        assert rel_error(local_weights(local, expected), ray_weights(ray, model)) < REL_TOL
-        await ray.close()
+        for sharding in ("replicate", "fsdp2"):
+            ray = RayBackend(
+                tmp_path / sharding, num_workers=2, ray_config=TEST_RAY, sharding=sharding
+            )
+            model = TrainableModel(
+                name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4
+            )
+            await model.register(ray)
+            packed = await ray.train_sft(
+                model, trajectories, batch_size=5, learning_rate=1e-3, packing=True
+            )
+            assert_same_metrics(packed, plain)
+            assert rel_error(local_weights(local, expected), ray_weights(ray, model)) < REL_TOL, (
+                sharding
+            )
+            await ray.close()
     await local.close()
 
 
