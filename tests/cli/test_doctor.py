@@ -76,6 +76,8 @@ def test_doctor_passes_on_this_machine(tmp_path, capsys):
     # Every optional dependency is reported with what needs it (the dev venv has them all).
     for dist in ("ray", "tinker", "fastapi", "uvicorn", "protobuf", "zstandard", "openai", "gguf"):
         assert f"optional: {dist}" in out
+    assert "optional: datasets" in out and "(for CSV, Parquet, Arrow and hf: data files)" in out
+    assert "optional: httpx" in out and '(for reward = "judge")' in out
     assert "(for posttrain serve (zstd bodies))" in out
     assert "server" not in out.split("free disk")[1]  # no server configured: none checked
 

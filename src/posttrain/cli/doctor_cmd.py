@@ -66,6 +66,13 @@ OPTIONAL = (
     OptionalDependency(
         "gguf", "gguf", ".gguf files and packaged: models", "pip install 'posttrain[gguf]'"
     ),
+    OptionalDependency(
+        "datasets",
+        "datasets",
+        "CSV, Parquet, Arrow and hf: data files",
+        "pip install 'posttrain[data]'",
+    ),
+    OptionalDependency("httpx", "httpx", 'reward = "judge"', "pip install 'posttrain[judge]'"),
 )
 
 
