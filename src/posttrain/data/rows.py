@@ -27,6 +27,7 @@ import csv
 import hashlib
 import json
 import os
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -77,8 +78,9 @@ class Rows(Sequence[dict[str, Any]]):
         for index in range(len(self)):
             yield index, self[index]
 
+    @abstractmethod
     def digest(self) -> tuple[DigestKind, str]:
-        raise NotImplementedError
+        """What job.json records to tell a resumed run's data from the original's."""
 
 
 class JsonRows(Rows):
