@@ -30,16 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.inference.vllm_server import vllm_server
 
 
-def directory_bytes(session: EngineSession, version: int) -> float:
-    """What the sync wrote: its own count, else the whole-weights directory's files."""
-    counted = session.last_sync.get("sync_bytes", 0.0)
-    exporter = session.exporter
-    if counted or exporter is None:
-        return counted
-    written = exporter.directory / f"v{version}"
-    return float(sum(f.stat().st_size for f in written.rglob("*") if f.is_file()))
-
-
 async def run(args: argparse.Namespace, url: str, model: Path, work: Path) -> None:
     client = create_training_client(
         model, lora_rank=args.rank, train_unembed=False, storage_dir=work / "client"
@@ -66,7 +56,7 @@ async def run(args: argparse.Namespace, url: str, model: Path, work: Path) -> No
                     last["sync_s"],
                     last["sync_write_s"],
                     last["sync_load_s"],
-                    directory_bytes(session, version),
+                    last["sync_bytes"],
                 )
             )
     print(f"model {args.size}, LoRA rank {args.rank}, {args.rounds} rounds, medians:")

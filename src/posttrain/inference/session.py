@@ -109,11 +109,11 @@ class EngineSession:
         done = time.perf_counter()
         self.last_sync = {
             "sync_s": done - began,
-            "sync_bytes": float(snapshot.bytes),
-            "sync_version": float(version),
             "sync_gather_s": gathered - began,
             "sync_write_s": exported - gathered,
             "sync_load_s": done - exported,
+            "sync_bytes": float(snapshot.bytes or _bytes(snapshot.path)),
+            "sync_version": float(version),
         }
 
     def policy_gap(self, version: int) -> dict[str, float]:
@@ -265,6 +265,10 @@ def _start_process(
         log_path=log_dir / f"{'vllm' if vllm else 'pytorch'}-engine.log",
         env=_visible_gpu(device) if vllm else None,
     )
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _weights_dir() -> Path:
