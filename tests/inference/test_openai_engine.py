@@ -33,6 +33,7 @@ from serve_helpers import KEY, ServerProcess, start_server  # pyright: ignore[re
 PROMPTS = [[104, 101, 108, 108, 111], [97, 98, 99]]
 Json = dict[str, Any]
 Answer = Callable[[str, Json], tuple[int, Json]]
+PLAIN = "plain text"  # a stub's answer {PLAIN: "..."} goes as a plain-text body, as vLLM's may
 
 
 def config(url: str, **fields: Any) -> InferenceConfig:
@@ -169,8 +170,12 @@ async def test_without_weight_sync_new_weights_are_refused(tmp_path: Path) -> No
     assert engine.version == 2
     # 'auto' follows training as 'reload' does (the session refuses a server that cannot).
     assert OpenAIEngine(config("http://127.0.0.1:9/v1")).capabilities.weight_sync == "full"
-    with pytest.raises(ValueError, match="sync = 'lora' is not supported"):
-        OpenAIEngine(config("http://127.0.0.1:9/v1", sync="lora"))
+    # 'lora' follows training too, through adapters (test_openai_lora.py).
+    assert OpenAIEngine(config("http://127.0.0.1:9/v1", sync="lora")).capabilities.weight_sync == (
+        "full"
+    )
+    with pytest.raises(ValueError, match="keep must be >= 2 adapter versions, got 1"):
+        OpenAIEngine(config("http://127.0.0.1:9/v1", sync="lora"), keep=1)
 
 
 @pytest.mark.slow  # a server subprocess
@@ -235,9 +240,10 @@ class StubServer:
             def _reply(self, method: str, body: Json) -> None:
                 stub.requests.append((method, self.path, body))
                 status, payload = answer(self.path, body)
-                data = json.dumps(payload).encode()
+                text = PLAIN in payload
+                data = str(payload[PLAIN]).encode() if text else json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
+                self.send_header("content-type", "text/plain" if text else "application/json")
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

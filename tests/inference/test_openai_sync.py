@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.inference.test_openai_engine import Json, StubServer, vllm_like
@@ -42,15 +43,19 @@ def plain() -> Iterator[StubServer]:
     server.stop()
 
 
-async def open_session(url: str, tiny_model_dir: Path, tmp_path: Path, **fields: str):
-    client = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "c")
+async def open_session(
+    url: str, tiny_model_dir: Path, tmp_path: Path, lora: Json | None = None, **fields: str
+) -> tuple[Any, EngineSession]:
+    """The engine session of a LoRA-4 model (`lora`: other client options), at step 3."""
+    lora = {"lora_rank": 4, **(lora or {})}
+    client = create_training_client(tiny_model_dir, storage_dir=tmp_path / "c", **lora)
     config = InferenceConfig(engine="openai", url=url, model="m", **fields)  # pyright: ignore[reportArgumentType]
     try:
         return client, await EngineSession.open(
             config,
             client,
             base_model=str(tiny_model_dir),
-            lora_rank=4,
+            lora_rank=lora["lora_rank"],
             lora_alpha=None,
             version=3,
             log_dir=tmp_path,

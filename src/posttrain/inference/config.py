@@ -46,7 +46,7 @@ class InferenceConfig:
     url: str | None = None  # openai: the server's base URL, e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # openai: the served model name (None: the first of /v1/models)
     api_key: str | None = None  # openai
-    sync: SyncMode = "auto"  # openai: how weights reach the server (auto: reload; none: fixed)
+    sync: SyncMode = "auto"  # openai: how weights reach the server (auto: lora, else reload)
     allow_training_without_logprobs: bool = False  # openai: accept a server without logprobs
     start_timeout_s: float = 600.0  # a worker process must be ready within this
 

@@ -14,24 +14,34 @@ Every sampling field is sent, at neutral values where posttrain has none, so tha
 default (vLLM takes top_k, top_p, repetition_penalty from the model's generation_config)
 changes the distribution.
 
-Weights (`[inference] sync`): "reload" (and "auto", the default) loads each whole, LoRA-merged
-snapshot from its path through vLLM's dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`; the server
-must see the path). The engine session loads the model's weights once at registration, so a
-server that cannot take them is refused before any work. "none" samples the server's own fixed
-weights: training goes explicitly off-policy, and the session never asks it for new weights.
+Weights (`[inference] sync`), each from a directory the server must see (it runs on this
+machine): "reload" loads each whole, LoRA-merged snapshot through vLLM's dev-mode endpoints
+(`VLLM_SERVER_DEV_MODE=1`). "lora" loads the LoRA alone, as a PEFT adapter, through
+`/v1/load_lora_adapter` (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, `--enable-lora`) under a new
+name per version, `<model>-posttrain-v<N>`, which requests then name as their model: vLLM keys
+its prefix cache by adapter name, so no request reuses prompt KV of an older adapter (vLLM
+#42125); `served_adapters` unloads old names once no request in flight uses them. "auto"
+takes "lora" where the adapter fits vLLM's LoRA and the server loads it, else "reload". The
+engine session loads the model's weights once at registration, so a server that cannot take
+them is refused before any work. "none" samples the server's own fixed weights: training goes
+explicitly off-policy, and the session never asks it for new weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from posttrain.inference.adapter_export import discard
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.process import prompt_seed
 from posttrain.inference.protocol import EngineCapabilities, WeightSnapshot
+from posttrain.inference.served_adapters import ServedAdapters
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
 if TYPE_CHECKING:
@@ -42,6 +52,8 @@ Json = dict[str, Any]
 # Ids every vocabulary has; the probe's prompt.
 PROBE_PROMPT = [1, 2, 3]
 TOKEN_ID_PREFIX = "token_id:"
+# The values vLLM takes for --max-lora-rank (`vllm.config.lora.MaxLoRARanks`).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class OpenAIServerError(RuntimeError):
@@ -54,21 +66,21 @@ class OpenAIServerError(RuntimeError):
 
 
 class OpenAIEngine:
-    """Samples from the model an OpenAI-compatible server at `config.url` serves."""
+    """Samples from the model an OpenAI-compatible server at `config.url` serves; with LoRA
+    sync, at most `keep` adapter versions loaded at once (max_off_policy_steps + 2 lets every
+    request of an async run finish on the adapter it began with)."""
 
     name = "openai"
 
-    def __init__(self, config: InferenceConfig, *, version: int = 0) -> None:
+    def __init__(self, config: InferenceConfig, *, version: int = 0, keep: int = 3) -> None:
         if not config.url:
             raise ValueError("[inference] engine = 'openai' needs url = 'http://HOST:PORT/v1'")
-        if config.sync == "lora":
-            raise ValueError(
-                "[inference] sync = 'lora' is not supported: vLLM's LoRA cannot load an adapter "
-                "on Qwen2's lm_head, which posttrain trains; use sync = 'reload' (whole "
-                "LoRA-merged weights)"
-            )
+        if keep < 2:
+            raise ValueError(f"keep must be >= 2 adapter versions, got {keep}")
         self.config = config
+        self.keep = keep
         self.url = config.url.rstrip("/")
+        self.root = self.url.removesuffix("/v1")
         self.model = config.model  # None until `start` asks the server
         # Until `start` probes the server, nothing is known to come back.
         self.capabilities = EngineCapabilities(
@@ -81,6 +93,7 @@ class OpenAIEngine:
         self._version = version
         self._logprobs_field = 0  # 1 where a server refuses 0 (the sampled token alone)
         self._http: httpx.AsyncClient | None = None
+        self._adapters: ServedAdapters | None = None  # made at the first adapter sync
 
     @property
     def version(self) -> int:
@@ -128,12 +141,18 @@ class OpenAIEngine:
         self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
     ) -> list[SampleResponse]:
         _check_params(params)
-        version = self._version
+        adapter = self._adapters.acquire() if self._adapters is not None else None
+        model = adapter.name if adapter is not None else self.model
+        version = adapter.version if adapter is not None else self._version
         bodies = [
-            self._body(prompt, num_samples, params, prompt_seed(params.seed, i))
+            self._body(prompt, num_samples, params, prompt_seed(params.seed, i), model)
             for i, prompt in enumerate(prompts)
         ]
-        rows = await asyncio.gather(*(self._choices(body, num_samples) for body in bodies))
+        try:
+            rows = await asyncio.gather(*(self._choices(body, num_samples) for body in bodies))
+        finally:
+            if self._adapters is not None and adapter is not None:
+                await self._adapters.release(adapter)
         return [
             SampleResponse([self._sequence(c, params) for c in row], policy_version=version)
             for row in rows
@@ -147,8 +166,43 @@ class OpenAIEngine:
                 "VLLM_SERVER_DEV_MODE=1, set [inference] sync = 'reload'"
             )
         if snapshot is None:
-            raise ValueError("sync = 'reload' needs a weight snapshot: a directory to load")
-        root = self.url.removesuffix("/v1")
+            raise ValueError(
+                f"sync = {self.config.sync!r} needs a weight snapshot: a directory to load"
+            )
+        if snapshot.kind == "update":
+            await self._load_adapter(snapshot)
+        else:
+            await self._reload(snapshot)
+        self._version = version
+
+    async def _load_adapter(self, snapshot: WeightSnapshot) -> None:
+        """Serve the adapter in `snapshot.adapter` under a new name; old names are unloaded
+        once no request uses them. The first load is the registration check."""
+        adapter = snapshot.adapter
+        if adapter is None or snapshot.tensors is not None:
+            raise ValueError(
+                "the openai engine takes an update that is a LoRA adapter alone: vLLM's server "
+                "cannot write tensors into its weights in place; use sync = 'reload'"
+            )
+        if self._adapters is None:
+            self._adapters = ServedAdapters(self._post, self.root, str(self.model), self.keep)
+        first = not self._adapters.loaded
+        try:
+            await self._adapters.load(adapter, snapshot.version)
+        except OpenAIServerError as exc:
+            rank = _adapter_rank(adapter)
+            discard(adapter)
+            if not first:
+                raise
+            raise OpenAIServerError(
+                f"{exc}; sync = 'lora' needs a vLLM server that loads LoRA adapters at run time: "
+                f"{lora_server_flags(rank, self.keep)}",
+                exc.status,
+            ) from None
+        await self._adapters.unload_idle()
+
+    async def _reload(self, snapshot: WeightSnapshot) -> None:
+        root = self.root
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(snapshot.path)}}
         try:
             await self._post(f"{root}/collective_rpc", rpc)
@@ -165,20 +219,27 @@ class OpenAIEngine:
         except OpenAIServerError as exc:
             if exc.status != 404:
                 raise
-        self._version = version
 
     async def close(self) -> None:
+        if self._adapters is not None and self._http is not None:
+            await self._adapters.unload_all()  # a long-lived server keeps no stale names
         if self._http is not None:
             http, self._http = self._http, None
             await http.aclose()
 
     def _body(
-        self, prompt: Sequence[int], n: int, params: SamplingParams, seed: int | None
+        self,
+        prompt: Sequence[int],
+        n: int,
+        params: SamplingParams,
+        seed: int | None,
+        model: str | None,
     ) -> Json:
-        """One prompt's /completions request; vLLM's extensions where OpenAI has no field."""
+        """One prompt's /completions request to `model` (the base model or an adapter's name);
+        vLLM's extensions where OpenAI has no field."""
         explicit_stop = params.stop is not None
         body: Json = {
-            "model": self.model,
+            "model": model,
             "prompt": [int(t) for t in prompt],
             "n": n,
             "max_tokens": params.max_tokens,
@@ -214,7 +275,8 @@ class OpenAIEngine:
 
     async def _probe(self) -> Json:
         """A one-token completion; logprobs=1 where the server refuses 0."""
-        body = self._body(PROBE_PROMPT, 1, SamplingParams(max_tokens=1, seed=0), seed=0)
+        params = SamplingParams(max_tokens=1, seed=0)
+        body = self._body(PROBE_PROMPT, 1, params, seed=0, model=self.model)
         try:
             return (await self._choices(body, 1))[0]
         except OpenAIServerError as exc:
@@ -281,8 +343,28 @@ class OpenAIEngine:
             )
         if not response.content:
             return {}
-        answer = response.json()
+        try:
+            answer = response.json()
+        except ValueError:  # vLLM's adapter endpoints answer in plain text
+            return {"text": response.text}
         return answer if isinstance(answer, dict) else {"result": answer}
+
+
+def lora_server_flags(rank: int, keep: int) -> str:
+    """What a vLLM server needs for sync = 'lora' with adapters of `rank`, `keep` loaded."""
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+    return (
+        "start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora "
+        f"--max-lora-rank {max_rank} --max-loras {keep} (docs/engines.md), or set [inference] "
+        "sync = 'reload' (whole LoRA-merged weights, VLLM_SERVER_DEV_MODE=1)"
+    )
+
+
+def _adapter_rank(path: Path) -> int:
+    try:
+        return int(json.loads((path / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError):
+        return 1  # unreadable: vLLM's smallest rank
 
 
 def _check_params(params: SamplingParams) -> None:

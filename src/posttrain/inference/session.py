@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
+from posttrain.inference.adapter_export import AdapterExporter, check_carried
+from posttrain.inference.adapters import split_adapter
 from posttrain.inference.config import InferenceConfig, vllm_head_problem
 from posttrain.inference.live import LiveEngine
 from posttrain.inference.process import ProcessEngine
@@ -48,7 +50,7 @@ class EngineSession:
     def __init__(
         self,
         engine: SamplingEngine,
-        exporter: WeightExporter | None = None,
+        exporter: WeightExporter | AdapterExporter | None = None,
         source: ExportsWeights | None = None,
     ) -> None:
         self.engine = engine
@@ -74,7 +76,8 @@ class EngineSession:
             return cls(LiveEngine(client, version=version))
         if config.engine == "openai":
             exporter = functools.partial(_exporter, base_model, lora_rank, lora_alpha)
-            return await _open_server(config, client, exporter, version)
+            lora = (base_model, lora_rank, lora_alpha)
+            return await _open_server(config, client, exporter, version, lora)
         source = _weights_source(config, client)
         exporter = _exporter(base_model, lora_rank, lora_alpha)
         try:
@@ -109,6 +112,8 @@ class EngineSession:
             "sync_gather_s": gathered - began,
             "sync_write_s": exported - gathered,
             "sync_load_s": done - exported,
+            "sync_bytes": float(snapshot.bytes or _bytes(snapshot.path)),
+            "sync_version": float(version),
         }
 
     def policy_gap(self, version: int) -> dict[str, float]:
@@ -131,16 +136,24 @@ async def _open_server(
     client: TrainingClient,
     exporter: Callable[[], WeightExporter],
     version: int,
+    lora: tuple[str, int | None, float | None],
 ) -> EngineSession:
     """The openai engine. With sync = 'none' it samples the server's fixed policy (explicitly
     off-policy). Otherwise the server takes the model's current weights now, before any work:
-    a server that cannot (no dev-mode endpoints, or it cannot read this machine's files) is
-    refused here, never after an optimizer step has been applied."""
-    from posttrain.inference.openai_engine import OpenAIEngine
+    a server that cannot (no dev-mode endpoints, no runtime LoRA, or it cannot read this
+    machine's files) is refused here, never after an optimizer step has been applied.
 
+    `lora` (base model, rank, alpha): 'lora', and 'auto' where the adapter fits vLLM's LoRA,
+    send the adapter alone; 'auto' falls back to whole weights if the server refuses it."""
+    from posttrain.inference.openai_engine import OpenAIEngine, OpenAIServerError
+
+    base_model, rank, alpha = lora
+    # The server reads the weights from this machine's files, so it must run here.
+    source = None if config.sync == "none" else _weights_source(config, client)
+    adapters = await _adapter_route(config, source, rank)
     remote = OpenAIEngine(config, version=version)
     await remote.start()
-    if remote.capabilities.weight_sync == "none":
+    if source is None:
         log.warning(
             "the openai engine at %s samples its own fixed weights (sync = 'none'): training "
             "on its samples goes off-policy as the model moves away from them; each step "
@@ -148,26 +161,64 @@ async def _open_server(
             config.url,
         )
         return EngineSession(remote)
+    session = EngineSession(remote, None, source)
+    refused: Exception | None = None
     try:
-        # The server reads the weights from this machine's files, so it must run here.
-        source = _weights_source(config, client)
-        session = EngineSession(remote, exporter(), source)
-    except BaseException:
-        await remote.close()
-        raise
-    try:
+        if adapters and rank:
+            directory = _weights_dir()
+            session.exporter = AdapterExporter(
+                base_model, directory, lora_rank=rank, lora_alpha=alpha
+            )
+            try:
+                await session.sync(version)
+                return session
+            except OpenAIServerError as exc:
+                if config.sync == "lora":
+                    raise
+                refused = exc  # 'auto': the server takes no adapter; whole weights, then
+                session.exporter.close()
+                session.exporter = None
+                log.warning("%s: sync = 'auto' sends whole weights instead", exc)
+        session.exporter = exporter()
         await session.sync(version)
     except BaseException as exc:
         await session.close()
         if isinstance(exc, Exception):
-            exc.add_note(
-                f"[inference] sync = {config.sync!r}: the server at {config.url} must load the "
-                "model's weights from this machine's files (vLLM with VLLM_SERVER_DEV_MODE=1 on "
-                "this machine); to sample its own fixed weights instead (off-policy training), "
-                "set sync = 'none'"
-            )
+            _note_refusal(exc, config, adapters and config.sync == "lora", refused)
         raise
     return session
+
+
+async def _adapter_route(
+    config: InferenceConfig, source: ExportsWeights | None, rank: int | None
+) -> bool:
+    """Whether the openai engine's weights go as a LoRA adapter: sync = 'lora' (refused for
+    what vLLM's LoRA cannot carry), or 'auto' on a LoRA model whose adapter it can."""
+    if source is None or config.sync not in ("lora", "auto"):
+        return False
+    if not rank:
+        if config.sync == "lora":
+            check_carried(split_adapter({}))  # refused: full fine-tuning
+        return False
+    split = split_adapter(await source.trainable_weights())
+    if config.sync == "lora":
+        check_carried(split)
+        return True
+    return bool(split.adapter) and not split.other
+
+
+def _note_refusal(
+    exc: Exception, config: InferenceConfig, adapters: bool, refused: Exception | None
+) -> None:
+    what = "LoRA adapters" if adapters else "the model's weights"
+    exc.add_note(
+        f"[inference] sync = {config.sync!r}: the server at {config.url} must load {what} "
+        "from this machine's files (vLLM on this machine, with VLLM_SERVER_DEV_MODE=1 for "
+        "whole weights); to sample its own fixed weights instead (off-policy training), set "
+        "sync = 'none'"
+    )
+    if refused is not None:
+        exc.add_note(f"it refused the LoRA adapter too: {refused}")
 
 
 def _weights_source(config: InferenceConfig, client: TrainingClient) -> ExportsWeights:
@@ -214,6 +265,10 @@ def _start_process(
         log_path=log_dir / f"{'vllm' if vllm else 'pytorch'}-engine.log",
         env=_visible_gpu(device) if vllm else None,
     )
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _weights_dir() -> Path:

@@ -1,0 +1,74 @@
+"""`AdapterExporter`: the model's LoRA at each version as a PEFT adapter directory, for an
+engine that loads adapters by path (a vLLM server's `/v1/load_lora_adapter`).
+
+Each export gets a directory of its own, never reused: vLLM may read an adapter's files again
+while it serves it (its worker evicts adapters from a bounded cache and reloads them by path),
+so the engine that loaded one deletes it (`discard`) once it no longer serves it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from posttrain.engine.lora import LoraSettings
+from posttrain.inference.adapters import AdapterSplit, split_adapter, write_adapter
+from posttrain.inference.protocol import WeightSnapshot
+
+
+class AdapterExporter:
+    """Writes version `v`'s adapter into `directory/v<v>` (a fresh name if taken)."""
+
+    def __init__(
+        self, base_model: str, directory: Path, *, lora_rank: int, lora_alpha: float | None
+    ) -> None:
+        self.base_model = base_model
+        self.directory = directory
+        self.rank = lora_rank
+        self.alpha = lora_alpha if lora_alpha is not None else LoraSettings.default_alpha(lora_rank)
+
+    def export(self, trainable: Mapping[str, torch.Tensor], version: int) -> WeightSnapshot:
+        """Write version `version`'s adapter; refused for what an adapter cannot carry."""
+        split = split_adapter(trainable)
+        check_carried(split)
+        final = self.directory / f"v{version}"
+        if final.exists():  # a re-sync of the same step (after a failed one): a new name
+            final = self.directory / f"v{version}-{uuid.uuid4().hex[:8]}"
+        tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
+        write_adapter(split, tmp, rank=self.rank, alpha=self.alpha, base_model=self.base_model)
+        tmp.rename(final)  # whole or absent: the server never reads a half-written adapter
+        size = sum(f.stat().st_size for f in final.iterdir())
+        scale = self.alpha / self.rank
+        return WeightSnapshot(
+            final, version, kind="update", adapter=final, lora_scale=scale, bytes=size
+        )
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def check_carried(split: AdapterSplit) -> None:
+    """Refuse trained tensors a vLLM adapter cannot carry, naming the fix."""
+    if not split.adapter:
+        raise ValueError(
+            "[inference] sync = 'lora' sends the model's LoRA adapter, and this model trains "
+            "no LoRA of a linear layer (full fine-tuning): set sync = 'reload' (whole weights)"
+        )
+    if split.other:
+        names = ", ".join(sorted(split.other)[:4])
+        more = f" and {len(split.other) - 4} more" if len(split.other) > 4 else ""
+        raise ValueError(
+            f"[inference] sync = 'lora': vLLM's LoRA cannot carry this model's trained "
+            f"{names}{more} (an adapter on lm_head or the embedding, or full-fine-tuning "
+            "tensors); train LoRA with train_unembed = false (attention and MLP layers only), "
+            "or set sync = 'reload' (whole LoRA-merged weights)"
+        )
+
+
+def discard(snapshot_path: Path) -> None:
+    """Delete an adapter directory the engine no longer serves."""
+    shutil.rmtree(snapshot_path, ignore_errors=True)
