@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import numpy as np
@@ -378,6 +378,9 @@ class TrainResult:
     # their name where the backend names them, else None; and whether the step published.
     artifact_name: str | None = None
     deployed: bool = False
+    # The sampling engine's weight sync after the step (`EngineSession.last_sync`: "sync_s",
+    # and where the engine says, "sync_bytes", "sync_version"); empty where none is reported.
+    sync: Mapping[str, float] = field(default_factory=dict[str, float])
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not is_instance(self.step, int):

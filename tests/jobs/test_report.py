@@ -59,6 +59,16 @@ def test_progress_line_says_what_tok_s_is():
     assert progress_line(2, 10, row, eta_s=125.2).endswith("elapsed    3.0s  eta 2m05s")
 
 
+def test_progress_line_shows_the_wait_the_sync_and_the_staleness_where_the_row_has_them():
+    row = {"reward": 0.5, "accuracy": 0.25, "loss": 0.125, "tokens_per_s": 99.6,
+           "elapsed_s": 3.0, "time/wait_for_rollouts_s": 0.004, "time/sync_s": 1.236,
+           "staleness/mean": 2 / 3}  # fmt: skip
+    assert progress_line(2, 10, row) == (
+        "rl step    2/10  reward 0.500  acc 0.250  loss +0.1250  tok/s     100  wait 0.00s  "
+        "sync 1.24s  stale 0.67  elapsed    3.0s"
+    )
+
+
 def test_job_state_round_trips_and_refuses_unknown_keys():
     state = JobState.load({})
     assert state == JobState(sft_done=False, accuracy_before=None, rl_steps_done=0)

@@ -104,7 +104,8 @@ class ModelSteps(Generic[ClientT]):
 
         metrics = await trainer_step(run)
         result = metrics.as_dict() | engine.policy_gap(step)
-        return TrainResult(step=step, metrics=result, checkpoint_path=path)
+        sync = dict(engine.last_sync)  # the sync of this step: `run` ran it
+        return TrainResult(step=step, metrics=result, checkpoint_path=path, sync=sync)
 
     async def save(self, record: ModelRecord[ClientT], step: int) -> str:
         """Save the model's state (its critic's too) as the checkpoint of `step`."""

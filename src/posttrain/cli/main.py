@@ -11,6 +11,7 @@ from posttrain.cli import (
     explain_cmd,
     export_cmd,
     models_cmd,
+    report_cmd,
     serve_cmd,
     tiny_cmd,
     train_cmd,
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain_cmd.add_parser(subparsers)
     serve_cmd.add_parser(subparsers)
     export_cmd.add_parser(subparsers)
+    report_cmd.add_parser(subparsers)
     return parser
 
 

@@ -14,6 +14,12 @@ N = 0 samples each step right before it trains (nothing runs ahead), as a plain 
     async with aclosing(rl_steps(backend, model, sample, steps=100, max_off_policy_steps=1)) as run:
         async for trained in run:
             print(trained.step, trained.result.metrics["loss"], trained.max_staleness)
+            print(trained.metrics["time/wait_for_rollouts_s"], trained.metrics["staleness/mean"])
+
+Each step's `metrics` say where its time went and how stale its tokens were
+(`pipeline_metrics`): the rollouts' sampling seconds, the trainer's wait for them, the
+updates, the engine's weight sync after them; the sync's bytes and version; the policy-version
+lag of the tokens trained; sampled and trained tokens per second.
 
 Resume: `model.register` restores the weights, the optimizer, the RNG and the step counter,
 and a step's rollouts derive from its index alone (the job's `derive_seed(seed, k)`), so the
@@ -26,8 +32,9 @@ was never interrupted (with N = 0 it is).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from posttrain.backends.model import TrainableModel
@@ -38,6 +45,7 @@ from posttrain.rollouts.task_rollouts import POLICY_VERSION
 from posttrain.types import TrainResult
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,18 @@ class TrainedStep:
     result: TrainResult
     stale_trajectories: int  # dropped: sampled more than max_off_policy_steps steps before
     max_staleness: int  # the largest model step - policy_version trained on (0: none known)
+    # Where the step's time went and how stale its tokens were (`pipeline_metrics`).
+    metrics: Mapping[str, float] = field(default_factory=dict[str, float])
+
+
+@dataclass(frozen=True)
+class Rollouts(Generic[T_co]):
+    """A step's rollouts, with the seconds they took to sample and the seconds the trainer
+    waited for them (0 when they were ready when asked for)."""
+
+    value: T_co
+    sample_s: float
+    wait_s: float
 
 
 @dataclass(frozen=True)
@@ -100,9 +120,95 @@ def drop_stale(
     return Fresh(kept_groups, stale, staleness)
 
 
+def token_staleness(groups: Sequence[TrajectoryGroup], model_step: int) -> tuple[int, float]:
+    """(max, token-weighted mean) of `model_step - policy_version` over the trainable tokens of
+    the trajectories that name their policy version; (0, 0.0) when none does."""
+    tokens = lag_tokens = most = 0
+    for group in groups:
+        for trajectory in group.trajectories:
+            version = trajectory.metadata.get(POLICY_VERSION)
+            if not isinstance(version, int) or isinstance(version, bool):
+                continue
+            n = trajectory.num_trainable_tokens
+            tokens += n
+            lag_tokens += n * (model_step - version)
+            most = max(most, model_step - version)
+    return most, lag_tokens / tokens if tokens else 0.0
+
+
+def trainable_tokens(groups: Sequence[TrajectoryGroup]) -> int:
+    return sum(t.num_trainable_tokens for g in groups for t in g.trajectories)
+
+
+def pipeline_metrics(
+    sampled: Sequence[TrajectoryGroup],
+    trained: Sequence[TrajectoryGroup],
+    model_step: int,
+    result: TrainResult,
+    rollouts: Rollouts[object],
+    *,
+    train_call_s: float,
+    step_s: float,
+) -> dict[str, float]:
+    """Where an RL step's time went and how stale its tokens were.
+
+    `sampled`: the step's rollouts, sampled in `rollouts.sample_s` seconds, of which the
+    trainer waited `rollouts.wait_s` (all of them in a synchronous step); `trained`: those it trained (stale ones left
+    out), at model step `model_step`, in a `backend.train` call of `train_call_s` seconds that
+    includes the engine's weight sync after the updates (`result.sync`, as
+    `EngineSession.last_sync` holds it): `time/train_s` is that call less the sync. `step_s`
+    (`time/step_s`): the trainer's wall time for the step, from asking for its rollouts to the
+    end of `backend.train`: the wait, the training, the sync and the little between them.
+    A backend whose sampler takes no sync (a fixed-policy engine, Tinker) reports none: 0
+    seconds, and no `sync/*`.
+    """
+    sync = result.sync
+    sync_s = float(sync.get("sync_s", 0.0))
+    train_s = max(train_call_s - sync_s, 0.0)
+    most, mean = token_staleness(trained, model_step)
+    n_sampled, n_trained = trainable_tokens(sampled), trainable_tokens(trained)
+    metrics = {
+        "time/sample_s": rollouts.sample_s,
+        "time/wait_for_rollouts_s": rollouts.wait_s,
+        "time/train_s": train_s,
+        "time/sync_s": sync_s,
+        "time/step_s": step_s,
+        "staleness/max": float(most),
+        "staleness/mean": mean,
+        "tokens/sampled": float(n_sampled),
+        "tokens/trained": float(n_trained),
+        "throughput/sampled_tokens_per_s": _rate(n_sampled, rollouts.sample_s),
+        "throughput/trained_tokens_per_s": _rate(n_trained, train_s),
+    }
+    if sync:
+        # The live engine moves no bytes: it samples the trainer's own weights.
+        metrics["sync/bytes"] = float(sync.get("sync_bytes", 0.0))
+        metrics["sync/version"] = float(sync.get("sync_version", result.step))
+    return metrics
+
+
+# The metrics above whose values depend on the machine's speed, not on the run.
+TIMING_METRICS = frozenset(
+    {
+        "time/sample_s",
+        "time/wait_for_rollouts_s",
+        "time/train_s",
+        "time/sync_s",
+        "time/step_s",
+        "throughput/sampled_tokens_per_s",
+        "throughput/trained_tokens_per_s",
+    }
+)
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 class Prefetch(Generic[T]):
     """`sample(k)` for steps k..k+ahead (below `stop`), started in order as tasks when step k
-    is taken; `ahead = 0` awaits `sample(k)` itself when it is taken, with no task."""
+    is taken; `ahead = 0` awaits `sample(k)` itself when it is taken, with no task. Each is
+    timed: `take` says how long it sampled and how long the taker waited."""
 
     def __init__(self, sample: Callable[[int], Awaitable[T]], *, ahead: int, stop: int) -> None:
         if ahead < 0:
@@ -110,16 +216,24 @@ class Prefetch(Generic[T]):
         self.sample = sample
         self.ahead = ahead
         self.stop = stop
-        self._tasks: dict[int, asyncio.Future[T]] = {}
+        self._tasks: dict[int, asyncio.Future[tuple[T, float]]] = {}
 
-    async def take(self, k: int) -> T:
+    async def take(self, k: int) -> Rollouts[T]:
         """Step k's rollouts, once the next `ahead` steps' are under way."""
+        asked = time.perf_counter()
         if not self.ahead:
-            return await self.sample(k)
-        for j in range(k, min(k + self.ahead + 1, self.stop)):
-            if j not in self._tasks:
-                self._tasks[j] = asyncio.ensure_future(self.sample(j))
-        return await self._tasks.pop(k)
+            value, sample_s = await self._timed(k)
+        else:
+            for j in range(k, min(k + self.ahead + 1, self.stop)):
+                if j not in self._tasks:
+                    self._tasks[j] = asyncio.ensure_future(self._timed(j))
+            value, sample_s = await self._tasks.pop(k)
+        return Rollouts(value, sample_s, time.perf_counter() - asked)
+
+    async def _timed(self, k: int) -> tuple[T, float]:
+        began = time.perf_counter()
+        value = await self.sample(k)
+        return value, time.perf_counter() - began
 
     @property
     def pending(self) -> list[int]:
@@ -155,10 +269,24 @@ async def rl_steps(
     prefetch = Prefetch(sample, ahead=max_off_policy_steps, stop=steps)
     try:
         for k in range(start, steps):
-            fresh = drop_stale(await prefetch.take(k), model.step, max_off_policy_steps)
+            asked = time.perf_counter()
+            rollouts = await prefetch.take(k)
+            model_step = model.step
+            fresh = drop_stale(rollouts.value, model_step, max_off_policy_steps)
+            began = time.perf_counter()
             result = await backend.train(model, fresh.groups, **(options(k) if options else {}))
+            trained = time.perf_counter()
+            times = {"train_call_s": trained - began, "step_s": trained - asked}
+            metrics = pipeline_metrics(
+                rollouts.value, fresh.groups, model_step, result, rollouts, **times
+            )
             yield TrainedStep(
-                k, tuple(fresh.groups), result, fresh.stale_trajectories, fresh.max_staleness
+                k,
+                tuple(fresh.groups),
+                result,
+                fresh.stale_trajectories,
+                fresh.max_staleness,
+                metrics,
             )
     finally:
         await prefetch.aclose()

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from posttrain.jobs.pipeline import TIMING_METRICS
 from posttrain.trainer.progress import duration
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 # Keys whose values depend on the machine, not on the run (left out when comparing runs).
-TIMING_KEYS = frozenset({"elapsed_s", "step_s", "tokens_per_s", "sample_tokens_per_s"})
+TIMING_KEYS = (
+    frozenset({"elapsed_s", "step_s", "tokens_per_s", "sample_tokens_per_s"}) | TIMING_METRICS
+)
 
 
 class MetricsLog:
@@ -79,8 +87,9 @@ def _step(row: Mapping[str, object]) -> int:
 def progress_line(
     step: int, steps: int, metrics: Mapping[str, float], *, eta_s: float | None = None
 ) -> str:
-    """One line per RL step: step, reward, accuracy, loss, throughput, elapsed, and the time
-    left (`eta_s`, when given).
+    """One line per RL step: step, reward, accuracy, loss, throughput, where the row has them
+    the seconds the trainer waited for rollouts and synced the engine and the tokens' mean
+    staleness, elapsed, and the time left (`eta_s`, when given).
 
     `tok/s` is the whole step's: sampled tokens over the step's wall time (sampling, training
     and logging; the checkpoint save after them is not counted), not the sampler's speed alone,
@@ -89,10 +98,17 @@ def progress_line(
     # No loss when every group had zero reward variance (nothing to train on this step).
     loss = f"{metrics['loss']:+.4f}" if math.isfinite(metrics["loss"]) else "    n/a"
     eta = f"  eta {duration(eta_s)}" if eta_s is not None else ""
+    pipeline = ""
+    if "time/wait_for_rollouts_s" in metrics:
+        pipeline = (
+            f"  wait {metrics['time/wait_for_rollouts_s']:.2f}s  "
+            f"sync {metrics['time/sync_s']:.2f}s  stale {metrics['staleness/mean']:.2f}"
+        )
     return (
         f"rl step {step:>4}/{steps}  reward {metrics['reward']:.3f}  "
         f"acc {metrics['accuracy']:.3f}  loss {loss}  "
-        f"tok/s {metrics['tokens_per_s']:>7,.0f}  elapsed {metrics['elapsed_s']:6.1f}s{eta}"
+        f"tok/s {metrics['tokens_per_s']:>7,.0f}{pipeline}  "
+        f"elapsed {metrics['elapsed_s']:6.1f}s{eta}"
     )
 
 
@@ -126,5 +142,15 @@ def plot_curves(rows: list[dict[str, object]], path: Path, title: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Figure, path: Path, dpi: int = 110) -> Path:
+    """Write `fig` as a PNG at `path` atomically: a reader sees the old plot or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

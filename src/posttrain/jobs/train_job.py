@@ -22,6 +22,11 @@ and the engine's `policy_version` after the step. Resume then restores the weigh
 RNG, step counter and data cursor exactly, but not the rollouts in flight at the kill: they are
 sampled again from the restored weights, so the continuation is not bit-identical to an
 uninterrupted run.
+
+Every RL step, synchronous or not, records in its metrics row and its `history.jsonl` row
+where its time went (`time/*`), the engine sync's bytes and version (`sync/*`), how stale its
+tokens were (`staleness/*`) and tokens per second (`throughput/*`):
+`jobs.pipeline.pipeline_metrics`. `posttrain report` sums them over a run.
 """
 
 from __future__ import annotations
@@ -50,7 +55,13 @@ from posttrain.jobs.backend import (
     work_problems,
 )
 from posttrain.jobs.config import DataConfig, JobConfig, load_config
-from posttrain.jobs.pipeline import Prefetch, drop_stale
+from posttrain.jobs.pipeline import (
+    Prefetch,
+    Rollouts,
+    drop_stale,
+    pipeline_metrics,
+    trainable_tokens,
+)
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.tables import DPOJobConfig
@@ -320,13 +331,13 @@ async def _rl_phase(
     max_off_policy_steps` N > 0, training while the next N steps' rollouts are sampled."""
     config = run.config
     ahead = config.rl.max_off_policy_steps
-    prefetch = None
-    if ahead:
-        prefetch = Prefetch(partial(_timed_sample, run), ahead=ahead, stop=config.rl.steps)
+    # With ahead = 0 it samples each step when the step asks for it, as a plain loop does.
+    sample = partial(run.work.sample, run.sampler)
+    prefetch = Prefetch(sample, ahead=ahead, stop=config.rl.steps)
     try:
         for k in range(done, config.rl.steps):
-            if prefetch is None:
-                await _rl_step(run, state, k)
+            if not ahead:
+                await _rl_step(run, state, k, prefetch)
             else:
                 await _async_rl_step(run, state, k, prefetch)
             if on_step is not None:
@@ -334,36 +345,31 @@ async def _rl_phase(
             if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
                 await _evaluate(run, k + 1, f"after step {k + 1}")
     finally:
-        if prefetch is not None:
-            await prefetch.aclose()  # rollouts in flight are not saved: a resume resamples them
+        await prefetch.aclose()  # rollouts in flight are not saved: a resume resamples them
 
 
-async def _rl_step(run: _Run, state: JobState, k: int) -> None:
-    """RL step k (0-based): sample, reward, train, log, checkpoint."""
+async def _rl_step(run: _Run, state: JobState, k: int, prefetch: Prefetch[SampledStep]) -> None:
+    """RL step k (0-based): sample (the trainer waits all along), reward, train, log,
+    checkpoint."""
     began = time.perf_counter()
-    step = await run.work.sample(run.sampler, k)
-    await _train_step(run, state, k, step, began, sample_s=time.perf_counter() - began)
-
-
-async def _timed_sample(run: _Run, k: int) -> tuple[SampledStep, float]:
-    """RL step k's rewarded groups, and the seconds they took."""
-    began = time.perf_counter()
-    step = await run.work.sample(run.sampler, k)
-    return step, time.perf_counter() - began
+    rollouts = await prefetch.take(k)
+    await _train_step(run, state, k, rollouts.value, began, rollouts)
 
 
 async def _async_rl_step(
-    run: _Run, state: JobState, k: int, prefetch: Prefetch[tuple[SampledStep, float]]
+    run: _Run, state: JobState, k: int, prefetch: Prefetch[SampledStep]
 ) -> None:
     """RL step k on rollouts sampled while earlier steps trained; the stale ones dropped."""
     began = time.perf_counter()
-    step, sample_s = await prefetch.take(k)
+    rollouts = await prefetch.take(k)
+    step = rollouts.value
     fresh = drop_stale(step.groups, run.model.step, run.config.rl.max_off_policy_steps)
     staleness = {
         "stale_trajectories": float(fresh.stale_trajectories),
         "max_staleness": float(fresh.max_staleness),
     }
-    await _train_step(run, state, k, replace(step, groups=fresh.groups), began, sample_s, staleness)
+    step = replace(step, groups=fresh.groups)
+    await _train_step(run, state, k, step, began, rollouts, staleness)
 
 
 async def _train_step(
@@ -372,14 +378,16 @@ async def _train_step(
     k: int,
     step: SampledStep,
     began: float,
-    sample_s: float,
+    rollouts: Rollouts[SampledStep],
     staleness: dict[str, float] | None = None,
 ) -> None:
-    """Train RL step k on its rollouts, log, checkpoint; `staleness` (asynchronous RL only)
-    goes in its metrics row, with the engine's policy version after the step."""
+    """Train RL step k on its rollouts (`step`: `rollouts` without the stale trajectories), log,
+    checkpoint; `staleness` (asynchronous RL only) goes in its metrics row, with the engine's
+    policy version after the step."""
     config = run.config.rl
     groups = step.groups
-    sampled = sum(t.num_trainable_tokens for g in groups for t in g.trajectories)
+    sample_s = rollouts.sample_s
+    sampled = trainable_tokens(groups)
     learning_rate = config.learning_rate(k)
     trainer = with_options(config.trainer, learning_rate=learning_rate)
     options = cast(RLOptions, call_options(trainer, run.info.train_options))
@@ -387,9 +395,16 @@ async def _train_step(
         options["save_checkpoint"] = not _checkpoints_on_demand(run)
     state.rl_steps_done = k + 1
     state.save(run.model.run_state)
+    model_step, training = run.model.step, time.perf_counter()
     result = await run.backend.train(run.model, groups, **options)
+    trained = time.perf_counter()
+    times = {"train_call_s": trained - training, "step_s": trained - began}
+    pipeline = pipeline_metrics(
+        rollouts.value.groups, groups, model_step, result, rollouts, **times
+    )
     bad = {"bad_rollouts": float(step.bad_rollouts), **step.metrics}  # + a judge's costs
-    logged = await run.model.log(groups, metrics={**result.metrics, **bad}, step=result.step)
+    metrics = {**result.metrics, **bad, **pipeline}
+    logged = await run.model.log(groups, metrics=metrics, step=result.step)
     # No loss when every group had zero reward variance: nothing was trained this step.
     loss = result.metrics.get("loss", math.nan)
     row = {
@@ -400,6 +415,7 @@ async def _train_step(
         **bad,
         "sampled_tokens": float(sampled),
         "sample_tokens_per_s": sampled / sample_s if sample_s > 0 else 0.0,
+        **pipeline,
     }
     if staleness is not None:
         row.update(staleness)
