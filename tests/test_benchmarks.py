@@ -37,6 +37,7 @@ SMOKE: dict[str, str] = {
     "linear_routes.py": "--size tiny --tokens 32 --repeats 1 --rounds 1 --threads 1 --peak-size 64",
     "logprobs_memory.py": "--vocab 512 --tokens 64 --hidden 32 --chunk 16 --repeats 1",
     "openai_rollouts.py": f"--size tiny --samples 2 --threads 1 {TINY_RL}",
+    "parity_gap.py": "--steps 2 --prompts 1 --devices cpu,cpu --fault previous",
     "packing.py": "--size tiny --trajectories 4 --batch-size 2 --min-length 4 --rounds 1 "
     "--threads 1",
     "ppo_critic.py": "--size tiny --prompts 2 --group-size 2 --prompt 8 --completion 8 "

@@ -23,6 +23,7 @@ def naive_metrics(
         "kl_sample_train_v1": math.fsum(deltas) / len(deltas),
         "kl_sample_train_v2": math.fsum(0.5 * d * d for d in deltas) / len(deltas),
         "logprob_diff_max": max(abs(d) for d in deltas),
+        "logprob_diff_mean": math.fsum(abs(d) for d in deltas) / len(deltas),
     }
 
 
@@ -32,12 +33,16 @@ def test_hand_values_on_four_tokens():
     mask_T = torch.tensor([1.0, 1.0, 1.0, 0.0])
     sums = sample_train_agreement(sampler_T, trainer_T, mask_T)
     # δ = q − p on the 3 counted tokens: 0.5, −1.0, 0.0 (the masked one, 6.0, is left out).
-    # v1 = (0.5 − 1 + 0)/3 = −1/6; v2 = ½(0.25 + 1 + 0)/3 = 0.625/3; max |δ| = 1.
-    assert sums == AgreementSums(diff_sum=-0.5, half_sq_sum=0.625, abs_max=1.0, count=3)
+    # v1 = (0.5 − 1 + 0)/3 = −1/6; v2 = ½(0.25 + 1 + 0)/3 = 0.625/3; max |δ| = 1;
+    # mean |δ| = (0.5 + 1 + 0)/3 = 0.5.
+    assert sums == AgreementSums(
+        diff_sum=-0.5, half_sq_sum=0.625, abs_max=1.0, count=3, abs_sum=1.5
+    )
     assert agreement_metrics(sums) == {
         "kl_sample_train_v1": pytest.approx(-1 / 6, abs=1e-15),
         "kl_sample_train_v2": pytest.approx(0.625 / 3, abs=1e-15),
         "logprob_diff_max": 1.0,
+        "logprob_diff_mean": 0.5,
     }
 
 
@@ -45,9 +50,13 @@ def test_masked_and_unknown_tokens_are_left_out():
     sampler_T = torch.tensor([-1.0, math.nan, -2.0, -4.0])
     trainer_T = torch.tensor([-1.25, -7.0, -100.0, -3.0])
     mask_T = torch.tensor([1.0, 1.0, 0.0, 1.0])
-    # Counted: δ = 0.25 and −1.0 (token 1 has no sampler logprob, token 2 is masked).
+    # Counted: δ = 0.25 and −1.0 (token 1 has no sampler logprob, token 2 is masked):
+    # Σ|δ| = 1.25, so mean |δ| = 0.625 while mean δ = −0.375 (signs no longer cancel).
     sums = sample_train_agreement(sampler_T, trainer_T, mask_T)
-    assert sums == AgreementSums(diff_sum=-0.75, half_sq_sum=0.53125, abs_max=1.0, count=2)
+    assert sums == AgreementSums(
+        diff_sum=-0.75, half_sq_sum=0.53125, abs_max=1.0, count=2, abs_sum=1.25
+    )
+    assert sums.abs_mean == 0.625
 
 
 def test_no_counted_token_gives_no_metrics():

@@ -230,6 +230,8 @@ def test_explain_shows_the_default_engine(capsys):
     assert engine["capabilities"]["weight_sync"] == "live"
     assert engine["weight_sync_per_step"].startswith("none needed")
     assert engine["backend_accepts_inference"] is True
+    assert engine["parity_check"].startswith("error: fails the step when the engine's logprobs")
+    assert "by more than 0.0005 on average (float32)" in engine["parity_check"]
     assert main(["explain", str(config)]) == 0
     out = capsys.readouterr().out
     shown = out.split("sampling engine:\n")[1].split("preflight:")[0]
@@ -249,11 +251,16 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     split = InferenceConfig(devices="cpu,cpu", threads=2)
     engine = _report(JobConfig(model=FULL, inference=split))["engine"]
     assert engine["where"] == "a worker process on cpu (training on cpu), 2 thread(s)"
+    bf16 = InferenceConfig(devices="cpu,cpu", dtype="bfloat16", parity_check="warn")
+    engine = _report(JobConfig(model=FULL, inference=bf16))["engine"]
+    assert engine["parity_check"].startswith("warn: logs a warning")
+    assert "0.02 on average (bfloat16)" in engine["parity_check"]
     fixed = InferenceConfig(
         engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET", sync="none"
     )
     report = _report(JobConfig(model=FULL, inference=fixed))
     engine = report["engine"]
+    assert engine["parity_check"] == "skipped: the engine samples a fixed policy (sync = 'none')"
     assert (
         engine["where"]
         == "the server at http://127.0.0.1:8000/v1 (model: the first model it lists)"

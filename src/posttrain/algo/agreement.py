@@ -4,7 +4,8 @@ With q the sampler's logprob and p the trainer's, per counted token δ_t = q_t �
     kl_sample_train_v1 = mean_t δ_t          (k1 estimate of KL(sampler ‖ trainer))
     kl_sample_train_v2 = mean_t ½·δ_t²       (k2 estimate, never negative)
     logprob_diff_max   = max_t |δ_t|
-as tinker-cookbook's `compute_kl_sample_train` (tinker_cookbook/rl/metrics.py) logs them. The
+    logprob_diff_mean  = mean_t |δ_t|          (what the parity check bounds: `trainer.parity`)
+the first three as tinker-cookbook's `compute_kl_sample_train` (tinker_cookbook/rl/metrics.py) logs them. The
 sums are kept apart from the division so that mini-batches add up to the step's token mean.
 """
 
@@ -17,12 +18,19 @@ import torch
 
 @dataclass(frozen=True)
 class AgreementSums:
-    """Σδ, Σ½δ², max|δ| and the number of tokens compared; `+` merges two sets of tokens."""
+    """Σδ, Σ½δ², max|δ|, Σ|δ| and the number of tokens compared; `+` merges two sets of
+    tokens."""
 
     diff_sum: float = 0.0
     half_sq_sum: float = 0.0
     abs_max: float = 0.0
     count: int = 0
+    abs_sum: float = 0.0
+
+    @property
+    def abs_mean(self) -> float:
+        """mean_t |δ_t|; 0 when no token was compared."""
+        return self.abs_sum / self.count if self.count else 0.0
 
     def __add__(self, other: AgreementSums) -> AgreementSums:
         return AgreementSums(
@@ -30,6 +38,7 @@ class AgreementSums:
             self.half_sq_sum + other.half_sq_sum,
             max(self.abs_max, other.abs_max),
             self.count + other.count,
+            self.abs_sum + other.abs_sum,
         )
 
 
@@ -54,15 +63,17 @@ def sample_train_agreement(
         half_sq_sum=float(0.5 * delta.square().sum()),
         abs_max=float(delta.abs().max()),
         count=delta.numel(),
+        abs_sum=float(delta.abs().sum()),
     )
 
 
 def agreement_metrics(sums: AgreementSums) -> dict[str, float]:
-    """The three metrics from accumulated sums; none when no token was compared."""
+    """The four metrics from accumulated sums; none when no token was compared."""
     if sums.count == 0:
         return {}
     return {
         "kl_sample_train_v1": sums.diff_sum / sums.count,
         "kl_sample_train_v2": sums.half_sq_sum / sums.count,
         "logprob_diff_max": sums.abs_max,
+        "logprob_diff_mean": sums.abs_mean,
     }

@@ -196,6 +196,7 @@ class ModelClients(Generic[ClientT]):
         step = model.step + 1
         plot = model.directory / "plots" / f"step_{step:05d}.png"
         before = dict(model.run_state)
+        parity = self.steps.parity_check(record, _first_prompt(groups))
 
         def trainer_step(run: RunUpdates) -> Awaitable[StepMetrics]:
             return train_rl_step(
@@ -208,11 +209,14 @@ class ModelClients(Generic[ClientT]):
                 reference=lambda: self._reference(record),
                 student=f"{model.name!r} (base_model={model.base_model!r})",
                 run=run,
+                parity=parity,
             )
 
         try:
             plotted = (recorder, plot) if recorder is not None else None
-            return await self.steps.run(record, step, trainer_step, config.save_checkpoint, plotted)
+            return await self.steps.run(
+                record, step, trainer_step, config.save_checkpoint, plotted, parity
+            )
         except VocabularyMismatch as exc:  # before any update: a refused configuration
             raise PreflightError(self.backend, [PreflightProblem("teacher", str(exc))]) from exc
         except BaseException:
@@ -274,3 +278,16 @@ class ModelClients(Generic[ClientT]):
             references = [r.reference for r in records if r.reference is not None]
             for client in [*(r.client for r in records), *critics, *references]:
                 client.close()
+
+
+def _first_prompt(groups: list[TrajectoryGroup]) -> list[int] | None:
+    """The tokens before the first trajectory's first sampled segment (the parity probe's
+    prompt); None when it starts with one."""
+    for group in groups:
+        for trajectory in group.trajectories:
+            prompt: list[int] = []
+            for segment in trajectory.segments:
+                if segment.trainable:
+                    return prompt or None
+                prompt.extend(segment.tokens)
+    return None

@@ -5,11 +5,16 @@ updates run here, with the plots, the weights hooks, the engine's sync and the c
 model's step advances only once all of them are done. If any fails, the step and the
 checkpoints stay as they were and the client (and critic) are reloaded from the checkpoint of
 the current step, so a retry starts from the last good state.
+
+An RL step also checks that the engine samples the trained policy (`trainer.parity`): on its
+own on-policy tokens before the first update, else with a probe right after the sync
+(`parity_probe`), inside the all-or-nothing block, so a failed probe undoes the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Generic
 
@@ -17,10 +22,12 @@ from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
 from posttrain.backends.critics import Critics
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.model_record import ClientT, ModelRecord
+from posttrain.backends.parity_probe import probe_engine
 from posttrain.clients.protocol import TrainingClient
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.session import EngineSession
 from posttrain.trainer.metrics import StepMetrics
+from posttrain.trainer.parity import ParityCheck, parity_precision
 from posttrain.trainer.steps import RunUpdates, Updates
 from posttrain.trainer.tensor_plots import TensorRecorder
 from posttrain.types import TrainResult
@@ -30,6 +37,8 @@ from posttrain.types import TrainResult
 WeightsHook = Callable[[TrainableModel, int], Awaitable[None]]
 # A trainer step function, given how to run its updates (`trainer.steps`).
 TrainerStep = Callable[[RunUpdates], Awaitable[StepMetrics]]
+
+log = logging.getLogger(__name__)
 
 
 async def open_engine(
@@ -69,6 +78,41 @@ class ModelSteps(Generic[ClientT]):
         self.inference = inference
         self.after_update = after_update
         self.after_reload = after_reload
+        self._parity_skip_noted: set[int] = set()  # id(record): the skip logged once
+
+    def parity_check(
+        self, record: ModelRecord[ClientT], probe_prompt: Sequence[int] | None
+    ) -> ParityCheck | None:
+        """The parity check of the model's next RL step, or None: `[inference] parity_check
+        = 'off'`, or an engine whose logprobs cannot be held to the trainer's (it returns
+        none, or samples a fixed policy, sync = 'none'), which is logged once."""
+        mode = self.inference.parity_check
+        if mode == "off":
+            return None
+        engine = record.engine.engine
+        model = record.model
+        capabilities = engine.capabilities
+        if capabilities.weight_sync == "none" or not capabilities.returns_logprobs:
+            if id(record) not in self._parity_skip_noted:
+                self._parity_skip_noted.add(id(record))
+                why = (
+                    "samples a fixed policy (sync = 'none')"
+                    if capabilities.weight_sync == "none"
+                    else "returns no logprobs"
+                )
+                log.info("%s: no parity check: the %r engine %s", model.name, engine.name, why)
+            return None
+        live = capabilities.weight_sync == "live"  # the training weights: the trainer's dtype
+        return ParityCheck(
+            engine=engine.name,
+            model_step=model.step,
+            precision=parity_precision(model.dtype, None if live else self.inference.dtype),
+            mode=mode,
+            # A failed step's gradients go with the reload of this step's checkpoint.
+            undoable=self.index.checkpoint_of(model.directory, model.step) is not None,
+            # The live engine samples the training weights themselves: nothing to probe.
+            probe_prompt=None if live or probe_prompt is None else tuple(probe_prompt),
+        )
 
     async def run(
         self,
@@ -77,9 +121,12 @@ class ModelSteps(Generic[ClientT]):
         trainer_step: TrainerStep,
         save: bool,
         plot: tuple[TensorRecorder, Path] | None = None,
+        parity: ParityCheck | None = None,
     ) -> TrainResult:
         """Run the trainer's step: its checks first, then (all or nothing) its updates, the
-        tensor plot, the weights hooks and the checkpoint; only then does the step advance."""
+        tensor plot, the weights hooks, the engine's sync (and, when the updates compared no
+        on-policy token with `parity`, its probe) and the checkpoint; only then does the step
+        advance."""
         model, engine = record.model, record.engine
         path: str | None = None
 
@@ -92,6 +139,8 @@ class ModelSteps(Generic[ClientT]):
                 if self.after_update is not None:
                     await self.after_update(model, step)
                 await engine.sync(step)
+                if parity is not None and parity.compared.count == 0:
+                    await probe_engine(engine.engine, record.client, parity, step)
                 if save:
                     path = await self.save(record, step)
             except Exception as exc:

@@ -27,6 +27,7 @@ from posttrain.jobs.tables import redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.config import is_config, option_values
+from posttrain.trainer.parity import describe_parity
 
 # What each plan entry counts.
 PLAN_NOTES = {
@@ -219,6 +220,13 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
     record = {"engine": described.pop("engine"), "where": where(inference), **described}
     if mode.probed:
         record["capabilities_note"] = OPENAI_PROBED
+    live = inference.engine == "pytorch" and inference.devices is None
+    record["parity_check"] = describe_parity(
+        inference.parity_check,
+        config.model.dtype,
+        None if live else inference.dtype,
+        fixed=inference.engine == "openai" and inference.sync == "none",
+    )
     # False: the backend cannot take inference= and samples its own way (null: not imported).
     record["backend_accepts_inference"] = accepts_inference(info) if info is not None else None
     return record

@@ -41,6 +41,10 @@ if TYPE_CHECKING:  # the openai SDK is optional: its types name what the message
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 JSONScalar: TypeAlias = str | int | float | bool | None
+# Trajectory metadata keys the trainer reads: the model step whose weights sampled it, and the
+# sampling temperature (the parity check, `trainer.parity`, compares only on-policy tokens).
+POLICY_VERSION = "policy_version"
+SAMPLING_TEMPERATURE = "sampling_temperature"
 
 
 class ChoiceLike(Protocol):

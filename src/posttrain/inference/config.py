@@ -18,6 +18,8 @@ _NOT_SHIPPED = {
     "mlx": "serve the model with mlx_lm.server and use engine = 'openai' with its url",
 }
 SyncMode = Literal["auto", "none", "reload", "lora"]
+ParityMode = Literal["error", "warn", "off"]
+PARITY_MODES: tuple[ParityMode, ...] = ("error", "warn", "off")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class InferenceConfig:
     sync: SyncMode = "auto"  # openai: how weights reach the server (auto: lora, else reload)
     allow_training_without_logprobs: bool = False  # openai: accept a server without logprobs
     start_timeout_s: float = 600.0  # a worker process must be ready within this
+    # Whether a step fails ("error"), logs ("warn") or says nothing ("off") when the engine's
+    # logprobs are further from the trainer's than a correct engine's (`trainer.parity`).
+    parity_check: ParityMode = "error"
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -76,6 +81,11 @@ class InferenceConfig:
             raise ValueError(f"[inference] kv_cache_mb must be >= 16, got {self.kv_cache_mb}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"[inference] max_model_len must be >= 2, got {self.max_model_len}")
+        if self.parity_check not in PARITY_MODES:
+            raise ValueError(
+                f"[inference] parity_check must be one of {list(PARITY_MODES)}, got "
+                f"{self.parity_check!r}"
+            )
         if not (0 < self.start_timeout_s < math.inf):
             raise ValueError(f"[inference] start_timeout_s must be > 0, got {self.start_timeout_s}")
         if self.devices is not None:

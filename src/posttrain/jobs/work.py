@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from posttrain.data.checks import expect
-from posttrain.data.trajectories import Trajectory, TrajectoryGroup
+from posttrain.data.trajectories import SAMPLING_TEMPERATURE, Trajectory, TrajectoryGroup
 from posttrain.environments.protocol import Demonstrating, Reset
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.environments.runner import EpisodeLimits, evaluate_environment, run_episodes
@@ -102,13 +102,18 @@ def policy_version(sampler: PromptBatchSampler) -> int | None:
     return sampler.policy_version if isinstance(sampler, Versioned) else None
 
 
-def stamp_policy_version(groups: Sequence[TrajectoryGroup], version: int | None) -> None:
-    """Record `version` in the metadata of each trajectory that names none."""
+def stamp_policy_version(
+    groups: Sequence[TrajectoryGroup], version: int | None, temperature: float
+) -> None:
+    """Record `version` and the sampling `temperature` in the metadata of each trajectory that
+    names no version (the parity check compares only tokens sampled at temperature 1 or 0)."""
     if version is None:
         return
     for group in groups:
         for trajectory in group.trajectories:
-            trajectory.metadata.setdefault(POLICY_VERSION, version)
+            if POLICY_VERSION not in trajectory.metadata:
+                trajectory.metadata[POLICY_VERSION] = version
+                trajectory.metadata[SAMPLING_TEMPERATURE] = temperature
 
 
 def rl_params(config: JobConfig, k: int) -> SamplingParams:
@@ -247,7 +252,7 @@ class EnvironmentWork:
             name=self.name,
         )
         check_bad_rollouts(played.errors, played.episodes, rl.max_bad_rollouts)
-        stamp_policy_version(played.groups, version)
+        stamp_policy_version(played.groups, version, rl.temperature)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
     async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
@@ -339,7 +344,7 @@ class VerifiersWork:
             max_exceptions=None,  # the job's bound, below, says how many may fail
         )
         check_bad_rollouts(played.errors, played.episodes, rl.max_bad_rollouts)
-        stamp_policy_version(played.groups, version)
+        stamp_policy_version(played.groups, version, rl.temperature)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
     async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:

@@ -17,7 +17,13 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from posttrain.data.trajectories import JSONScalar, Trajectory, TrajectoryGroup
+from posttrain.data.trajectories import (
+    POLICY_VERSION,
+    SAMPLING_TEMPERATURE,
+    JSONScalar,
+    Trajectory,
+    TrajectoryGroup,
+)
 from posttrain.environments.runner import EpisodeError
 from posttrain.inference.process import derive_seed
 from posttrain.rollouts.evaluation import (
@@ -39,8 +45,6 @@ __all__ = [
     "sample_groups",
     "sft_examples",
 ]
-# The trajectory metadata key of the model step whose weights sampled it.
-POLICY_VERSION = "policy_version"
 
 
 def sft_examples(task: Task, problems: Sequence[Problem], tokenizer: Tokenizer) -> list[Trajectory]:
@@ -109,6 +113,7 @@ async def sample_groups(
             }
             if response.policy_version is not None:
                 metadata[POLICY_VERSION] = response.policy_version
+                metadata[SAMPLING_TEMPERATURE] = params.temperature
             trajectories.append(
                 builder.build(
                     reward,

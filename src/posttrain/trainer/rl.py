@@ -28,6 +28,7 @@ from posttrain.trainer.critic import gae_batch, score_values, update_critic
 from posttrain.trainer.datums import pad_masks, require_sequence, rl_datum, with_weights
 from posttrain.trainer.distill import distill_token_advantages, teacher_logprobs
 from posttrain.trainer.metrics import StepMetrics
+from posttrain.trainer.parity import ParityCheck, on_policy_flags
 from posttrain.trainer.progress import Progress
 from posttrain.trainer.steps import Opener, RunState, RunUpdates, run_now
 from posttrain.trainer.tensor_plots import TensorRecorder
@@ -55,6 +56,8 @@ class PreparedBatch:
     run_state: dict[str, dict[str, JSONScalar]] = field(
         default_factory=dict[str, dict[str, JSONScalar]]
     )
+    # Each datum's trajectory metadata: its policy version, read by the parity check.
+    metadata: list[Mapping[str, JSONScalar]] = field(default_factory=list[Mapping[str, JSONScalar]])
 
 
 def prepare_batch(
@@ -103,6 +106,7 @@ def prepare_batch(
     masks: list[torch.Tensor] = []
     advantages: list[float] = []
     datum_rewards: list[float] = []
+    metadata: list[Mapping[str, JSONScalar]] = []
     for g, (group, adv_G, kept) in enumerate(
         zip(groups, result.advantages, result.kept, strict=True)
     ):
@@ -121,6 +125,7 @@ def prepare_batch(
             masks.append(mask)
             advantages.append(adv)
             datum_rewards.append(trajectory.reward)
+            metadata.append(trajectory.metadata)
     return PreparedBatch(
         datums=datums,
         masks=masks,
@@ -132,6 +137,7 @@ def prepare_batch(
         num_dropped_groups=result.num_dropped_groups,
         metrics=per_token.metrics if per_token is not None else {},
         run_state=per_token.run_state if per_token is not None else {},
+        metadata=metadata,
     )
 
 
@@ -207,6 +213,7 @@ async def train_rl_step(
     reference: Opener[ReferenceScorer | None] | None = None,
     student: str | None = None,
     run: RunUpdates = run_now,
+    parity: ParityCheck | None = None,
 ) -> StepMetrics:
     """One call of `backend.train`: as many optimizer steps as mini-batches (a distillation
     step when the config has a teacher: it scores the groups first).
@@ -215,6 +222,7 @@ async def train_rl_step(
     in that error), then the batch. `run_state` is the model's: its controller state (SEPA) is
     read, and the step's written into it once the updates are done. `critic` is opened for
     advantage_estimator 'gae', `reference` for a KL penalty (None: the client's own).
+    `parity` checks the engine's logprobs against the trainer's before the first update.
     """
     name = student if student is not None else f"({type(client).__name__})"
     scored = await teacher_logprobs(config.distill.teacher, client, groups, name)
@@ -233,7 +241,13 @@ async def train_rl_step(
 
     async def updates() -> StepMetrics:
         metrics = await train_rl_batch(
-            client, batch, config, recorder=recorder, critic=value_model, reference=scorer
+            client,
+            batch,
+            config,
+            recorder=recorder,
+            critic=value_model,
+            reference=scorer,
+            parity=parity,
         )
         if run_state is not None:
             run_state.update(batch.run_state)  # saved with this step's checkpoint
@@ -250,6 +264,7 @@ async def train_rl_batch(
     recorder: TensorRecorder | None = None,
     critic: TrainingClient | None = None,
     reference: ReferenceScorer | None = None,
+    parity: ParityCheck | None = None,
 ) -> StepMetrics:
     """The updates of one step on an already prepared (and so already validated) batch.
 
@@ -262,6 +277,11 @@ async def train_rl_batch(
     `critic` (advantage_estimator 'gae') scores the batch, gives the policy GAE advantages, and
     is updated beside each policy update on the same mini-batch (`trainer.critic`).
     `reference` scores the KL reference (see `add_reference_inputs`).
+
+    `parity` (`trainer.parity`) judges the on-policy tokens' gap before any optimizer step:
+    on the precalculated logprobs, else on the first mini-batch's forward_backward before its
+    optim_step (a failure's gradients are undone by the checkpoint reload), or, with no
+    checkpoint to reload (`parity.undoable` false), on a forward pass before it.
     """
     metrics = StepMetrics.for_batch(
         batch.rewards, batch.num_groups, batch.num_zero_variance_groups, batch.num_dropped_groups
@@ -270,8 +290,15 @@ async def train_rl_batch(
     if not batch.datums:
         return metrics.nothing_trainable()
     datums = await add_reference_inputs(client, batch.datums, config, reference)
+    on_policy = on_policy_flags(parity, batch.metadata)
     if config.precalculate_logprobs:
         metrics.sample_train = _precalculated_agreement(datums, batch.masks)
+        if parity is not None:
+            kept = [i for i, keep in enumerate(on_policy) if keep]
+            sums = _precalculated_agreement(
+                [datums[i] for i in kept], [batch.masks[i] for i in kept]
+            )
+            _judge(parity, sums)
     critic_datums: list[Datum] = []
     if critic is not None:
         values = await score_values(critic, datums, batch.masks)
@@ -282,12 +309,21 @@ async def train_rl_batch(
     parts = split_minibatches(len(datums), config.num_minibatches)
     updates = [(epoch, part) for epoch in range(config.update_epochs) for part in parts]
     with Progress("train", len(updates), "update") as progress:
-        for epoch, part in updates:
+        for index, (epoch, part) in enumerate(updates):
             masks = [batch.masks[i] for i in part]
             mini = weighted([datums[i] for i in part], masks, config)
+            # Without precalculated logprobs the first update's tokens are judged, before its
+            # optim_step.
+            first = index == 0 and not config.precalculate_logprobs
+            judge = parity if first else None
+            keep = [on_policy[i] for i in part]
+            if judge is not None and not judge.undoable:
+                _judge(judge, await _forward_agreement(client, mini, masks, keep, config))
             out = await _forward_backward(client, mini, config)
             if epoch == 0 and not config.precalculate_logprobs:
                 metrics.sample_train += _update_agreement(mini, masks, out)
+            if judge is not None and judge.undoable:
+                _judge(judge, _update_agreement(mini, masks, out, keep))
             if recorder is not None:
                 recorder.record(mini, out)
             step = await client.optim_step(adam)
@@ -316,9 +352,13 @@ def _precalculated_agreement(datums: list[Datum], masks: list[torch.Tensor]) -> 
 
 
 def _update_agreement(
-    datums: list[Datum], masks: list[torch.Tensor], out: ForwardBackwardOutput
+    datums: list[Datum],
+    masks: list[torch.Tensor],
+    out: ForwardBackwardOutput,
+    keep: Sequence[bool] | None = None,
 ) -> AgreementSums:
-    """Sampler logprobs vs the mini-batch's forward_backward logprobs (one per target token).
+    """Sampler logprobs vs the mini-batch's forward_backward logprobs (one per target token),
+    on the datums `keep` marks (all without it).
 
     A datum whose output has no `logprobs` of its targets' length (a client that does not
     return them) is left out rather than failing the step.
@@ -326,13 +366,42 @@ def _update_agreement(
     total = AgreementSums()
     if len(out.loss_fn_outputs) != len(datums):
         return total
-    for datum, mask_T, output in zip(datums, masks, out.loss_fn_outputs, strict=True):
+    kept = [True] * len(datums) if keep is None else keep
+    for datum, mask_T, output, k in zip(datums, masks, out.loss_fn_outputs, kept, strict=True):
+        if not k:
+            continue
         trainer_logp = output.get("logprobs")
         if trainer_logp is None or trainer_logp.numel() != mask_T.numel():
             continue
         sampler_logp_T = datum.loss_fn_inputs["logprobs"].reshape(-1)
         total += sample_train_agreement(sampler_logp_T, trainer_logp.reshape(-1).cpu(), mask_T)
     return total
+
+
+async def _forward_agreement(
+    client: TrainingClient,
+    datums: list[Datum],
+    masks: list[torch.Tensor],
+    keep: Sequence[bool],
+    config: RLConfig,
+) -> AgreementSums:
+    """Sampler vs trainer logprobs of the `keep` datums from a forward pass (no gradients)."""
+    kept = [i for i, k in enumerate(keep) if k]
+    if not kept:
+        return AgreementSums()
+    allow = config.loss_fn_config.allow_training_without_logprobs
+    scored = await client.forward(
+        [datums[i] for i in kept],
+        "importance_sampling",
+        LossConfig(allow_training_without_logprobs=allow),
+    )
+    return _update_agreement([datums[i] for i in kept], [masks[i] for i in kept], scored)
+
+
+def _judge(parity: ParityCheck, sums: AgreementSums) -> None:
+    """The step's on-policy tokens: the engine claimed the trainer's version for them."""
+    step = parity.model_step
+    parity.judge(sums, served=step, expected=step, what="this step's on-policy tokens")
 
 
 def _forward_backward(
