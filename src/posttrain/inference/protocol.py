@@ -28,13 +28,29 @@ class EngineCapabilities:
     provides_token_entropies: bool
 
 
+SnapshotKind = Literal["model", "update"]
+
+
 @dataclass(frozen=True)
 class WeightSnapshot:
-    """A model's whole weights after an update, as `model.safetensors` (Hugging Face names,
-    LoRA merged into the base weights) in `path`, made for model step `version`."""
+    """The weights of model step `version`, as files in `path`.
+
+    kind "model": the whole weights, `model.safetensors` (Hugging Face names, LoRA merged into
+    the base weights) with the config, an engine reloads them. kind "update": only what
+    training changes, laid over the base model the engine started on: `adapter`, a PEFT
+    adapter directory the engine loads as a LoRA, and/or `tensors`, a safetensors file of
+    trainable tensors (client names) the engine writes into its weights in place, merging any
+    LoRA factor among them against the base weight (`lora_scale` = alpha / rank). `bytes`:
+    the bytes of the files written for the engine.
+    """
 
     path: Path
     version: int
+    kind: SnapshotKind = "model"
+    adapter: Path | None = None
+    tensors: Path | None = None
+    lora_scale: float | None = None
+    bytes: int = 0
 
 
 @runtime_checkable
