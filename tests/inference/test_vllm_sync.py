@@ -8,13 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tests.inference.engine_helpers import train_one_step, worst_logprob_gap
 from tests.inference.vllm_python import require_vllm
 
 import posttrain
+from posttrain.engine.models import load_hf_model
 from posttrain.engine.tiny import make_tiny_model
 from posttrain.inference.adapters import split_adapter
+from posttrain.inference.config import InferenceConfig
 from posttrain.inference.process import ProcessEngine
+from posttrain.inference.session import _start_process
+from posttrain.inference.updates import UpdateExporter
 from posttrain.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -88,3 +93,57 @@ async def test_vllm_syncs_what_changed(
         assert worst <= bound, f"vLLM vs trainer logprobs differ by up to {worst:.3g}"
     finally:
         await backend.close()
+
+
+async def test_vllm_writes_a_partial_set_of_tensors_in_place(mini_model: Path, tmp_path: Path):
+    """Two updates, each of a few tensors (parts of vLLM's fused q/k/v and gate/up layers, a
+    bias, the unembedding): the engine then samples what a Hugging Face model with exactly
+    those tensors replaced computes (1e-5, fp32), so every other tensor stayed as it was and
+    the first update's part of a fused layer survived the second's."""
+    config = InferenceConfig(engine="vllm", python=require_vllm(), kv_cache_mb=64, threads=1)
+    engine = _start_process(config, mini_model, None, 3, 0, tmp_path / "logs")
+    exporter = UpdateExporter(
+        tmp_path / "updates",
+        base_model=str(mini_model),
+        lora_rank=None,
+        lora_alpha=None,
+        route="merge",
+        dtype="float32",
+    )
+    reference = load_hf_model(str(mini_model), dtype="float32", device="cpu")
+    state = reference.state_dict()
+    generator = torch.Generator().manual_seed(0)
+
+    def moved(*names: str) -> dict[str, torch.Tensor]:
+        return {
+            n: state[n] + 0.05 * torch.randn(state[n].shape, generator=generator) for n in names
+        }
+
+    try:
+        first = moved(
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.mlp.gate_proj.weight",
+            "model.layers.2.self_attn.q_proj.bias",
+            "lm_head.weight",
+        )
+        second = moved(
+            "model.layers.0.self_attn.v_proj.weight", "model.layers.2.mlp.down_proj.weight"
+        )
+        for version, update in enumerate([first, second], start=1):
+            await engine.update_weights(exporter.export(update, version), version)
+            reference.load_state_dict(update, strict=False)
+        params = SamplingParams(max_tokens=12, seed=3, stop=[])
+        responses = await engine.sample_many(PROMPTS, 2, params)
+        worst = 0.0
+        for prompt, response in zip(PROMPTS, responses, strict=True):
+            for sequence in response.sequences:
+                tokens = torch.tensor([[*prompt, *sequence.tokens]])
+                with torch.no_grad():
+                    logits = reference(tokens).logits[0, len(prompt) - 1 : -1]
+                want = torch.log_softmax(logits, dim=-1)
+                want = want.gather(1, torch.tensor(sequence.tokens)[:, None])[:, 0]
+                worst = max(worst, (torch.tensor(sequence.logprobs) - want).abs().max().item())
+        assert worst <= 1e-5, worst
+    finally:
+        await engine.close()
+        exporter.close()
