@@ -348,3 +348,28 @@ def test_explain_refuses_an_unknown_toml_key_naming_the_nearest(capsys):
     assert "[rl] has no key 'los'; did you mean 'loss'?" in capsys.readouterr().err
     assert main(["explain", "--key", "backend.x"]) == 2
     assert "no help for table [backend]" in capsys.readouterr().err
+
+
+def test_explain_says_which_route_each_sync_takes():
+    """`sync`: what each optimizer step moves to the engine (docs/engines.md, "Weight sync")."""
+
+    def sync(model: ModelConfig, **inference: object) -> str:
+        config = InferenceConfig(**inference)  # pyright: ignore[reportArgumentType]
+        return _report(JobConfig(model=model, inference=config))["engine"]["sync"]
+
+    lora = dataclasses.replace(FULL, lora_rank=16)
+    assert sync(lora).startswith("live")
+    assert sync(FULL, engine="vllm").startswith("in place (full fine-tuning")
+    assert sync(FULL, devices="cpu,cpu").startswith("in place (full fine-tuning")
+    assert sync(lora, devices="cpu,cpu").startswith("adapter merged in place")
+    assert sync(lora, engine="vllm").startswith("adapter merged in place")  # on a CPU
+    assert sync(lora, engine="vllm", lora_sync="adapter") == (
+        "adapter (loaded as a LoRA, posttrain-v<step>; unembedding adapter merged in place)"
+    )
+    assert sync(lora, engine="vllm", devices="cuda:0,cuda:1") == (
+        "adapter (loaded as a LoRA, posttrain-v<step>; unembedding adapter merged in place)"
+    )
+    no_unembed = dataclasses.replace(lora, train_unembed=False)
+    assert sync(no_unembed, engine="vllm", lora_sync="adapter") == (
+        "adapter (loaded as a LoRA, posttrain-v<step>)"
+    )

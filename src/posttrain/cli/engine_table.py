@@ -86,6 +86,21 @@ def mode_of(config: InferenceConfig) -> EngineMode:
     return ENGINE_MODES[4 if config.sync == "none" else 3]
 
 
+def sync_route(config: InferenceConfig, lora_rank: int, train_unembed: bool | None) -> str:
+    """What each optimizer step moves to `config`'s engine, for a job with `lora_rank`
+    (0: full fine-tuning) and `train_unembed` (None: posttrain's default, trained)."""
+    if config.engine == "pytorch" and config.devices is None:
+        return "live (the engine samples the training weights: nothing moves)"
+    if config.engine == "openai":
+        return "none (the server's fixed weights)" if config.sync == "none" else "whole weights"
+    if lora_rank == 0:
+        return "in place (full fine-tuning: the trainable tensors written into its weights)"
+    if config.lora_route() == "merge":
+        return "adapter merged in place (the engine computes W0 + s B A; no LoRA kernels)"
+    unembed = "; unembedding adapter merged in place" if train_unembed is not False else ""
+    return f"adapter (loaded as a LoRA, posttrain-v<step>{unembed})"
+
+
 def vllm_python(config: InferenceConfig) -> tuple[str, str]:
     """The interpreter the vllm engine's worker runs, and where it came from (as the engine
     session chooses it)."""

@@ -17,7 +17,13 @@ import sys
 from pathlib import Path
 
 from posttrain.backends.plugins.registry import BackendInfo
-from posttrain.cli.engine_table import OPENAI_PROBED, accepts_inference, mode_of, where
+from posttrain.cli.engine_table import (
+    OPENAI_PROBED,
+    accepts_inference,
+    mode_of,
+    sync_route,
+    where,
+)
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.finder import did_you_mean
 from posttrain.inference import InferenceConfig
@@ -218,6 +224,8 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
     mode = mode_of(inference)
     described = mode.as_dict()
     record = {"engine": described.pop("engine"), "where": where(inference), **described}
+    model = config.model
+    record["sync"] = sync_route(inference, model.lora_rank, model.train_unembed)
     if mode.probed:
         record["capabilities_note"] = OPENAI_PROBED
     live = inference.engine == "pytorch" and inference.devices is None

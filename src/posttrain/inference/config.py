@@ -20,6 +20,7 @@ _NOT_SHIPPED = {
 SyncMode = Literal["auto", "none", "reload", "lora"]
 ParityMode = Literal["error", "warn", "off"]
 PARITY_MODES: tuple[ParityMode, ...] = ("error", "warn", "off")
+LoraSync = Literal["auto", "adapter", "merge"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ class InferenceConfig:
     model: str | None = None  # openai: the served model name (None: the first of /v1/models)
     api_key: str | None = None  # openai
     sync: SyncMode = "auto"  # openai: how weights reach the server (auto: lora, else reload)
+    # vllm: how a LoRA run's adapter reaches the engine each step: "adapter" loads it as a
+    # LoRA (vLLM's LoRA kernels), "merge" merges it into the engine's weights in place (plain
+    # kernels); "auto": adapter on a GPU, merge on a CPU, where vLLM's LoRA kernels sample
+    # slower (docs/engines.md). The split pytorch engine always merges.
+    lora_sync: LoraSync = "auto"
     allow_training_without_logprobs: bool = False  # openai: accept a server without logprobs
     start_timeout_s: float = 600.0  # a worker process must be ready within this
     # Whether a step fails ("error"), logs ("warn") or says nothing ("off") when the engine's
@@ -73,6 +79,12 @@ class InferenceConfig:
                     raise ValueError(f"[inference] {name} is for engine = 'openai', not {engine!r}")
             if self.sync != "auto":
                 raise ValueError(f"[inference] sync is for engine = 'openai', not {engine!r}")
+        if self.lora_sync not in ("auto", "adapter", "merge"):
+            raise ValueError(
+                f"[inference] lora_sync must be 'auto', 'adapter' or 'merge', got {self.lora_sync!r}"
+            )
+        if self.engine != "vllm" and self.lora_sync != "auto":
+            raise ValueError(f"[inference] lora_sync is for engine = 'vllm', not {engine!r}")
         if self.engine != "vllm" and self.python is not None:
             raise ValueError(f"[inference] python is for engine = 'vllm', not {engine!r}")
         if self.threads is not None and self.threads < 1:
@@ -103,6 +115,15 @@ class InferenceConfig:
     def split(self) -> bool:
         """Whether sampling runs apart from training (another process or device)."""
         return self.devices is not None or self.engine == "vllm"
+
+    def lora_route(self) -> Literal["adapter", "merge"]:
+        """How a LoRA run's adapter reaches this engine (`lora_sync`, resolved)."""
+        if self.engine != "vllm":
+            return "merge"
+        if self.lora_sync != "auto":
+            return self.lora_sync
+        devices = self.split_devices()
+        return "adapter" if devices is not None and devices[0].startswith("cuda") else "merge"
 
     def split_devices(self) -> tuple[str, str] | None:
         """(sampler device, trainer device) from `devices`, or None when not split."""

@@ -2,7 +2,7 @@
 
 It connects back to its parent on a Unix socket (`multiprocessing.connection`, authenticated
 with the key in $POSTTRAIN_ENGINE_KEY) and answers requests one at a time, each a dict with an
-`op`: "start", "sample", "load", "close". Replies are {"ok": True, "result": ...} or
+`op`: "start", "sample", "load" (whole weights), "update" (what changed), "close". Replies are {"ok": True, "result": ...} or
 {"ok": False, "error": ..., "kind": ...}. Only plain Python data crosses: the parent and this
 process may run different interpreters (vLLM in a venv of its own).
 
@@ -24,6 +24,8 @@ class _Runner(Protocol):
     def sample(self, request: dict[str, Any]) -> list[list[dict[str, Any]]]: ...
 
     def load(self, path: str) -> None: ...
+
+    def update(self, request: dict[str, Any]) -> list[str]: ...
 
 
 def _set_threads(threads: int) -> None:
@@ -71,6 +73,8 @@ def serve(address: str, kind: str) -> None:
                 elif op == "load":
                     runner.load(request["path"])
                     result = None
+                elif op == "update":
+                    result = runner.update(request)  # the adapters it holds
                 else:
                     raise ValueError(f"unknown op {op!r}")
                 conn.send({"ok": True, "result": result})

@@ -50,6 +50,7 @@ class ProcessEngine:
         self.kind = kind
         self.capabilities = capabilities
         self._version = version
+        self.adapters: list[str] = []  # the LoRA adapters the engine holds, newest last
         self.log_path = log_path
         self._lock = threading.Lock()
         self._socket_dir = tempfile.mkdtemp(prefix="posttrain-engine-")
@@ -98,7 +99,19 @@ class ProcessEngine:
     async def update_weights(self, snapshot: WeightSnapshot | None, version: int) -> None:
         if snapshot is None:
             raise ValueError(f"the {self.kind} engine holds its own weights: give it a snapshot")
-        await asyncio.to_thread(self._call, {"op": "load", "path": str(snapshot.path)})
+        if snapshot.kind == "model":
+            request: dict[str, Any] = {"op": "load", "path": str(snapshot.path)}
+        else:
+            request = {
+                "op": "update",
+                "kind": snapshot.kind,
+                "version": snapshot.version,
+                "adapter": None if snapshot.adapter is None else str(snapshot.adapter),
+                "tensors": None if snapshot.tensors is None else str(snapshot.tensors),
+                "lora_scale": snapshot.lora_scale,
+            }
+        held = await asyncio.to_thread(self._call, request)
+        self.adapters = list(cast(list[str], held or []))
         self._version = version
 
     async def close(self) -> None:

@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
+from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.adapter_export import AdapterExporter, check_carried
 from posttrain.inference.adapters import split_adapter
 from posttrain.inference.config import InferenceConfig, vllm_head_problem
 from posttrain.inference.live import LiveEngine
 from posttrain.inference.process import ProcessEngine
-from posttrain.inference.protocol import EngineCapabilities, SamplingEngine, WeightSnapshot
+from posttrain.inference.protocol import EngineCapabilities, SamplingEngine
+from posttrain.inference.updates import UpdateExporter
 from posttrain.inference.weights import WeightExporter
 
 VLLM = EngineCapabilities(
@@ -50,14 +52,15 @@ class EngineSession:
     def __init__(
         self,
         engine: SamplingEngine,
-        exporter: WeightExporter | AdapterExporter | None = None,
+        exporter: WeightExporter | UpdateExporter | AdapterExporter | None = None,
         source: ExportsWeights | None = None,
     ) -> None:
         self.engine = engine
         self.exporter = exporter
         self.source = source  # where the exporter's weights come from
-        # The last sync's seconds: gathering the trainable weights, writing the whole
-        # weights, and the engine loading them.
+        # The last sync: sync_s (seconds, of which gathering the trainable weights, writing
+        # them for the engine, the engine loading them), sync_bytes (the files written for
+        # the engine), sync_version (the model step the engine now samples).
         self.last_sync: dict[str, float] = {}
 
     @classmethod
@@ -71,7 +74,11 @@ class EngineSession:
         lora_alpha: float | None,
         version: int,
         log_dir: Path,
+        keep: int = 3,
     ) -> EngineSession:
+        """The engine for `config`. An engine in a worker process starts on the base model and
+        takes, at each sync, only what training changes (`updates.py`), keeping the newest
+        `keep` versions (max_off_policy_steps + 2: an engine may serve an older one)."""
         if config.engine == "pytorch" and config.devices is None:
             return cls(LiveEngine(client, version=version))
         if config.engine == "openai":
@@ -79,16 +86,30 @@ class EngineSession:
             lora = (base_model, lora_rank, lora_alpha)
             return await _open_server(config, client, exporter, version, lora)
         source = _weights_source(config, client)
-        exporter = _exporter(base_model, lora_rank, lora_alpha)
+        base_dir = _base_dir(base_model)
+        exporter = UpdateExporter(
+            _weights_dir(),
+            base_model=str(base_dir),
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            route=config.lora_route(),
+            dtype=config.dtype,
+            keep=keep,
+        )
+        engine: ProcessEngine | None = None
         try:
-            weights = await source.trainable_weights()
-            snapshot = await asyncio.to_thread(exporter.export, weights, version)
             # Starting takes seconds (vLLM: 10-30 s): off the event loop.
-            engine = await asyncio.to_thread(_start_process, config, snapshot, log_dir)
+            engine = await asyncio.to_thread(
+                _start_process, config, base_dir, lora_rank, keep, version, log_dir
+            )
+            session = cls(engine, exporter, source)
+            await session.sync(version)  # the client's weights now (a resumed run's too)
         except BaseException:
+            if engine is not None:
+                await engine.close()
             exporter.close()
             raise
-        return cls(engine, exporter, source)
+        return session
 
     async def sync(self, version: int) -> None:
         """Give the engine the weights of model step `version` (the client's current ones);
@@ -234,24 +255,42 @@ def _exporter(base_model: str, lora_rank: int | None, lora_alpha: float | None) 
     return WeightExporter(base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha)
 
 
+def _base_dir(base_model: str) -> Path:
+    base_dir = Path(resolve_model_source(base_model))
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"base_model {base_model!r} is not a model directory; an engine with its own "
+            "copy of the model needs a local directory (config.json and safetensors)"
+        )
+    return base_dir
+
+
 def _start_process(
-    config: InferenceConfig, snapshot: WeightSnapshot, log_dir: Path
+    config: InferenceConfig,
+    base_dir: Path,
+    lora_rank: int | None,
+    keep: int,
+    version: int,
+    log_dir: Path,
 ) -> ProcessEngine:
-    """The vLLM or split-pytorch worker process, on the weights of `snapshot`."""
-    problem = vllm_head_problem(config, json.loads((snapshot.path / "config.json").read_text()))
+    """The vLLM or split-pytorch worker process, on the base model in `base_dir`."""
+    problem = vllm_head_problem(config, json.loads((base_dir / "config.json").read_text()))
     if problem is not None:  # else vLLM starts (10-30 s) and fails at the first sample
         raise ValueError(f"[inference] {problem}")
     devices = config.split_devices()
     device = devices[0] if devices else "cpu"
+    vllm = config.engine == "vllm"
+    adapter = vllm and bool(lora_rank) and config.lora_route() == "adapter"
     options = {
-        "model_dir": str(snapshot.path),
+        "model_dir": str(base_dir),
         "dtype": config.dtype,
         "kv_cache_mb": config.kv_cache_mb,
-        "max_model_len": config.max_model_len or _max_positions(snapshot.path),
+        "max_model_len": config.max_model_len or _max_positions(base_dir),
         "threads": config.threads or torch.get_num_threads(),
         "device": device,
+        "lora_slots": max(keep, 1) if adapter else 0,
+        "lora_rank": lora_rank or 0,
     }
-    vllm = config.engine == "vllm"
     python = sys.executable
     if vllm:
         python = config.python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
@@ -260,7 +299,7 @@ def _start_process(
         python=python,
         options=options,
         capabilities=VLLM if vllm else SPLIT_PYTORCH,
-        version=snapshot.version,
+        version=version,
         start_timeout_s=config.start_timeout_s,
         log_path=log_dir / f"{'vllm' if vllm else 'pytorch'}-engine.log",
         env=_visible_gpu(device) if vllm else None,

@@ -112,12 +112,27 @@ def merge_trainable(
 ) -> dict[str, torch.Tensor]:
     """`base` with the trained tensors laid over it: LoRA pairs merged (`lora_scale` =
     alpha / rank), full-fine-tuning tensors replacing theirs. Names are Hugging Face's."""
-    merged = dict(base)
+    pairs, plain = lora_pairs(trainable)
+    merged = dict(base) | plain
+    if pairs and lora_scale is None:
+        raise ValueError("the trainable weights hold LoRA adapters but no lora_scale was given")
+    for layer, pair in pairs.items():
+        key = _base_key(merged, layer)
+        merged[f"{layer}.weight"] = merge_pair(merged[key], pair, float(lora_scale or 0.0))
+    return {k: v.contiguous() for k, v in merged.items()}
+
+
+def lora_pairs(
+    trainable: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """({layer: {"A": A, "B": B}}, {Hugging Face name: tensor}) of a client's trainable
+    tensors: the LoRA factors by layer (an embedding's as a linear layer's), and the rest."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    plain: dict[str, torch.Tensor] = {}
     for name, tensor in trainable.items():
-        plain = name.removeprefix(_PEFT_PREFIX)
-        match = _LORA.match(plain)
-        embedding = _EMBEDDING_LORA.match(plain)
+        name = name.removeprefix(_PEFT_PREFIX)
+        match = _LORA.match(name)
+        embedding = _EMBEDDING_LORA.match(name)
         if match is not None:
             pairs.setdefault(match["layer"], {})[match["which"]] = tensor
         elif embedding is not None:
@@ -126,15 +141,14 @@ def merge_trainable(
             which = "B" if embedding["which"] == "A" else "A"
             pairs.setdefault(embedding["layer"], {})[which] = tensor.t()
         else:
-            merged[plain.replace(".base_layer.", ".")] = tensor
-    if pairs and lora_scale is None:
-        raise ValueError("the trainable weights hold LoRA adapters but no lora_scale was given")
-    for layer, pair in pairs.items():
-        key = _base_key(merged, layer)
-        a, b = pair["A"].float(), pair["B"].float()
-        w0 = merged[key]
-        merged[f"{layer}.weight"] = (w0.float() + float(lora_scale or 0.0) * (b @ a)).to(w0.dtype)
-    return {k: v.contiguous() for k, v in merged.items()}
+            plain[name.replace(".base_layer.", ".")] = tensor
+    return pairs, plain
+
+
+def merge_pair(w0: torch.Tensor, pair: Mapping[str, torch.Tensor], scale: float) -> torch.Tensor:
+    """W0 + scale * B @ A, summed in float32, in W0's dtype."""
+    a, b = pair["A"].float(), pair["B"].float()
+    return (w0.float() + scale * (b @ a)).to(w0.dtype)
 
 
 def _base_key(weights: Mapping[str, torch.Tensor], layer: str) -> str:
@@ -144,6 +158,25 @@ def _base_key(weights: Mapping[str, torch.Tensor], layer: str) -> str:
     if layer == "lm_head" and "model.embed_tokens.weight" in weights:
         return "model.embed_tokens.weight"  # tied in the base model
     raise KeyError(f"LoRA layer {layer!r} has no base weight {key!r} in the base model")
+
+
+def new_version_directory(directory: Path) -> Path:
+    """A fresh hidden directory in `directory` to write a version into, then publish."""
+    tmp = directory / f".tmp-{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_version(tmp: Path, final: Path, written: list[Path], keep: int) -> Path:
+    """Rename the written `tmp` to `final` (atomic: an engine never sees half a version), and
+    delete the oldest of `written` (updated in place) beyond the newest `keep`."""
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    written[:] = [p for p in written if p != final] + [final]
+    while len(written) > keep:
+        shutil.rmtree(written.pop(0), ignore_errors=True)
+    return final
 
 
 class WeightExporter:
@@ -177,18 +210,11 @@ class WeightExporter:
         if self._base is None:
             self._base, _ = base_weights_for_merge(self.base_dir)
         merged = merge_trainable(self._base, trainable, lora_scale=self.lora_scale)
-        final = self.directory / f"v{version}"
-        tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
-        tmp.mkdir(parents=True)
+        tmp = new_version_directory(self.directory)
         # An adapter of a tied model's lm_head alone unties it.
         untie = self.tied and "lm_head.weight" in merged
         write_model_directory(merged, self.base_dir, tmp, untie=untie)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        self._written = [p for p in self._written if p != final] + [final]
-        while len(self._written) > self.keep:
-            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        final = publish_version(tmp, self.directory / f"v{version}", self._written, self.keep)
         return WeightSnapshot(final, version)
 
     def close(self) -> None:
