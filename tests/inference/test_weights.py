@@ -108,3 +108,24 @@ def test_exporter_needs_a_model_directory(tmp_path: Path):
         WeightExporter("org/hub-model", tmp_path / "w", lora_rank=None, lora_alpha=None)
     with pytest.raises(FileNotFoundError, match="nothing' does not exist"):
         WeightExporter(tmp_path / "nothing", tmp_path / "w", lora_rank=None, lora_alpha=None)
+
+
+def test_a_rank_above_32_merges_at_the_trainer_s_default_alpha(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """alpha None is `LoraSettings.default_alpha(rank)`: 32 up to rank 32, else the rank, so
+    rank 64 merges at scale 1 (the engines once took 32 for every rank: scale 0.5 here)."""
+    from posttrain.inference.updates import UpdateExporter
+
+    for rank, scale in ((64, 1.0), (8, 4.0)):
+        exporter = WeightExporter(tiny_model_dir, tmp_path / "w", lora_rank=rank, lora_alpha=None)
+        assert exporter.lora_scale == scale
+    update = UpdateExporter(
+        tmp_path / "u",
+        base_model="x",
+        lora_rank=64,
+        lora_alpha=None,
+        route="adapter",
+        dtype="float32",
+    )
+    assert update.lora_scale == 1.0

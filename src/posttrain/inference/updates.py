@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from posttrain.engine.lora import LoraSettings
 from posttrain.inference.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -63,7 +64,9 @@ class UpdateExporter:
         self.directory = directory
         self.base_model = base_model
         self.lora_rank = lora_rank
-        self.lora_alpha = (lora_alpha or 32.0) if lora_rank else None
+        self.lora_alpha = (
+            (lora_alpha or LoraSettings.default_alpha(lora_rank)) if lora_rank else None
+        )
         self.route = route
         self.dtype = _DTYPES[dtype]
         self.keep = max(keep, 1)

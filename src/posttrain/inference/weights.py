@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from posttrain.engine.lora import LoraSettings
 from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.protocol import WeightSnapshot
 
@@ -200,7 +201,11 @@ class WeightExporter:
             )
         self.directory = directory
         self.tied = ties_word_embeddings(self.base_dir)
-        self.lora_scale = None if not lora_rank else (lora_alpha or 32.0) / lora_rank
+        self.lora_scale = (
+            None
+            if not lora_rank
+            else (lora_alpha or LoraSettings.default_alpha(lora_rank)) / lora_rank
+        )
         self.keep = keep
         self._base: dict[str, torch.Tensor] | None = None
         self._written: list[Path] = []
