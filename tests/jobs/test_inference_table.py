@@ -5,6 +5,7 @@ where it cannot hold: a backend without `inference=`, an engine that never takes
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,25 @@ def test_the_backend_gets_it_as_inference(tmp_path: Path):
     assert "inference" not in constructor_kwargs(_job(tmp_path, {}), LocalBackend, tmp_path)
     with pytest.raises(ValueError, match=r"\[backend\] inference: the job sets it from the "):
         constructor_kwargs(parse_config({"backend": {"inference": "vllm"}}), LocalBackend, tmp_path)
+
+
+def test_an_engine_keeps_a_version_for_each_step_sampled_ahead(tmp_path: Path):
+    """max_off_policy_steps N: samples of N steps may be in flight on older versions, so the
+    engine keeps N + 2 (at least 3, the default); keep_versions set by hand wins."""
+    kept = {}
+    for ahead in (0, 1, 2, 4):
+        config = _job(tmp_path, {"devices": "cpu,cpu"})
+        config = replace(config, rl=replace(config.rl, max_off_policy_steps=ahead))
+        inference = constructor_kwargs(config, LocalBackend, tmp_path)["inference"]
+        assert isinstance(inference, InferenceConfig)
+        kept[ahead] = inference.versions_kept()
+    assert kept == {0: 3, 1: 3, 2: 4, 4: 6}
+    config = _job(tmp_path, {"devices": "cpu,cpu", "keep_versions": 2})
+    config = replace(config, rl=replace(config.rl, max_off_policy_steps=4))
+    inference = constructor_kwargs(config, LocalBackend, tmp_path)["inference"]
+    assert isinstance(inference, InferenceConfig) and inference.versions_kept() == 2
+    with pytest.raises(ValueError, match=r"keep_versions must be >= 2"):
+        InferenceConfig(keep_versions=1)
 
 
 def test_a_backend_without_inference_is_a_problem(tmp_path: Path, monkeypatch):

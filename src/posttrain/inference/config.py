@@ -60,6 +60,9 @@ class InferenceConfig:
     # Whether a step fails ("error"), logs ("warn") or says nothing ("off") when the engine's
     # logprobs are further from the trainer's than a correct engine's (`trainer.parity`).
     parity_check: ParityMode = "error"
+    # vllm, openai: weight versions an engine holds at once (an adapter slot each; a sample
+    # in flight may still use an older one). None: 3, or a job's max_off_policy_steps + 2.
+    keep_versions: int | None = None
 
     def __post_init__(self) -> None:
         engine = self.engine
@@ -89,6 +92,11 @@ class InferenceConfig:
             raise ValueError(f"[inference] python is for engine = 'vllm', not {engine!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"[inference] threads must be >= 1, got {self.threads}")
+        if self.keep_versions is not None and self.keep_versions < 2:
+            raise ValueError(
+                f"[inference] keep_versions must be >= 2 (the version served and the next), "
+                f"got {self.keep_versions}"
+            )
         if self.kv_cache_mb < 16:
             raise ValueError(f"[inference] kv_cache_mb must be >= 16, got {self.kv_cache_mb}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -124,6 +132,13 @@ class InferenceConfig:
             return self.lora_sync
         devices = self.split_devices()
         return "adapter" if devices is not None and devices[0].startswith("cuda") else "merge"
+
+    def versions_kept(self, max_off_policy_steps: int = 0) -> int:
+        """How many weight versions the engine keeps: `keep_versions`, else enough for every
+        sample in flight of a run `max_off_policy_steps` ahead (that + 2, at least 3)."""
+        if self.keep_versions is not None:
+            return self.keep_versions
+        return max(3, max_off_policy_steps + 2)
 
     def split_devices(self) -> tuple[str, str] | None:
         """(sampler device, trainer device) from `devices`, or None when not split."""

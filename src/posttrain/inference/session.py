@@ -74,11 +74,11 @@ class EngineSession:
         lora_alpha: float | None,
         version: int,
         log_dir: Path,
-        keep: int = 3,
     ) -> EngineSession:
         """The engine for `config`. An engine in a worker process starts on the base model and
         takes, at each sync, only what training changes (`updates.py`), keeping the newest
-        `keep` versions (max_off_policy_steps + 2: an engine may serve an older one)."""
+        `config.versions_kept()` versions (an engine may serve an older one)."""
+        keep = config.versions_kept()
         if config.engine == "pytorch" and config.devices is None:
             return cls(LiveEngine(client, version=version))
         if config.engine == "openai":
@@ -172,7 +172,7 @@ async def _open_server(
     # The server reads the weights from this machine's files, so it must run here.
     source = None if config.sync == "none" else _weights_source(config, client)
     adapters = await _adapter_route(config, source, rank)
-    remote = OpenAIEngine(config, version=version)
+    remote = OpenAIEngine(config, version=version, keep=config.versions_kept())
     await remote.start()
     if source is None:
         log.warning(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -121,7 +121,11 @@ def constructor_kwargs(
             kwargs[row.name] = row.default  # declared, but the constructor has no default
     kwargs.update(config.backend)
     if config.inference != InferenceConfig() and "inference" in named:  # else `_inference_problems`
-        kwargs["inference"] = config.inference
+        inference = config.inference
+        ahead = config.rl.max_off_policy_steps
+        if inference.keep_versions is None and ahead > 1:  # each sample in flight keeps its own
+            inference = replace(inference, keep_versions=inference.versions_kept(ahead))
+        kwargs["inference"] = inference
     missing = [
         n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs
     ]
