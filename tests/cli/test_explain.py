@@ -245,8 +245,9 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
         "a worker process running /opt/vllm/bin/python ($POSTTRAIN_VLLM_PYTHON)"
     )
     assert vllm["capabilities"]["provides_token_entropies"] is False
-    assert (
-        vllm["weight_sync_per_step"] == "the whole (LoRA-merged) weights after every optimizer step"
+    # Since issue 27 only what changed travels (the adapter, or the trained tensors).
+    assert vllm["weight_sync_per_step"] == (
+        "what training changed, after every optimizer step (`sync` says how)"
     )
     split = InferenceConfig(devices="cpu,cpu", threads=2)
     engine = _report(JobConfig(model=FULL, inference=split))["engine"]

@@ -31,7 +31,7 @@ OPENAI_FIXED = replace(OPENAI_RELOAD, weight_sync="none")
 
 WEIGHT_SYNC = {
     "live": "none needed: it samples the training weights themselves",
-    "full": "the whole (LoRA-merged) weights after every optimizer step",
+    "full": "what training changed, after every optimizer step (`sync` says how)",
     "none": "none: it samples a fixed policy, so training on its samples goes off-policy",
 }
 OPENAI_PROBED = (

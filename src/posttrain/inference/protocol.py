@@ -17,8 +17,9 @@ class EngineCapabilities:
     """What an engine does; `posttrain backends` and `doctor` print it, preflight reads it.
 
     `weight_sync`: "live" samples the training weights themselves (nothing to sync), "full"
-    takes whole (LoRA-merged) weights after every optimizer step, "none" cannot be updated, so
-    it samples a fixed policy and training on its samples goes off-policy.
+    holds its own copy of the weights and takes what training changed after every optimizer
+    step, "none" cannot be updated, so it samples a fixed policy and training on its samples
+    goes off-policy.
     """
 
     returns_token_ids: bool
