@@ -121,7 +121,13 @@ async def main() -> None:
     parser.add_argument("--skip-sampling", action="store_true", help="no sampling rounds")
     parser.add_argument("--syncs", type=int, default=5, help="timed syncs per way")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up calls per engine")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="PROMPTSxSAMPLESxTOKENS, comma-separated (default: %(default)s)",
+    )
     args = parser.parse_args()
+    workloads = {w: tuple(map(int, w.split("x"))) for w in args.workloads.split(",")}
     model_dir = args.model or tiny_model_path(size=args.size)
     threads = torch.get_num_threads()
     load = os.getloadavg()[0]
@@ -155,7 +161,7 @@ async def main() -> None:
         print(f"{name}: registered (engine started) in {time.perf_counter() - began:.1f} s")
         samplers[name] = backends[name].sampling_client(models[name])
     try:
-        for workload, (count, samples, new) in WORKLOADS.items():
+        for workload, (count, samples, new) in workloads.items():
             if args.skip_sampling:
                 break
             prompts = make_prompts(count)
@@ -177,7 +183,7 @@ async def main() -> None:
                     f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
                 )
             print("; ".join(line))
-        for workload, (count, samples, new) in WORKLOADS.items():
+        for workload, (count, samples, new) in workloads.items():
             if not args.rl_steps:
                 break
             prompts = make_prompts(count)
