@@ -255,7 +255,7 @@ def test_explain_shows_where_each_engine_samples_and_what_it_syncs(monkeypatch):
     bf16 = InferenceConfig(devices="cpu,cpu", dtype="bfloat16", parity_check="warn")
     engine = _report(JobConfig(model=FULL, inference=bf16))["engine"]
     assert engine["parity_check"].startswith("warn: logs a warning")
-    assert "0.02 on average (bfloat16)" in engine["parity_check"]
+    assert "0.03 on average (bfloat16)" in engine["parity_check"]
     fixed = InferenceConfig(
         engine="openai", url="http://127.0.0.1:8000/v1", api_key="tml-SECRET", sync="none"
     )

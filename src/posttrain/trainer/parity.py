@@ -31,12 +31,15 @@ log = logging.getLogger(__name__)
 #     bf16_agreement benchmark's largest fp32 token gap at qwen2.5-0.5b is 2.9e-6. An engine
 #     one sync behind: >= 9.0e-3 every step from step 2 on. 5e-4 is 170x the 0.5B token max
 #     and 18x below the fault's smallest.
-#   bfloat16: correct runs <= 1.6e-3 (split) and 1.1e-3 (live) on the mini model, but the
+#   bfloat16: correct runs <= 1.6e-3 (split) and 1.1e-3 (live) on the mini model, and the
 #     bf16_agreement benchmark measures a mean of 3e-3 (small) and 8e-3 (qwen2.5-0.5b) for the
-#     sampler against the trainer, so 2e-2 is 2.5x the largest correct mean known. An engine one
-#     sync behind shows 7.5e-2 at step 2 (caught), then 1.2e-2 to 5e-2: bf16 cannot tell a
-#     slightly stale adapter from rounding; a base model or a much older one is caught.
-PARITY_BOUNDS: Mapping[str, float] = {"float32": 5e-4, "bfloat16": 2e-2}
+#     sampler against the trainer. The demo (reverse job, SFT warm-up then 50 RL steps, LoRA 16,
+#     split engine, `posttrain train`) reached 1.35e-2 (median 7.9e-3): after the warm-up the
+#     adapter is large, and an engine that merges it into bf16 weights rounds W0 + sBA where the
+#     trainer adds sBA in float32. 3e-2 is 2.2x that. An engine one sync behind shows 7.5e-2 at
+#     step 2 (caught), then 1.2e-2 to 5e-2: bf16 cannot tell a slightly stale adapter from
+#     rounding; a base model or a much older one is caught.
+PARITY_BOUNDS: Mapping[str, float] = {"float32": 5e-4, "bfloat16": 3e-2}
 
 
 def parity_precision(model_dtype: str, engine_dtype: str | None) -> str:
