@@ -8,13 +8,14 @@ them. Prints each route's median seconds (of which write and load) and bytes wri
 ratio. The server needs the vLLM venv (scripts/setup-vllm.sh); it starts with both
 VLLM_SERVER_DEV_MODE=1 and runtime LoRA. Timings on a shared machine: read `uptime` with them.
 
-    python benchmarks/openai_sync.py [--size mini] [--rank 8] [--rounds 5]
+    python benchmarks/openai_sync.py [--size mini] [--rank 8] [--rounds 5] [--vllm-python PY]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -78,7 +79,12 @@ def main() -> None:
     parser.add_argument("--size", default="mini", choices=["mini", "small"])
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--vllm-python", help="an interpreter with vLLM (else as the tests find one)"
+    )
     args = parser.parse_args()
+    if args.vllm_python:
+        os.environ["POSTTRAIN_VLLM_PYTHON"] = args.vllm_python
     model = tiny_model_path(size=args.size)
     max_rank = next(r for r in VLLM_LORA_RANKS if r >= args.rank)
     flags = ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "3"]

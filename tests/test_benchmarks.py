@@ -37,6 +37,7 @@ SMOKE: dict[str, str] = {
     "linear_routes.py": "--size tiny --tokens 32 --repeats 1 --rounds 1 --threads 1 --peak-size 64",
     "logprobs_memory.py": "--vocab 512 --tokens 64 --hidden 32 --chunk 16 --repeats 1",
     "openai_rollouts.py": f"--size tiny --samples 2 --threads 1 {TINY_RL}",
+    "openai_sync.py": "--size mini --rank 8 --rounds 1",
     "parity_gap.py": "--steps 2 --prompts 1 --devices cpu,cpu --fault previous",
     "packing.py": "--size tiny --trajectories 4 --batch-size 2 --min-length 4 --rounds 1 "
     "--threads 1",
@@ -58,7 +59,7 @@ SMOKE: dict[str, str] = {
     "vs_trl.py": "--model-size tiny --steps 1 --rounds 1 --threads 1 --prompts 2 "
     "--group-size 2 --new-tokens 4",
 }
-NEEDS_VLLM = {"engines.py"}
+NEEDS_VLLM = {"engines.py", "openai_sync.py"}
 
 
 def scripts() -> list[str]:

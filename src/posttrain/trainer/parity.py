@@ -34,9 +34,8 @@ log = logging.getLogger(__name__)
 #   bfloat16: correct runs <= 1.6e-3 (split) and 1.1e-3 (live) on the mini model, and the
 #     bf16_agreement benchmark measures a mean of 3e-3 (small) and 8e-3 (qwen2.5-0.5b) for the
 #     sampler against the trainer. The demo (reverse job, SFT warm-up then 50 RL steps, LoRA 16,
-#     split engine, `posttrain train`) reached 1.35e-2 (median 7.9e-3): after the warm-up the
-#     adapter is large, and an engine that merges it into bf16 weights rounds W0 + sBA where the
-#     trainer adds sBA in float32. 3e-2 is 2.2x that. An engine one sync behind shows 7.5e-2 at
+#     `posttrain train`) reached 1.35e-2 with the split engine and 1.19e-2 with the live one
+#     (medians 7.9e-3, 6.9e-3). 3e-2 is 2.2x the largest. An engine one sync behind shows 7.5e-2 at
 #     step 2 (caught), then 1.2e-2 to 5e-2: bf16 cannot tell a slightly stale adapter from
 #     rounding; a base model or a much older one is caught.
 PARITY_BOUNDS: Mapping[str, float] = {"float32": 5e-4, "bfloat16": 3e-2}
