@@ -11,28 +11,15 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
+from tests.engine.sft_datums import random_datums
 from torch.func import functional_call
 
-from posttrain import AdamParams, Datum, ModelInput
+from posttrain import AdamParams, Datum
 from posttrain.clients.create import create_training_client
 from posttrain.engine.logprob_pass import target_logprobs
 from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, ties_embeddings
 
 RANK, ALPHA = 4, 8.0
-
-
-def datums(seed: int) -> list[Datum]:
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for length in (9, 12, 7):
-        ids = torch.randint(0, 256, (length,), generator=generator).tolist()
-        out.append(
-            Datum(
-                ModelInput.from_ints(ids[:-1]),
-                {"target_tokens": ids[1:], "weights": [1.0 / 25] * (length - 1)},
-            )
-        )
-    return out
 
 
 def trained(base: Path, tmp_path: Path, train_unembed: bool | None = None):
@@ -47,7 +34,7 @@ def trained(base: Path, tmp_path: Path, train_unembed: bool | None = None):
         storage_dir=tmp_path,
     )
     for step in range(3):
-        client.forward_backward(datums(step), "cross_entropy").result()
+        client.forward_backward(random_datums(step), "cross_entropy").result()
         client.optim_step(AdamParams(learning_rate=1e-2)).result()
     return client, Path(client.save_weights_for_sampler("s").result().path)
 
@@ -91,7 +78,7 @@ def test_default_adapter_holds_no_base_weight_and_merges_with_peft(
     per_layer = 4 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 3)
     assert lora_numbers == 2 * per_layer + (0 if tied else 4 * (64 + 260))
 
-    data = datums(7)
+    data = random_datums(7)
     want = logprobs_of(client, data)
     assert (want - logprobs_of_model(load_hf_model(base), data)).abs().max() > 1e-3
     merged = PeftModel.from_pretrained(load_hf_model(base), path).merge_and_unload()
@@ -120,7 +107,7 @@ def test_train_unembed_adapts_the_shared_matrix_once(tied_model_dir: Path, tmp_p
     embedding_A = saved["base_model.model.model.embed_tokens.lora_embedding_A"]
     assert torch.equal(saved["base_model.model.lm_head.lora_B.weight"], embedding_A.t())
 
-    data = datums(7)
+    data = random_datums(7)
     want = logprobs_of(client, data)
     with pytest.warns(UserWarning, match="tie_word_embeddings"):  # PEFT's own, on its merge
         peft = PeftModel.from_pretrained(load_hf_model(tied_model_dir), path)
@@ -188,10 +175,10 @@ def test_full_fine_tuning_trains_and_restores_one_tied_matrix(
     worker = client.dispatch.executor.workers[0]  # pyright: ignore[reportAttributeAccessIssue]
     names = list(worker.trainable_parameters())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
-    client.forward_backward(datums(0), "cross_entropy").result()
+    client.forward_backward(random_datums(0), "cross_entropy").result()
     client.optim_step(AdamParams(learning_rate=1e-2)).result()
     path = client.save_state("s").result().path
-    data = datums(7)
+    data = random_datums(7)
     want = logprobs_of(client, data)
     restored = create_training_client(
         tied_model_dir, seed=1, storage_dir=tmp_path / "b", lora_rank=None

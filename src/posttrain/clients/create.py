@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -29,6 +29,7 @@ from posttrain.engine.models import (
     parse_dtype,
 )
 from posttrain.engine.placement import parks_for_sampling
+from posttrain.engine.shared_base import SharedBases
 from posttrain.engine.threads import ComputeThread
 from posttrain.engine.value_head import VALUE_HEAD_MODULE, to_value_model
 from posttrain.engine.worker import Worker, WorkerConfig
@@ -56,6 +57,8 @@ class WorkerSpec:
     config: WorkerConfig
     seed: int
     head: Head = "policy"
+    # The base's weights come from here, shared with other clients of it (local only).
+    bases: SharedBases | None = field(default=None, compare=False, repr=False)
 
     def build(self) -> Worker:
         """Load the model and wrap it; the same spec gives bit-identical replicas anywhere.
@@ -67,7 +70,10 @@ class WorkerSpec:
         value head trains whole beside the adapters (never a LoRA of its own: it is one row).
         """
         # from_pretrained builds on the CPU anyway: moving after wrapping costs nothing more.
-        model = load_hf_model(self.base_model, dtype=self.dtype, device="cpu")
+        if self.bases is not None:
+            model = self.bases.model(self.base_model, self.dtype, self.device)
+        else:
+            model = load_hf_model(self.base_model, dtype=self.dtype, device="cpu")
         if self.head == "value":
             model = to_value_model(model)
         if self.lora is not None and self.head == "value":
@@ -79,7 +85,11 @@ class WorkerSpec:
         return Worker(
             model,
             self.config,
-            tokenizer=load_tokenizer(self.base_model),
+            tokenizer=(
+                self.bases.tokenizer(self.base_model)
+                if self.bases is not None
+                else load_tokenizer(self.base_model)
+            ),
             # A reference model scores with itself; a policy builds a frozen copy when asked.
             reference_factory=None if self.head == "reference" else self.reference_model,
         )
@@ -113,6 +123,7 @@ def create_training_client(
     head: Head = ...,
     executor: Literal["local"] = ...,
     compute_thread: ComputeThread | None = ...,
+    shared_base: SharedBases | None = ...,
 ) -> LocalTrainingClient: ...
 
 
@@ -165,6 +176,7 @@ def create_training_client(
     resources_per_worker: Mapping[str, float] | None = None,
     ray_config: RayConfig | None = None,
     compute_thread: ComputeThread | None = None,
+    shared_base: SharedBases | None = None,
 ) -> LocalTrainingClient | RayTrainingClient:
     """Load `base_model` (a local directory or hub id), optionally wrap it with LoRA, and return
     a client over `num_workers` data-parallel replicas.
@@ -181,6 +193,9 @@ def create_training_client(
     `address` override the fields of `ray_config` (timeouts, threads, collective backend), and
     "auto" is CUDA when each worker gets a GPU share. `compute_thread` (local only) runs the
     client's calls on that thread, shared with other clients, instead of a thread of its own.
+    `shared_base` (local only) takes the base's weights from there, shared with the other
+    clients built from it (`engine.shared_base`): a LoRA policy or a reference model only,
+    since full fine-tuning would write the weights the others read.
     `head="value"` makes a critic (`engine.value_head`): its passes return per-token values.
     `head="reference"` makes a frozen base model (no LoRA) that scores `reference_logprobs`.
     `park_for_sampling` moves gradients and AdamW moments off the device while sampling, to
@@ -195,6 +210,8 @@ def create_training_client(
         raise ValueError("address, resources_per_worker and ray_config need executor='ray'")
     if executor == "ray" and compute_thread is not None:
         raise ValueError("compute_thread needs executor='local': Ray workers compute elsewhere")
+    if executor == "ray" and shared_base is not None:
+        raise ValueError("shared_base needs executor='local': Ray workers load their own model")
     parse_dtype(dtype)  # a bad dtype fails here, before any model loads or Ray starts
     ray = None
     if executor == "ray":
@@ -212,7 +229,15 @@ def create_training_client(
     )
     if head not in ("policy", "value", "reference"):
         raise ValueError(f"head must be 'policy', 'value' or 'reference', got {head!r}")
-    spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed, head)
+    if shared_base is not None and not (
+        head == "reference" or (head == "policy" and lora is not None)
+    ):
+        raise ValueError(
+            "shared_base is for LoRA policies and reference models: full fine-tuning (or a "
+            "critic's value head) trains the base weights, which the other clients read; "
+            "give a lora_rank, or leave shared_base unset for a model of its own"
+        )
+    spec = WorkerSpec(str(base_model), lora, device, dtype, config, seed, head, shared_base)
     storage = Path(storage_dir) if storage_dir else Path(tempfile.mkdtemp(prefix="posttrain-"))
     if ray is not None:
         client = _ray_client(spec, num_workers, ray, storage)

@@ -15,6 +15,11 @@ callers of `sampler` wait for a sampler to load there. A sampling request runs w
 compute thread (`sampling` is the compute thread), so loading its sampler, sampling and scoring
 the prompt take one turn there, not three. What runs off the compute thread computes nothing
 with torch: SQLite writes, JSON and protobuf encoding, directory deletes (`files`).
+
+Memory. The base model's weights are in memory once (`engine.shared_base`): every LoRA
+training client and every sampler, the base model's own included, is a module tree of its own
+over those tensors, with its own adapter, optimizer state and generator. A client costs its
+adapter and AdamW moments; a sampler of saved weights costs its adapter.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint
+from posttrain.engine.shared_base import SharedBases
 from posttrain.engine.threads import ComputeThread
 from posttrain.server.config import ServerConfig
 from posttrain.server.lanes import Job, Lane, UserError, category_of
@@ -57,6 +63,8 @@ class Runtime:
         self._reaper: asyncio.Task[None] | None = None
         self._events: dict[str, asyncio.Event] = {}
         self.samplers = SamplerCache(config.sampler_cache_size, self._load_sampler)
+        # One copy of the base model's weights, which every client reads (module doc).
+        self.bases = SharedBases()
         self.compute = ComputeThread("compute")  # the only thread where torch computes
         self.admin = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="admin")
         # Deletes get their own thread: they must not wait behind a client.close on admin.
@@ -152,7 +160,8 @@ class Runtime:
         self, storage: Path, lora: dict[str, int | bool] | None, seed: int = 0
     ) -> LocalTrainingClient:
         """The base model, with a fresh LoRA adapter when `lora` is given (None: the base model
-        alone, for sampling it); run it on the compute thread."""
+        alone, for sampling it); run it on the compute thread. Both read the one copy of the
+        base's weights in `bases`: a client costs its adapter and optimizer, not a model."""
         if lora is None:
             return create_training_client(
                 self.config.model_path,
@@ -160,6 +169,8 @@ class Runtime:
                 storage_dir=storage,
                 compute_thread=self.compute,
                 lora_rank=None,
+                head="reference",  # never trained: it may share the weights
+                shared_base=self.bases,
             )
         client = create_training_client(
             self.config.model_path,
@@ -171,6 +182,7 @@ class Runtime:
             seed=seed,
             storage_dir=storage,
             compute_thread=self.compute,
+            shared_base=self.bases,
         )
         client.dispatch.set_packing(self.config.packing)  # on this thread: no queue to wait on
         return client
