@@ -7,8 +7,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,12 +23,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str
+    pid: int
+
+
 @contextmanager
 def serve(base_model: Path, storage: Path, threads: int) -> Iterator[str]:
     """The server's URL while it runs; torch in it uses `threads` threads (OMP_NUM_THREADS)."""
+    with serve_process(base_model, storage, threads) as served:
+        yield served.url
+
+
+@contextmanager
+def serve_process(
+    base_model: Path, storage: Path, threads: int, extra: Sequence[str] = ()
+) -> Iterator[Served]:
+    """`serve`, with more command-line flags (`extra`), giving the server's pid too."""
     port = free_port()
     args = [sys.executable, "-m", "posttrain.cli.main", "serve", "--base-model", str(base_model)]
-    args += ["--port", str(port), "--storage", str(storage), "--api-key", KEY]
+    args += ["--port", str(port), "--storage", str(storage), "--api-key", KEY, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     log = open(storage.parent / "server.log", "w")  # noqa: SIM115 - the child writes to it
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -42,7 +58,7 @@ def serve(base_model: Path, storage: Path, threads: int) -> Iterator[str]:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        yield url
+        yield Served(url, process.pid)
     finally:
         process.terminate()
         process.wait(30)
