@@ -103,7 +103,7 @@ def measure(model_dir: Path, clients: int, args: argparse.Namespace) -> dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--size", default="qwen2.5-0.5b", choices=["tiny", "mini", "small", "qwen2.5-0.5b"]
     )
