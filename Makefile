@@ -19,7 +19,7 @@ demo-real: setup
 test: setup
 	.venv/bin/python -m ruff check src tests benchmarks recipes
 	.venv/bin/python -m pyright
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist worksteal -q
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist worksteal -q --durations=25
 
 lint: setup
 	.venv/bin/python -m ruff check src tests benchmarks recipes
