@@ -217,14 +217,19 @@ def test_the_server_answers_a_request_that_cannot_fit_and_stays_up(
         body = {"session_id": session, "base_model": "tiny", "lora_config": {"rank": 2}}
         first = submit("create_model", {**body, "model_seq_id": 0})["model_id"]
         assert isinstance(first, str)
+        saved = submit("save_weights_for_sampler", {"model_id": first, "path": "s", "seq_id": 1})
         with runtime.residency.using(first):  # a request of the first model is running
             refused = submit("create_model", {**body, "model_seq_id": 1})
+            completion = {"model": saved["path"], "prompt": "hi", "max_tokens": 2}
+            busy = http.post("/v1/completions", json=completion, headers=headers)
         assert refused["category"] == "user"
         assert "all 1 resident adapters are busy" in str(refused["error"])
         assert "--max-resident-adapters" in str(refused["error"])
+        assert busy.status_code == 503
+        assert "--max-resident-adapters 1" in busy.json()["error"]["message"]
         # Still up: the first model trains, and a second fits once the first is idle (it is
         # spilled for it).
-        step = {"model_id": first, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+        step = {"model_id": first, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}}
         assert submit("optim_step", step)["type"] == "optim_step"
         assert submit("create_model", {**body, "model_seq_id": 2})["type"] == "create_model"
         assert runtime.residency.spills == 1

@@ -40,6 +40,7 @@ from posttrain.engine.executor import InProcessExecutor
 from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import Worker
 from posttrain.server.lanes import Job, Outcome, UserError
+from posttrain.server.sources import SourceBusyError
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ GRADS = "grads.pt"  # each worker's accumulated gradients, by parameter name
 Build = Callable[[], LocalTrainingClient]
 
 
-class NoRoomError(UserError):
-    """Every resident adapter is busy: nothing can leave to make room for another."""
+class NoRoomError(UserError, SourceBusyError):
+    """Every resident adapter is busy: nothing can leave to make room for another (a user
+    error on the Tinker side; a 503 on the OpenAI-compatible endpoints)."""
 
 
 class Unloaded(LookupError):
