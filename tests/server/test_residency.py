@@ -238,3 +238,18 @@ def test_the_server_answers_a_request_that_cannot_fit_and_stays_up(
 def test_the_flag_is_checked() -> None:
     with pytest.raises(ValueError, match=r"--max-resident-adapters must be >= 1.*got 0"):
         server_config(Path("tiny"), Path("."), max_resident_adapters=0)
+
+
+def test_a_spill_that_fails_keeps_the_client_in_memory(
+    tiny_model_dir: Path, tmp_path: Path, compute: ComputeThread
+) -> None:
+    residency = Residency(1, tmp_path / "spill", compute)
+    a = add(residency, "a", builder(tiny_model_dir, tmp_path / "a", compute, seed=0))
+    a.forward_backward(data(), "cross_entropy").result()
+    before = state(a)
+    (tmp_path / "spill").write_text("a file where the spill directory goes: spills fail")
+    with pytest.raises(OSError):
+        residency.create("b", builder(tiny_model_dir, tmp_path / "b", compute, seed=0))
+    assert residency.resident() == ["a"] and residency.spills == 0
+    assert use(residency, "a") is a  # the same client, its gradients untouched
+    assert_bit_equal(state(a), before)

@@ -182,6 +182,8 @@ class Residency:
         with self._lock:
             if self._trainers.get(model_id) is not trainer:
                 raise Unloaded(model_id)  # unloaded meanwhile
+            if trainer.client is not None and model_id in self._lru:
+                return trainer.client, 0  # its spill failed, so it stayed
             victims = self._victims()
             if victims is None:
                 return None, self._changes
