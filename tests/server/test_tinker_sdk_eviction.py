@@ -1,6 +1,6 @@
 """`posttrain serve --max-resident-adapters 2` through the tinker SDK: three training clients
-take turns, so each is spilled to disk and reloaded (once with gradients waiting for their
-optim_step), and a sampler is dropped and reloaded. Their losses, final weights and AdamW state
+take turns, then send their requests all at once, so each is spilled to disk and reloaded (once
+with gradients waiting for their optim_step), and a sampler is dropped and reloaded. Their losses, final weights and AdamW state
 are those of the same clients on a server without the limit, to the bit, and the sampler's
 greedy tokens are the same."""
 
@@ -60,6 +60,13 @@ def run(server: ServerProcess, model: Path) -> dict[str, object]:
             losses.append(tc.forward_backward(data(), "cross_entropy").result().metrics["loss:sum"])
         for tc in clients:
             tc.optim_step(ADAM).result()
+    # All at once: three models' requests run together, so a reload waits for a busy adapter.
+    for _ in range(2):
+        passes = [tc.forward_backward(data(), "cross_entropy") for tc in clients]
+        steps = [tc.optim_step(ADAM) for tc in clients]
+        losses += [p.result().metrics["loss:sum"] for p in passes]
+        for done in steps:
+            done.result()
     saved = []
     for tc in clients:
         ckpt = server.checkpoint_dir(tc.save_state("final").result().path)
