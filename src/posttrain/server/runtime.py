@@ -6,7 +6,8 @@ always reads it from one place, after a restart too.
 
 Threads. torch computes on exactly one thread, `Runtime.compute` (one device per server): every
 call of every model and sampler (forward, forward_backward, optim_step, sampling, prompt
-logprobs, checkpoint saves and loads, model loading) runs there, one at a time, in the order
+logprobs, checkpoint saves and loads, model loading, and the spills and reloads of adapters
+beyond --max-resident-adapters, `server.residency`) runs there, one at a time, in the order
 submitted. Two threads computing at once would each run an OpenMP pool as large as the usable
 cores and fight over them (see `posttrain.engine.threads`). The other threads only decide order
 and wait: a model's lane thread hands that model's requests to the compute thread in `seq_id`
