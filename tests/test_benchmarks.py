@@ -23,6 +23,7 @@ BENCHMARKS = ROOT / "benchmarks"
 HELPERS = {"gpu_metrics.py", "serve_process.py"}
 TINY_RL = "--prompts 2 --new-tokens 4 --rounds 1"
 SMOKE: dict[str, str] = {
+    "adapter_eviction.py": "--size tiny --rank 4 --tokens 8 --rounds 1",
     "async_rl.py": "--size tiny --steps 2 --rounds 1",
     "attention_dtypes.py": "--rounds 1 --threads 1",
     "bf16_agreement.py": "--size tiny --samples 2 --tokens 4",

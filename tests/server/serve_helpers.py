@@ -100,3 +100,34 @@ def result(server: ServerProcess, request_id: str, key: str = KEY) -> dict:
         body = response.json()
         if body.get("type") != "try_again":
             return body
+
+
+def server_config(model_dir: Path, tmp_path: Path, **changes: object):
+    """The ServerConfig of an in-process server of `model_dir` (as "tiny") under `tmp_path`."""
+    from posttrain.server.config import ServerConfig
+
+    return ServerConfig(
+        base_model="tiny",
+        model_path=str(model_dir),
+        db_path=tmp_path / "state.db",
+        storage_dir=tmp_path / "storage",
+        **changes,  # pyright: ignore[reportArgumentType]
+    )
+
+
+def assert_bit_equal(a: object, b: object) -> None:
+    """Nested dicts and lists whose tensors are torch.equal (same dtype) and the rest =="""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            assert_bit_equal(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bit_equal(x, y)
+    else:
+        assert a == b

@@ -251,3 +251,12 @@ def test_non_loopback_without_key_is_refused(tiny_model_dir: Path, tmp_path: Pat
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "non-loopback" in done.stderr and "--api-key" in done.stderr
+
+
+def test_max_resident_adapters_below_one_is_refused(tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "posttrain.cli.main", "serve", "--base-model", "tiny"]
+    args += ["--storage", str(tmp_path), "--max-resident-adapters", "0"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--max-resident-adapters must be >= 1" in done.stderr
+    assert "got 0; leave it out for no limit" in done.stderr

@@ -59,6 +59,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=4,
         help="sampling models (base model or checkpoints) kept loaded, least recently used first out",
     )
+    parser.add_argument(
+        "--max-resident-adapters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="LoRA adapters (training clients with their optimizer state, and sampling "
+        "models) kept in memory at most; an idle one beyond N is written to disk and reloaded "
+        "on its next request. Default: no limit",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--packing",
@@ -88,6 +97,7 @@ def run_serve(args: argparse.Namespace) -> int:
             seq_gap_timeout=args.seq_gap_timeout,
             session_timeout=args.session_timeout,
             sampler_cache_size=args.sampler_cache_size,
+            max_resident_adapters=args.max_resident_adapters,
             device=args.device,
             packing=args.packing,
         )

@@ -42,6 +42,9 @@ class ServerConfig:
     seq_gap_timeout: float = 30.0  # a model waits this long for a missing seq_id
     poll_timeout: float = 25.0  # retrieve_future holds this long before try_again
     sampler_cache_size: int = 4  # sampling models kept loaded (each a full model copy)
+    # LoRA training clients and sampling models in memory at most (`server.residency`); idle
+    # ones beyond it are spilled to disk. None: no limit.
+    max_resident_adapters: int | None = None
     # A session without a heartbeat for this long is finished and its models unloaded (the SDK
     # beats every 10 s and warns after 120 s without one).
     session_timeout: float = 300.0
@@ -72,6 +75,11 @@ class ServerConfig:
             raise ValueError(f"session_timeout must be > 0, got {self.session_timeout}")
         if self.sampler_cache_size < 1:
             raise ValueError(f"sampler_cache_size must be >= 1, got {self.sampler_cache_size}")
+        if self.max_resident_adapters is not None and self.max_resident_adapters < 1:
+            raise ValueError(
+                f"--max-resident-adapters must be >= 1 (one request needs one adapter in "
+                f"memory), got {self.max_resident_adapters}; leave it out for no limit"
+            )
 
     def serves(self, name: str) -> bool:
         return name == self.base_model or name in self.aliases

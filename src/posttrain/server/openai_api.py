@@ -50,7 +50,7 @@ from posttrain.server.openai_schema import (
     usage,
     user_stops,
 )
-from posttrain.server.sources import SamplerSource, UnknownModelError
+from posttrain.server.sources import SamplerSource, SourceBusyError, UnknownModelError
 from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import SampleResponse, SamplingParams
 
@@ -156,6 +156,8 @@ async def _sampler(source: SamplerSource, name: str, owner: str | None) -> Model
         if getattr(source, "never_blocks", False):
             return source.sampler(name, owner)
         return await asyncio.to_thread(source.sampler, name, owner)
+    except SourceBusyError as exc:
+        raise OpenAIError(503, str(exc), kind="server_error") from None
     except UnknownModelError:
         served = ", ".join(source.model_names(owner)) or "(none)"
         raise OpenAIError(

@@ -6,7 +6,8 @@ always reads it from one place, after a restart too.
 
 Threads. torch computes on exactly one thread, `Runtime.compute` (one device per server): every
 call of every model and sampler (forward, forward_backward, optim_step, sampling, prompt
-logprobs, checkpoint saves and loads, model loading) runs there, one at a time, in the order
+logprobs, checkpoint saves and loads, model loading, and the spills and reloads of adapters
+beyond --max-resident-adapters, `server.residency`) runs there, one at a time, in the order
 submitted. Two threads computing at once would each run an OpenMP pool as large as the usable
 cores and fight over them (see `posttrain.engine.threads`). The other threads only decide order
 and wait: a model's lane thread hands that model's requests to the compute thread in `seq_id`
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -42,6 +44,7 @@ from posttrain.engine.shared_base import SharedBases
 from posttrain.engine.threads import ComputeThread
 from posttrain.server.config import ServerConfig
 from posttrain.server.lanes import Job, Lane, UserError, category_of
+from posttrain.server.residency import Residency, Unloaded
 from posttrain.server.sampler_cache import SamplerCache
 from posttrain.server.sources import UnknownModelError
 from posttrain.server.store import FutureRow, ModelRow, SamplerRow, Store
@@ -57,15 +60,22 @@ class Runtime:
     def __init__(self, config: ServerConfig, store: Store) -> None:
         self.config = config
         self.store = store
-        self.clients: dict[str, LocalTrainingClient] = {}
         self.lanes: dict[str, Lane] = {}
         self.live_sessions: dict[str, str] = {}  # live model id -> its session id
         self._reaper: asyncio.Task[None] | None = None
         self._events: dict[str, asyncio.Event] = {}
-        self.samplers = SamplerCache(config.sampler_cache_size, self._load_sampler)
         # One copy of the base model's weights, which every client reads (module doc).
         self.bases = SharedBases()
         self.compute = ComputeThread("compute")  # the only thread where torch computes
+        # The training clients, and which adapters are in memory (--max-resident-adapters).
+        self.residency = Residency(
+            config.max_resident_adapters, config.storage_dir / "spilled-adapters", self.compute
+        )
+        self.samplers = SamplerCache(
+            config.sampler_cache_size,
+            self._load_sampler,
+            lambda key: self.residency.forget_sampler(_sampler_key(key)),
+        )
         self.admin = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="admin")
         # Deletes get their own thread: they must not wait behind a client.close on admin.
         self.files = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="files")
@@ -125,7 +135,8 @@ class Runtime:
         if lane is None:
             self.fail(request_id, not_loaded(model_id))
             return
-        lane.submit(seq_id, request_id, job)
+        # Busy while it runs: its model's client is not evicted under it.
+        lane.submit(seq_id, request_id, self.residency.pinned(model_id, job))
 
     def _notify(self, request_id: str) -> None:
         def wake() -> None:
@@ -153,8 +164,10 @@ class Runtime:
     ) -> LocalTrainingClient:
         """Load the base model with a fresh LoRA adapter; called from a worker thread, it loads
         on the compute thread (loading computes: LoRA init, weight copies), where the client's
-        calls run too."""
-        return self.compute.call(self._new_client, self.model_dir(model_id), lora, seed)
+        calls run too. The client is busy (never evicted) until `add_model` registers it or
+        `discard_client` drops it."""
+        build = functools.partial(self._new_client, self.model_dir(model_id), lora, seed)
+        return self.residency.create(model_id, build)
 
     def _new_client(
         self, storage: Path, lora: dict[str, int | bool] | None, seed: int = 0
@@ -206,21 +219,27 @@ class Runtime:
         async def register() -> None:
             self.check_live(row)
             self.store.add_model(row)
-            self.clients[row.model_id] = client
             self.lanes[row.model_id] = Lane(self, row.model_id)
             self.live_sessions[row.model_id] = row.session_id
 
         try:
             asyncio.run_coroutine_threadsafe(register(), self.loop).result()
         except BaseException:
-            client.close()
+            self.discard_client(row.model_id, client)
             raise
+        self.residency.release(row.model_id)  # `build_client`'s pin: idle until a request
+
+    def discard_client(self, model_id: str, client: LocalTrainingClient) -> None:
+        """Drop a client `build_client` made that never became a live model."""
+        self.residency.forget(model_id)
+        client.close()
 
     def client(self, model_id: str) -> LocalTrainingClient:
-        """The live model's client (for jobs); a user error once the model was unloaded."""
+        """The live model's client (for jobs, which `submit_ordered` keeps it in memory for;
+        reloaded if it was spilled); a user error once the model was unloaded."""
         try:
-            return self.clients[model_id]
-        except KeyError:
+            return self.residency.client(model_id)
+        except Unloaded:
             raise UserError(not_loaded(model_id)) from None
 
     # unloading: a session's models and ephemeral samplers go when it finishes or expires
@@ -238,7 +257,7 @@ class Runtime:
         """Called on the event loop; unloading twice is harmless."""
         self.live_sessions.pop(model_id, None)
         lane = self.lanes.pop(model_id, None)
-        client = self.clients.pop(model_id, None)
+        client = self.residency.forget(model_id)
         if lane is not None:
             lane.close(not_loaded(model_id))
         if client is not None:
@@ -285,7 +304,10 @@ class Runtime:
     ) -> LocalTrainingClient:
         """A cached sampling model: the base model (weights_dir None) or saved weights.
         Called on the compute thread only (`server.sampler_cache`)."""
-        return self.samplers.get(weights_dir, lora)
+        client = self.samplers.get(weights_dir, lora)
+        if weights_dir is not None and lora is not None:
+            self.residency.touch(_sampler_key(weights_dir))
+        return client
 
     def evict_weights(self, weights_dir: str) -> None:
         """Forget the sampler loaded from `weights_dir` (its files changed or went away)."""
@@ -308,9 +330,16 @@ class Runtime:
             raise UserError(f"the weights of this sampler are gone (no checkpoint {weights_dir})")
 
         def load() -> LocalTrainingClient:
-            client = self._new_client(storage, lora)
-            # On the compute thread already, so the load runs inline.
-            client.load_state(weights_dir, with_optimizer=False).result()
+            key = _sampler_key(weights_dir)
+            # Room first: with --max-resident-adapters, an idle adapter may leave for it.
+            self.residency.admit_sampler(key, lambda: self.samplers.evict(weights_dir))
+            try:
+                client = self._new_client(storage, lora)
+                # On the compute thread already, so the load runs inline.
+                client.load_state(weights_dir, with_optimizer=False).result()
+            except BaseException:
+                self.residency.forget_sampler(key)
+                raise
             return client
 
         return self.compute.call(load)
@@ -346,6 +375,11 @@ def not_loaded(model_id: str) -> str:
         f"model {model_id} is not loaded: its session finished or expired, or the server "
         "restarted; create a training client from one of its checkpoints"
     )
+
+
+def _sampler_key(weights_dir: str) -> str:
+    """A LoRA sampling model's key among the resident adapters (`server.residency`)."""
+    return f"sampler:{Path(weights_dir)}" if weights_dir else "sampler:"
 
 
 def _context_length(model_path: str) -> int | None:

@@ -23,11 +23,15 @@ Load = Callable[[str | None, dict[str, int | bool] | None], LocalTrainingClient]
 class SamplerCache:
     """Sampling models by the directory of their weights, least recently used dropped first."""
 
-    def __init__(self, size: int, load: Load) -> None:
+    def __init__(
+        self, size: int, load: Load, on_drop: Callable[[str], None] = lambda key: None
+    ) -> None:
         self.size = size
         self.load = load
+        self.on_drop = on_drop  # told the key of each sampler that leaves (`server.residency`)
         self._samplers: OrderedDict[str, LocalTrainingClient] = OrderedDict()
-        self._lock = threading.Lock()
+        # Re-entrant: a load may make room by evicting other samplers (`server.residency`).
+        self._lock = threading.RLock()
 
     def get(
         self, weights_dir: str | None, lora: dict[str, int | bool] | None
@@ -43,7 +47,7 @@ class SamplerCache:
             while len(self._samplers) > self.size:
                 # Dropped, not closed: a request that already holds it finishes on it, and the
                 # model is freed with the last reference.
-                self._samplers.popitem(last=False)
+                self.on_drop(self._samplers.popitem(last=False)[0])
             return client
 
     def evict(self, weights_dir: str) -> None:
@@ -53,7 +57,7 @@ class SamplerCache:
         too, once loaded. A request that already holds it finishes on it.
         """
         with self._lock:
-            self._samplers.pop(_cache_key(weights_dir), None)
+            self._forget(_cache_key(weights_dir))
 
     def drop(self, weights_dir: str) -> None:
         """Evict the sampler of `weights_dir`, then delete the directory (the caller's thread).
@@ -62,10 +66,14 @@ class SamplerCache:
         the eviction and the deletion; the slow part, deleting, runs outside.
         """
         with self._lock:
-            self._samplers.pop(_cache_key(weights_dir), None)
+            self._forget(_cache_key(weights_dir))
             hidden = hide_dir(Path(weights_dir))
         if hidden is not None:
             shutil.rmtree(hidden, ignore_errors=True)
+
+    def _forget(self, key: str) -> None:
+        if self._samplers.pop(key, None) is not None:
+            self.on_drop(key)
 
 
 def hide_dir(directory: Path) -> Path | None:

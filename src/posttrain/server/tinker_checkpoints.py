@@ -170,7 +170,7 @@ class CheckpointApi:
                 try:
                     client.load_state(ckpt.dir, with_optimizer=body.optimizer).result()
                 except BaseException:
-                    client.close()
+                    self.rt.discard_client(model_id, client)
                     raise
                 self.rt.add_model(row, client)
                 return Outcome({"model_id": model_id, "path": body.path, "type": "load_weights"})
