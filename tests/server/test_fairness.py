@@ -24,16 +24,43 @@ from typing import Any
 import pytest
 from serve_helpers import KEY, OTHER_KEY, ServerProcess
 
+from posttrain.server.store import ModelRow, SamplerRow, Store
+
 tinker = pytest.importorskip("tinker")
 types = tinker.types
 
-# 40 + about 120 sampling requests on the tiny model: several seconds on a busy CPU.
-pytestmark = pytest.mark.slow
 
 PROMPT = [10, 72, 101, 108, 108, 111]
 FLOOD = 40
 
 
+def test_a_requests_tenant_is_its_session_else_its_owner(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    lora: dict[str, int | bool] = {"rank": 4}
+    store.add_model(ModelRow("s1:train:0", "alice", "s1", "tiny", lora, {}, 0.0, 0.0))
+    store.add_sampler(SamplerRow("sampler-1", "alice", "s2", "tiny", None, None, None))
+    store.add_sampler(SamplerRow("sampler-2", "alice", None, "tiny", None, None, None))
+    for request_id, model_id in [
+        ("train", "s1:train:0"),  # a training client's request: its session
+        ("sample", "sampler-1"),  # a sampling client's: its session
+        ("loose", "sampler-2"),  # a sampler outside any session: its owner
+        ("create", "s1:train:1"),  # a model still loading has no row yet: its owner
+        ("none", None),
+    ]:
+        store.add_future(request_id, "alice", "x", "hash", model_id=model_id)
+    tenants = {r: store.tenant(r) for r in ("train", "sample", "loose", "create", "none", "?")}
+    assert tenants == {
+        "train": "s1",
+        "sample": "s2",
+        "loose": "owner:alice",
+        "create": "owner:alice",
+        "none": "owner:alice",
+        "?": None,
+    }
+
+
+# 40 + about 120 sampling requests on the tiny model: several seconds on a busy CPU.
+@pytest.mark.slow
 def test_a_flooding_session_does_not_starve_three_steady_ones(
     server: ServerProcess, tiny_model_dir: Path
 ) -> None:

@@ -2,7 +2,8 @@
 
 The threading model: one thread runs torch compute per device. A training client runs its calls
 on a `ComputeThread` of its own; `posttrain serve` gives every model and sampler the same one,
-so the server computes on exactly one thread. That thread's intra-op pool gets one OpenMP
+so the server computes on exactly one thread, taking its calls fairly between tenants (a
+client's session: see `ComputeThread`, `FairQueue`). That thread's intra-op pool gets one OpenMP
 thread per usable core. Two Python threads computing at once would each start a full pool and
 fight over the cores: OpenMP threads wait at their barriers for a thread that is descheduled.
 

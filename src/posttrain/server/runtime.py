@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -104,7 +105,7 @@ class Runtime:
                 traceback.print_exc()
             self.fail(request_id, str(exc) or type(exc).__name__, category_of(exc))
             return
-        payload = None if outcome.json is None else json.dumps(outcome.json).encode()
+        payload = None if outcome.json is None else json.dumps(finite_json(outcome.json)).encode()
         self.store.complete_future(request_id, payload, outcome.proto)
         self._notify(request_id)
 
@@ -341,6 +342,19 @@ class Runtime:
             raise UnknownModelError(f"model {name!r} is not served")
         client = self.compute.call(self.sampler_client, row.dir, model.lora)
         return ModelSampler(client, client.get_tokenizer())
+
+
+def finite_json(value: object) -> object:
+    """`value` with each non-finite float as the string "NaN", "Infinity" or "-Infinity": JSON
+    has no such numbers (the SDK's parser refuses `NaN`), and pydantic reads these strings back
+    as floats. A skipped optim_step reports grad_norm NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def not_loaded(model_id: str) -> str:
