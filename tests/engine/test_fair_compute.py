@@ -16,6 +16,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import pytest
+import torch
 
 from posttrain.engine.threads import ComputeThread, FairQueue, as_tenant, current_tenant
 
@@ -218,3 +219,19 @@ def test_close_waits_or_drops() -> None:
     assert all(f.cancelled() for f in later)
     gate.set()
     assert running.result(timeout=5) is True
+
+
+def test_a_submission_racing_close_is_refused_cleanly() -> None:
+    # A call whose turn cannot be queued (the pool is shut down) is taken back, even when a
+    # close(wait=False) drained it first; calls are told apart by identity, not by their args
+    # (tensors have no truth value).
+    compute = ComputeThread("test-fair")
+    call = compute._queue.push("x", torch.add, torch.ones(3), torch.ones(3))
+    twin = compute._queue.push("x", torch.add, torch.ones(3), torch.ones(3))
+    compute._queue.remove("x", twin)
+    assert list(compute._queue.waiting["x"]) == [call]
+    compute.close(wait=False)  # drains `call`
+    compute._queue.remove("x", call)  # no error: it was gone already
+    with pytest.raises(RuntimeError):
+        compute.submit(torch.add, torch.ones(3), torch.ones(3), tenant="x")
+    assert not compute._queue.waiting

@@ -155,7 +155,7 @@ def as_tenant(tenant: Hashable) -> Iterator[None]:
         current_tenant.reset(token)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: args may hold tensors
 class _Call:
     fn: Callable[..., Any]
     args: tuple[object, ...]
@@ -192,10 +192,12 @@ class FairQueue:
         return call
 
     def remove(self, tenant: Hashable, call: _Call) -> None:
-        queue = self.waiting[tenant]
-        queue.remove(call)
-        if not queue:
-            del self.waiting[tenant]
+        """Take back `call` if it still waits (a `drain` may have taken it already)."""
+        queue = self.waiting.get(tenant)
+        if queue is not None and call in queue:
+            queue.remove(call)
+            if not queue:
+                del self.waiting[tenant]
 
     def pop(self) -> tuple[Hashable, _Call] | None:
         """The next call and its tenant, now running (None: nothing waits)."""
