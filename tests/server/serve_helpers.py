@@ -1,4 +1,5 @@
-"""Start and stop `posttrain serve` as a real subprocess on a free loopback port."""
+"""Start and stop `posttrain serve` as a real subprocess on a free loopback port, or serve an app
+in this process (`serving`) where a test needs to reach into the runtime."""
 
 from __future__ import annotations
 
@@ -7,11 +8,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:  # the server's extras are not needed to import these helpers
+    from fastapi import FastAPI
+
+    from posttrain.server.config import ServerConfig
 
 KEY = "tml-test-key-one"
 OTHER_KEY = "tml-test-key-two"
@@ -102,8 +112,8 @@ def result(server: ServerProcess, request_id: str, key: str = KEY) -> dict:
             return body
 
 
-def server_config(model_dir: Path, tmp_path: Path, **changes: object):
-    """The ServerConfig of an in-process server of `model_dir` (as "tiny") under `tmp_path`."""
+def in_process_config(model_dir: Path, tmp_path: Path, **changes: Any) -> ServerConfig:
+    """A server of the model at `model_dir` (named "tiny"), its state under `tmp_path`."""
     from posttrain.server.config import ServerConfig
 
     return ServerConfig(
@@ -111,7 +121,7 @@ def server_config(model_dir: Path, tmp_path: Path, **changes: object):
         model_path=str(model_dir),
         db_path=tmp_path / "state.db",
         storage_dir=tmp_path / "storage",
-        **changes,  # pyright: ignore[reportArgumentType]
+        **changes,
     )
 
 
@@ -131,3 +141,25 @@ def assert_bit_equal(a: object, b: object) -> None:
             assert_bit_equal(x, y)
     else:
         assert a == b
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """`app` under uvicorn (lifespan on, so the runtime starts) in a thread, on a free port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

@@ -9,9 +9,7 @@ every forward (training with gradients, sampling and prompt logprobs without) mu
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,39 +17,20 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from serve_helpers import serving
 from torch.nn.modules import module as nn_module
 
 from posttrain.server.app import create_app
 from posttrain.server.config import ServerConfig
 
 tinker = pytest.importorskip("tinker")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")  # serve_helpers.serving runs the app under it
 types = tinker.types
 
 # A server, two models and a checkpoint sampler loaded in this process: several seconds.
 pytestmark = pytest.mark.slow
 
 TOKENS = [10, 72, 101, 108, 108, 111, 33]
-
-
-@contextmanager
-def serving(app: object) -> Iterator[str]:
-    """`app` under uvicorn (lifespan on, so the runtime starts) in a thread, on a free port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from serve_helpers import assert_bit_equal, server_config
+from serve_helpers import assert_bit_equal, in_process_config
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
@@ -196,7 +196,7 @@ def test_unlimited_keeps_everything_and_spills_nothing(
 def test_the_server_answers_a_request_that_cannot_fit_and_stays_up(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    app = create_app(server_config(tiny_model_dir, tmp_path, max_resident_adapters=1))
+    app = create_app(in_process_config(tiny_model_dir, tmp_path, max_resident_adapters=1))
     runtime = app.state.runtime
     runtime.residency.wait_s = 0.3
     headers = {"X-API-Key": "tml-residency-test"}
@@ -237,7 +237,7 @@ def test_the_server_answers_a_request_that_cannot_fit_and_stays_up(
 
 def test_the_flag_is_checked() -> None:
     with pytest.raises(ValueError, match=r"--max-resident-adapters must be >= 1.*got 0"):
-        server_config(Path("tiny"), Path("."), max_resident_adapters=0)
+        in_process_config(Path("tiny"), Path("."), max_resident_adapters=0)
 
 
 def test_a_spill_that_fails_keeps_the_client_in_memory(

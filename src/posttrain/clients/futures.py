@@ -53,14 +53,16 @@ class OrderedRunner:
     def __init__(self, name: str, thread: ComputeThread | None = None) -> None:
         self._own = thread is None
         self._thread = thread or ComputeThread(name)
-        self._last: concurrent.futures.Future[Any] | None = None
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
 
     def submit(self, fn: Callable[[], T]) -> APIFuture[T]:
         if self._closed:
             raise RuntimeError("this client is closed: cannot run new calls")
         future = self._thread.submit(fn)
-        self._last = future
+        if not future.done():
+            self._pending.add(future)
+            future.add_done_callback(self._pending.discard)
         return APIFuture(future)
 
     def close(self) -> None:
@@ -68,6 +70,7 @@ class OrderedRunner:
         self._closed = True
         if self._own:
             self._thread.close()
-        elif self._last is not None and not self._thread.is_current():
-            # The thread runs calls in submission order: once the last is done, all are.
-            concurrent.futures.wait([self._last])
+        elif not self._thread.is_current():
+            # All of them: a shared thread keeps each tenant's order, not submission order
+            # across tenants, and a shared sampler takes calls from several tenants.
+            concurrent.futures.wait(list(self._pending))

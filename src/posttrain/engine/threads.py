@@ -2,7 +2,8 @@
 
 The threading model: one thread runs torch compute per device. A training client runs its calls
 on a `ComputeThread` of its own; `posttrain serve` gives every model and sampler the same one,
-so the server computes on exactly one thread. That thread's intra-op pool gets one OpenMP
+so the server computes on exactly one thread, taking its calls fairly between tenants (a
+client's session: see `ComputeThread`, `FairQueue`). That thread's intra-op pool gets one OpenMP
 thread per usable core. Two Python threads computing at once would each start a full pool and
 fight over the cores: OpenMP threads wait at their barriers for a thread that is descheduled.
 
@@ -15,14 +16,19 @@ Waiting OpenMP threads must not spin on cores that other processes need: see
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
+import contextvars
+import itertools
 import math
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 ENV_OVERRIDE = "POSTTRAIN_NUM_THREADS"
 T = TypeVar("T")
@@ -131,21 +137,134 @@ def park_openmp_pool() -> None:
     torch.ones(1 << 20).add_(1.0)  # 1M elements: far above ATen's grain for a parallel loop
 
 
-class ComputeThread:
-    """One thread that runs the torch calls given to it one at a time, in submission order,
-    whoever submits them.
+# The tenant on whose behalf the calling thread works (None: no tenant). `posttrain serve` sets it
+# around each request (`server.runtime.Runtime.run`), so the client calls that request makes
+# submit to the compute thread under its tenant without any parameter passed down.
+current_tenant: contextvars.ContextVar[Hashable] = contextvars.ContextVar(
+    "current_tenant", default=None
+)
 
-    A call submitted from this thread itself runs at once, inline: queued behind the call that
-    submits it, a caller waiting for it would deadlock the thread.
+
+@contextlib.contextmanager
+def as_tenant(tenant: Hashable) -> Iterator[None]:
+    """Calls submitted by this thread inside the block are `tenant`'s (see `ComputeThread`)."""
+    token = current_tenant.set(tenant)
+    try:
+        yield
+    finally:
+        current_tenant.reset(token)
+
+
+@dataclass(eq=False)  # compared by identity: args may hold tensors
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[object, ...]
+    future: concurrent.futures.Future[Any]
+    seq: int  # submission order: ties between tenants go to the earlier call
+
+
+class FairQueue:
+    """Waiting calls, per tenant in submission order; `pop` gives the next call of the tenant
+    that has used the least compute time (start-time fair queueing).
+
+    Each tenant has `used` seconds, its virtual time: `charge` adds each call's wall time. A
+    tenant that becomes active (a call arrives while none of its calls waits or runs) starts at
+    `max(used, vtime)`, where `vtime` is the `used` of the tenant whose call started last (the
+    smallest among the waiting ones then): time spent idle banks no credit, and a tenant that
+    just had more than its share keeps its excess. Not thread-safe: `ComputeThread` locks it.
     """
 
-    def __init__(self, name: str = "compute") -> None:
+    def __init__(self) -> None:
+        self.waiting: dict[Hashable, collections.deque[_Call]] = {}
+        self.used: dict[Hashable, float] = {}
+        self.vtime = 0.0
+        self.running: Hashable = _IDLE
+        self._seq = itertools.count()
+
+    def push(self, tenant: Hashable, call_fn: Callable[..., Any], *args: object) -> _Call:
+        call = _Call(call_fn, args, concurrent.futures.Future(), next(self._seq))
+        queue = self.waiting.get(tenant)
+        if queue is None:
+            queue = self.waiting[tenant] = collections.deque()
+            if tenant != self.running:  # becomes active
+                self.used[tenant] = max(self.used.get(tenant, self.vtime), self.vtime)
+        queue.append(call)
+        return call
+
+    def remove(self, tenant: Hashable, call: _Call) -> None:
+        """Take back `call` if it still waits (a `drain` may have taken it already)."""
+        queue = self.waiting.get(tenant)
+        if queue is not None and call in queue:
+            queue.remove(call)
+            if not queue:
+                del self.waiting[tenant]
+
+    def pop(self) -> tuple[Hashable, _Call] | None:
+        """The next call and its tenant, now running (None: nothing waits)."""
+        if not self.waiting:
+            return None
+        tenant = min(self.waiting, key=lambda t: (self.used[t], self.waiting[t][0].seq))
+        queue = self.waiting[tenant]
+        call = queue.popleft()
+        if not queue:
+            del self.waiting[tenant]
+        self.vtime = max(self.vtime, self.used[tenant])
+        self.running = tenant
+        return tenant, call
+
+    def charge(self, tenant: Hashable, seconds: float) -> None:
+        """`tenant`'s call that `pop` returned took `seconds`; it no longer runs."""
+        self.used[tenant] += seconds
+        self.running = _IDLE
+        # A tenant neither waiting nor ahead of vtime would restart at vtime: forget it, so
+        # that a server's finished sessions do not pile up here.
+        for t in [t for t, u in self.used.items() if u <= self.vtime and t not in self.waiting]:
+            del self.used[t]
+
+    def drain(self) -> list[_Call]:
+        """Every waiting call, removed."""
+        calls = [call for queue in self.waiting.values() for call in queue]
+        self.waiting.clear()
+        return calls
+
+
+_IDLE = object()  # `FairQueue.running` when no call runs (None is a tenant)
+
+
+class ComputeThread:
+    """One thread that runs the torch calls given to it one at a time, whoever submits them.
+
+    Order. Each call belongs to a tenant (`submit(..., tenant=)`, else the submitting thread's
+    `current_tenant`, else None). One tenant's calls run in submission order. Between tenants
+    with calls waiting, the one that has used the least compute time goes next (`FairQueue`):
+    each call is charged its wall time on this thread, so a tenant that floods the queue gets
+    its share and no more. With a single tenant (None, for every user but `posttrain serve`)
+    this is plain submission order.
+
+    A call submitted from this thread itself runs at once, inline (and is part of the calling
+    call's time): queued behind the call that submits it, a caller waiting for it would deadlock
+    the thread.
+    """
+
+    def __init__(
+        self, name: str = "compute", clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.name = name
+        # The pool hosts the thread (and its shutdown); each submission adds one turn to it, and
+        # a turn runs whichever call `FairQueue` picks then.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._queue = FairQueue()
+        self._lock = threading.Lock()
+        self._clock = clock
         self._ident: int | None = None  # known once the thread ran its first call
 
-    def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
-        """`fn(*args)` on this thread, after the calls submitted before it."""
+    def submit(
+        self, fn: Callable[..., T], *args: object, tenant: Hashable = None
+    ) -> concurrent.futures.Future[T]:
+        """`fn(*args)` on this thread, after `tenant`'s calls submitted before it (and when
+        fairness between tenants says). `tenant` None: the submitting thread's
+        `current_tenant` (None unless set with `as_tenant`). A tenant is any hashable key;
+        `posttrain serve` uses the request's session id (`Runtime.tenant_of`)."""
         if self.is_current():
             future: concurrent.futures.Future[T] = concurrent.futures.Future()
             try:
@@ -153,11 +272,21 @@ class ComputeThread:
             except BaseException as exc:  # the error belongs to whoever reads the future
                 future.set_exception(exc)
             return future
-        return self._pool.submit(self._run, fn, *args)
+        if tenant is None:
+            tenant = current_tenant.get()
+        with self._lock:
+            call = self._queue.push(tenant, fn, *args)
+        try:
+            self._pool.submit(self._turn)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._queue.remove(tenant, call)
+            raise
+        return call.future
 
-    def call(self, fn: Callable[..., T], *args: object) -> T:
+    def call(self, fn: Callable[..., T], *args: object, tenant: Hashable = None) -> T:
         """Run `fn(*args)` on this thread and return its result (from any thread)."""
-        return self.submit(fn, *args).result()
+        return self.submit(fn, *args, tenant=tenant).result()
 
     def is_current(self) -> bool:
         return self._ident == threading.get_ident()
@@ -167,13 +296,40 @@ class ComputeThread:
         """`threading.get_ident()` of the thread (None before its first call)."""
         return self._ident
 
+    def used(self) -> dict[Hashable, float]:
+        """Compute seconds charged per tenant still tracked (idle tenants at the minimum are
+        forgotten), for logs and tests."""
+        with self._lock:
+            return dict(self._queue.used)
+
     def close(self, wait: bool = True) -> None:
         """Stop after the calls already submitted (`wait`), or drop those not yet started."""
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        if not wait:
+            with self._lock:
+                dropped = self._queue.drain()
+            for call in dropped:
+                call.future.cancel()
 
-    def _run(self, fn: Callable[..., T], *args: object) -> T:
+    def _turn(self) -> None:
+        with self._lock:
+            picked = self._queue.pop()
+        if picked is None:  # close(wait=False) dropped the call this turn was for
+            return
+        tenant, call = picked
         self._ident = threading.get_ident()
-        return fn(*args)
+        start = self._clock()
+        try:
+            if call.future.set_running_or_notify_cancel():
+                try:
+                    result = call.fn(*call.args)
+                except BaseException as exc:  # the error belongs to whoever reads the future
+                    call.future.set_exception(exc)
+                else:
+                    call.future.set_result(result)
+        finally:
+            with self._lock:
+                self._queue.charge(tenant, self._clock() - start)
 
 
 @dataclass(frozen=True)

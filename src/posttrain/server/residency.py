@@ -288,6 +288,11 @@ class Residency:
     def _spill_path(self, model_id: str) -> Path:
         return self.spill_dir / model_id.replace(":", "_")
 
+    def clients_in_memory(self) -> dict[str, LocalTrainingClient]:
+        """The training clients in memory now (not spilled) by model id, for checks and tests."""
+        with self._lock:
+            return {m: t.client for m, t in self._trainers.items() if t.client is not None}
+
     def resident(self) -> list[str]:
         """The resident adapters' keys, least recently used first (for tests and logs)."""
         with self._lock:

@@ -7,8 +7,12 @@ always reads it from one place, after a restart too.
 Threads. torch computes on exactly one thread, `Runtime.compute` (one device per server): every
 call of every model and sampler (forward, forward_backward, optim_step, sampling, prompt
 logprobs, checkpoint saves and loads, model loading, and the spills and reloads of adapters
-beyond --max-resident-adapters, `server.residency`) runs there, one at a time, in the order
-submitted. Two threads computing at once would each run an OpenMP pool as large as the usable
+beyond --max-resident-adapters, `server.residency`) runs there, one at a time. Whose turn it is
+is fair between tenants: a request's tenant is its Tinker session (a ServiceClient's training
+and sampling clients), else its owner (`tenant_of`); `run` makes the job's calls that tenant's
+(`engine.threads.as_tenant`), and among tenants with calls waiting the compute thread runs the
+one that has used the least compute time; one tenant's calls keep their order. Two threads
+computing at once would each run an OpenMP pool as large as the usable
 cores and fight over them (see `posttrain.engine.threads`). The other threads only decide order
 and wait: a model's lane thread hands that model's requests to the compute thread in `seq_id`
 order and waits for each; `admin` does the same for creating models; `asyncio.to_thread`
@@ -31,6 +35,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -41,7 +46,7 @@ from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint
 from posttrain.engine.shared_base import SharedBases
-from posttrain.engine.threads import ComputeThread
+from posttrain.engine.threads import ComputeThread, as_tenant
 from posttrain.server.config import ServerConfig
 from posttrain.server.lanes import Job, Lane, UserError, category_of
 from posttrain.server.residency import Residency, Unloaded
@@ -108,16 +113,18 @@ class Runtime:
         self.compute.close(wait=False)
 
     # futures
-    def run(self, request_id: str, job: Job) -> None:
-        """Run `job` on the calling (worker) thread and record its outcome."""
+    def run(self, request_id: str, job: Job, tenant: str | None = None) -> None:
+        """Run `job` on the calling (worker) thread and record its outcome; what it submits to
+        the compute thread is the request's tenant's (`tenant`, else `tenant_of`)."""
         try:
-            outcome = job()
+            with as_tenant(tenant or self.tenant_of(request_id)):
+                outcome = job()
         except Exception as exc:
             if category_of(exc) == "server":
                 traceback.print_exc()
             self.fail(request_id, str(exc) or type(exc).__name__, category_of(exc))
             return
-        payload = None if outcome.json is None else json.dumps(outcome.json).encode()
+        payload = None if outcome.json is None else json.dumps(finite_json(outcome.json)).encode()
         self.store.complete_future(request_id, payload, outcome.proto)
         self._notify(request_id)
 
@@ -128,7 +135,16 @@ class Runtime:
     def submit(
         self, pool: concurrent.futures.Executor | ComputeThread, request_id: str, job: Job
     ) -> None:
-        pool.submit(self.run, request_id, job)
+        if isinstance(pool, ComputeThread):  # the job runs whole there, in its tenant's turn
+            tenant = self.tenant_of(request_id)
+            pool.submit(self.run, request_id, job, tenant, tenant=tenant)
+        else:
+            pool.submit(self.run, request_id, job)
+
+    def tenant_of(self, request_id: str) -> str | None:
+        """The tenant the compute thread is fair between (module doc): the session of the
+        request's model or sampling session, else "owner:<key hash>"."""
+        return self.store.tenant(request_id)
 
     def submit_ordered(self, model_id: str, seq_id: int, request_id: str, job: Job) -> None:
         lane = self.lanes.get(model_id)
@@ -368,6 +384,19 @@ class Runtime:
             raise UnknownModelError(f"model {name!r} is not served")
         client = self.compute.call(self.sampler_client, row.dir, model.lora)
         return ModelSampler(client, client.get_tokenizer())
+
+
+def finite_json(value: object) -> object:
+    """`value` with each non-finite float as the string "NaN", "Infinity" or "-Infinity": JSON
+    has no such numbers (the SDK's parser refuses `NaN`), and pydantic reads these strings back
+    as floats. A skipped optim_step reports grad_norm NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def not_loaded(model_id: str) -> str:

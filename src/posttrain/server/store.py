@@ -252,6 +252,20 @@ class Store:
         row = self._one("SELECT * FROM futures WHERE request_id=? AND owner=?", request_id, owner)
         return _future_row(row) if row else None
 
+    def tenant(self, request_id: str) -> str | None:
+        """Whose compute a request uses: the session of its model or sampling session, else
+        "owner:" and its owner's key hash (None: no such request). `Runtime.tenant_of`."""
+        row = self._one(
+            "SELECT f.owner, COALESCE(m.session_id, s.session_id) AS session FROM futures f "
+            "LEFT JOIN models m ON m.model_id = f.model_id "
+            "LEFT JOIN sampling_sessions s ON s.sampling_session_id = f.model_id "
+            "WHERE f.request_id=?",
+            request_id,
+        )
+        if row is None:
+            return None
+        return row["session"] or f"owner:{row['owner']}"
+
     def fail_pending(self, error: str) -> int:
         """Mark every pending future failed (on start: their work died with the old process)."""
         with self.transaction() as db:
