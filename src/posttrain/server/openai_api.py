@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from typing_extensions import TypeIs
 
 from posttrain.backends.sampling import ModelSampler
+from posttrain.engine.threads import as_tenant
 from posttrain.rollouts.tool_calls import openai_tool_calls
 from posttrain.server.openai_batching import Batchers
 from posttrain.server.openai_schema import (
@@ -80,13 +81,17 @@ def create_openai_router(source: SamplerSource) -> APIRouter:
     async def retrieve_model(name: str, request: Request) -> JSONResponse:
         return await _respond(_retrieve(source, name, _owner(request)))
 
+    # Each caller (API key) is a tenant of the compute thread, as a Tinker session is
+    # (`engine.threads.ComputeThread`): the contextvar reaches the threads the request uses.
     @router.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> JSONResponse:
-        return await _respond(_completion(source, batchers, request))
+        with as_tenant(f"owner:{_owner(request)}"):
+            return await _respond(_completion(source, batchers, request))
 
     @router.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request) -> JSONResponse:
-        return await _respond(_chat(source, batchers, request))
+        with as_tenant(f"owner:{_owner(request)}"):
+            return await _respond(_chat(source, batchers, request))
 
     return router
 
