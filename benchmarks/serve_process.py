@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,10 +25,24 @@ def free_port() -> int:
 @contextmanager
 def serve(base_model: Path, storage: Path, threads: int) -> Iterator[str]:
     """The server's URL while it runs; torch in it uses `threads` threads (OMP_NUM_THREADS)."""
+    with serve_process(base_model, storage, threads) as (url, _):
+        yield url
+
+
+@contextmanager
+def serve_process(
+    base_model: Path, storage: Path, threads: int | None, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`serve`, also giving the server's process (to read its CPU time). `threads` None leaves
+    OMP_NUM_THREADS unset, so the server chooses; `env` adds to its environment (e.g.
+    PYTHONPATH to serve another checkout's sources)."""
     port = free_port()
     args = [sys.executable, "-m", "posttrain.cli.main", "serve", "--base-model", str(base_model)]
     args += ["--port", str(port), "--storage", str(storage), "--api-key", KEY]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     log = open(storage.parent / "server.log", "w")  # noqa: SIM115 - the child writes to it
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -36,13 +50,15 @@ def serve(base_model: Path, storage: Path, threads: int) -> Iterator[str]:
         deadline = time.monotonic() + 120
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"posttrain serve did not start: see {log.name}")
+                log.flush()
+                tail = Path(log.name).read_text()[-3000:]
+                raise RuntimeError(f"posttrain serve did not start; its log ends:\n{tail}")
             try:
                 if httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         process.wait(30)
