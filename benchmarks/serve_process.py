@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,11 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class Served:
     url: str
-    pid: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
 
 @contextmanager
@@ -38,13 +42,23 @@ def serve(base_model: Path, storage: Path, threads: int) -> Iterator[str]:
 
 @contextmanager
 def serve_process(
-    base_model: Path, storage: Path, threads: int, extra: Sequence[str] = ()
+    base_model: Path,
+    storage: Path,
+    threads: int | None,
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Served]:
-    """`serve`, with more command-line flags (`extra`), giving the server's pid too."""
+    """`serve`, with more command-line flags (`extra`), giving the server's process too (to
+    read its CPU time and memory). `threads` None leaves OMP_NUM_THREADS unset, so the server
+    chooses; `env` adds to its environment (e.g. PYTHONPATH to serve another checkout's
+    sources)."""
     port = free_port()
     args = [sys.executable, "-m", "posttrain.cli.main", "serve", "--base-model", str(base_model)]
     args += ["--port", str(port), "--storage", str(storage), "--api-key", KEY, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     log = open(storage.parent / "server.log", "w")  # noqa: SIM115 - the child writes to it
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -52,13 +66,15 @@ def serve_process(
         deadline = time.monotonic() + 120
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"posttrain serve did not start: see {log.name}")
+                log.flush()
+                tail = Path(log.name).read_text()[-3000:]
+                raise RuntimeError(f"posttrain serve did not start; its log ends:\n{tail}")
             try:
                 if httpx.get(f"{url}/healthz", headers={"X-API-Key": KEY}).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        yield Served(url, process.pid)
+        yield Served(url, process)
     finally:
         process.terminate()
         process.wait(30)

@@ -49,6 +49,8 @@ SMOKE: dict[str, str] = {
     "rl_step_memory.py": "--size tiny --dtype float32 --lora 4 --prompts 2 --group 2 --tokens 8",
     "sampling_speed.py": f"--size tiny --samples 2 {TINY_RL}",
     "scaling_costs.py": "--derive --shapes tiny --tokens 8,16",
+    "serve_mixed.py": "--clients 2 --ops 5 --rounds 1 --threads 1 --spin-seconds 0.2 "
+    "--samples 2 --new-tokens 4 --batch 2 --seq-len 16",
     "serve_sampling.py": "--size tiny --samples 2 --new-tokens 4 --requests 2 --rounds 1 "
     "--threads 1",
     "serve_memory.py": "--size tiny --clients 1,2 --threads 1 --rank 4",

@@ -18,6 +18,7 @@ from posttrain.engine.threads import (
     ComputeThread,
     ThreadReport,
     cgroup_cpu_quota,
+    chosen_threads,
     configure_torch_threads,
     requested_threads,
     thread_report,
@@ -113,6 +114,18 @@ def test_configure_sets_torch_to_the_request_else_the_usable_cores(
     assert seen == [1]
 
 
+def test_a_tiny_model_computes_on_one_thread_unless_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Below hidden size 128 a second thread costs more than it saves (engine.threads).
+    assert chosen_threads(64) == 1 == configure_torch_threads(64) == torch.get_num_threads()
+    assert chosen_threads(127) == 1
+    assert chosen_threads(128) == chosen_threads(896) == chosen_threads() == usable_cores()
+    assert thread_report(64).chosen == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an explicit request wins
+    assert chosen_threads(64) == 3 == thread_report(64).chosen
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_configuring_two_threads_parks_an_openmp_pool_on_the_calling_thread() -> None:
     # A fresh interpreter: this one's main thread may have started its pool already.
@@ -141,6 +154,7 @@ def test_report_warnings() -> None:
     busy = ThreadReport(2, 2, 2, None, "", 3.5).warnings()
     assert len(busy) == 1 and "load average is 3.5 on 2 usable core(s)" in busy[0]
     assert "start with OMP_WAIT_POLICY=PASSIVE" in busy[0]
+    assert ThreadReport(1, 1, 2, None, "", 3.5).warnings() == []  # no OpenMP pool to wait on
     passive = ThreadReport(2, 2, 2, None, "", 3.5, wait_policy="passive")
     assert "OMP_WAIT_POLICY" not in passive.warnings()[0]  # already set: not advised again
     assert "OpenMP waits: OMP_WAIT_POLICY=passive" in passive.describe()
@@ -218,3 +232,12 @@ def test_the_command_line_sets_threads_before_computing(
     assert main(["make-tiny-model", str(tmp_path / "other")]) == 2
     assert "POSTTRAIN_NUM_THREADS='two' is not a whole number" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()  # refused before any work
+
+
+def test_serve_reads_the_hidden_size_that_chooses_its_threads(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from posttrain.cli.serve_cmd import model_hidden_size
+
+    assert model_hidden_size(str(tiny_model_dir)) == 64  # the tiny model: one thread
+    assert model_hidden_size(str(tmp_path)) is None  # no config: the usable cores

@@ -116,18 +116,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from posttrain.jobs.run_dir import resolve_base_model
 
     try:
-        # Before any model loads: the server computes on one thread with this many OpenMP
-        # threads (see posttrain.server.runtime).
-        configure_torch_threads()
-    except ValueError as err:
-        print(f"posttrain serve: {err}", file=sys.stderr)
-        return 2
-
-    try:
         storage.mkdir(parents=True, exist_ok=True)
         # A directory the server loads from: a .gguf or packaged model converted now, once.
         model_path = resolve_model_source(resolve_base_model(args.base_model, storage))
     except (ValueError, FileNotFoundError) as err:
+        print(f"posttrain serve: {err}", file=sys.stderr)
+        return 2
+    hidden_size = model_hidden_size(model_path)
+    try:
+        # Before the server loads the model: it computes on one thread with this many OpenMP
+        # threads (see posttrain.server.runtime), one for a tiny model.
+        configure_torch_threads(hidden_size)
+    except ValueError as err:
         print(f"posttrain serve: {err}", file=sys.stderr)
         return 2
     config = replace(config, model_path=model_path, aliases=(model_path,))
@@ -135,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    report = thread_report()
+    report = thread_report(hidden_size)
     log = logging.getLogger("posttrain.serve")
     log.info("threads: %s", report.describe())
     for warning in report.warnings():
@@ -156,3 +156,14 @@ def _serve(app: object, host: str, port: int) -> None:
                 print(f"posttrain serve: ready on http://{shown}:{port}", flush=True)
 
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()  # pyright: ignore[reportArgumentType]
+
+
+def model_hidden_size(model_path: str) -> int | None:
+    """The served model's hidden size from its config (None if it has none)."""
+    from transformers import AutoConfig
+
+    try:
+        value = getattr(AutoConfig.from_pretrained(model_path), "hidden_size", None)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None

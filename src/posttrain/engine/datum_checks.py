@@ -30,7 +30,9 @@ __all__ = [
 
 def check_model_limits(datums: Sequence[Datum], vocab_size: int, max_positions: int) -> None:
     """Token ids inside the vocabulary and sequences within the model's positions."""
-    for i, datum in enumerate(datums):
+    if _within_limits(datums, vocab_size, max_positions):
+        return
+    for i, datum in enumerate(datums):  # which datum, and what: the first problem in order
         if datum.length > max_positions:
             raise ValueError(
                 f"datum {i} has {datum.length} tokens; the model has "
@@ -49,6 +51,21 @@ def check_model_limits(datums: Sequence[Datum], vocab_size: int, max_positions: 
                     f"datum {i} {name} has token id {int(tokens[bad][0])} outside the "
                     f"vocabulary [0, {vocab_size})"
                 )
+
+
+def _within_limits(datums: Sequence[Datum], vocab_size: int, max_positions: int) -> bool:
+    """Whether `check_model_limits` finds nothing, in a few tensor ops for the whole call: a
+    tensor per datum cost 3% of a busy server's compute thread on the tiny model."""
+    if any(datum.length > max_positions for datum in datums):
+        return False
+    ids = [t for datum in datums for t in datum.model_input.to_ints()]
+    parts = [torch.tensor(ids, dtype=torch.long)]
+    for datum in datums:
+        tokens = datum.loss_fn_inputs.get("target_tokens")
+        if tokens is not None:
+            parts.append(tokens.reshape(-1))
+    every = torch.cat(parts)
+    return not bool(((every < 0) | (every >= vocab_size)).any())
 
 
 def check_call(

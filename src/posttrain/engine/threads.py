@@ -96,22 +96,36 @@ def requested_threads() -> tuple[int | None, str]:
     return None, ""
 
 
-def chosen_threads() -> int:
-    """What `configure_torch_threads` sets: an explicit request, else the usable cores."""
+# A model narrower than this computes on one thread unless the environment asks for more:
+# each of its matmuls is too small for a second OpenMP thread to pay for waking it. On the
+# tiny model (hidden size 64) served to 8 clients at once, one thread did 1.46x the operations
+# of two (benchmarks/serve_mixed.py), and sampled 2.9x as fast while other processes kept the
+# cores busy: with one thread there is no OpenMP pool to wait on descheduled threads.
+ONE_THREAD_BELOW_HIDDEN = 128
+
+
+def chosen_threads(hidden_size: int | None = None) -> int:
+    """What `configure_torch_threads` sets: an explicit request, else 1 for a model whose
+    `hidden_size` is below `ONE_THREAD_BELOW_HIDDEN`, else the usable cores."""
     count, _ = requested_threads()
-    return count or usable_cores()
+    if count:
+        return count
+    if hidden_size is not None and hidden_size < ONE_THREAD_BELOW_HIDDEN:
+        return 1
+    return usable_cores()
 
 
-def configure_torch_threads() -> int:
-    """Set torch's intra-op thread count to `chosen_threads()` and return it.
+def configure_torch_threads(hidden_size: int | None = None) -> int:
+    """Set torch's intra-op thread count to `chosen_threads(hidden_size)` and return it.
 
     The command line calls it before any work (not at import: importing posttrain changes
-    nothing). Threads started later inherit the count. Library users who start their own
-    compute threads can call it, or `torch.set_num_threads`, themselves.
+    nothing); `posttrain serve` gives the hidden size of the model it serves. Threads started
+    later inherit the count. Library users who start their own compute threads can call it,
+    or `torch.set_num_threads`, themselves.
     """
     import torch
 
-    count = chosen_threads()
+    count = chosen_threads(hidden_size)
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
     if count > 1:
@@ -360,7 +374,8 @@ class ThreadReport:
                 "core(s): posttrain's commands set the count themselves, but code that calls "
                 f"torch directly oversubscribes; set OMP_NUM_THREADS={self.usable}"
             )
-        if self.load_1min is not None and self.load_1min > self.usable:
+        # One thread has no OpenMP barrier to wait at: busy cores only share its time.
+        if self.load_1min is not None and self.load_1min > self.usable and self.torch_threads > 1:
             fix = "stop that work, or lower OMP_NUM_THREADS to the cores left free"
             if self.wait_policy.upper() != "PASSIVE":
                 # libgomp reads it once, when torch loads: too late to set from Python.
@@ -387,13 +402,14 @@ class ThreadReport:
         )
 
 
-def thread_report() -> ThreadReport:
-    """The thread settings of this process, for `posttrain doctor` and server logs."""
+def thread_report(hidden_size: int | None = None) -> ThreadReport:
+    """The thread settings of this process, for `posttrain doctor` and server logs (which give
+    the `hidden_size` of the model they serve, as to `configure_torch_threads`)."""
     import torch
 
     try:
         requested, source = requested_threads()
-        chosen: int | None = requested or usable_cores()
+        chosen: int | None = chosen_threads(hidden_size)
         error = ""
     except ValueError as exc:
         requested, source, chosen, error = None, "", None, str(exc)
