@@ -255,3 +255,31 @@ def test_base_check_sees_a_changed_base_after_a_cached_pass(tiny_model_dir: Path
         copy_.model.norm.weight.add_(1.0)
     with pytest.raises(ValueError, match=r"its model\.norm\.weight differs"):
         check_same_base(host, copy_, "copy")
+
+
+def test_gathered_forward_on_a_bf16_base_casts_as_peft_does(tiny_model_dir: Path) -> None:
+    """fp32 adapters on a bf16 base: x goes to fp32 for the adapter, the sum back to bf16, as
+    in PEFT. The two paths differ by fp32 summation order before the one rounding to bf16, so
+    a rounding may flip by one bf16 step: held to test_bf16's bound, 2^-8 |logp| per token."""
+    ms = [
+        apply_lora(load_hf_model(tiny_model_dir, dtype="bfloat16"), LoraSettings(r), seed=r)
+        for r in (4, 8)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in ms:
+            for name, p in m.named_parameters():
+                if "lora_B" in name:
+                    assert p.dtype == torch.float32
+                    p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0]])
+    gathered = MultiLora(ms[0], ms)
+    with torch.no_grad(), gathered.patched():
+        gathered.use(torch.tensor([1, 0]))
+        out = ms[0](input_ids=ids).logits
+    assert out.dtype == torch.bfloat16
+    batched = out.float().log_softmax(-1)
+    with torch.no_grad():
+        for b, slot in enumerate([1, 0]):
+            own = ms[slot](input_ids=ids[b : b + 1]).logits.float().log_softmax(-1)[0]
+            assert ((batched[b] - own).abs() <= 2.0**-8 * own.abs()).all()
