@@ -172,7 +172,11 @@ class SampleGatherer:
                 ready.append((pending, self.sampler_of(pending.row)))
             except Exception as exc:
                 self.record(pending.request_id, pending.wrap(_raise(exc)))
-        batched, alone = _plan(ready)
+        try:
+            batched, alone = _plan(ready)
+        except Exception:  # planning must not leave requests without an outcome
+            log.exception("planning a sample batch failed; its requests sample alone")
+            batched, alone = None, list(ready)
         for pending, client in alone:
             self._alone(pending, client)
         if batched is not None:
