@@ -72,9 +72,8 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 def compare(
     name: str, rounds: int, one_by_one: Callable[[], object], batched: Callable[[], object]
 ):
-    """Alternate the two ways `rounds` times (after one warm-up each); print the medians."""
-    one_by_one()
-    batched()
+    """Alternate the two ways `rounds` times; print the medians. The callers' agreement
+    checks, which run each way once before, are the warm-up."""
     seq, bat = [], []
     for _ in range(rounds):
         seq.append(timed(one_by_one)[0])
