@@ -58,13 +58,11 @@ def test_a_batch_stops_at_max_rows_but_a_large_first_request_goes_alone() -> Non
     assert [p.request_id for p in g.take()] == ["b-0", "c-0"]  # 3 + 1 rows
 
 
-tinker = pytest.importorskip("tinker")
-types = tinker.types
-
 PROMPTS = [[10, 72, 101, 108, 108, 111], [10, 87, 111, 114, 108], [256, 40, 41, 42]]
 
 
 def trained_sampler(service, base: Path, seed: int, tokens: list[int]):
+    types = pytest.importorskip("tinker").types
     tc = service.create_lora_training_client(
         base_model=str(base), rank=4 * seed, seed=seed
     ).result()
@@ -90,6 +88,8 @@ def stats(server: ServerProcess) -> dict[str, int]:
 def test_concurrent_samplers_run_as_one_batch_and_match_alone(
     server: ServerProcess, tiny_model_dir: Path
 ) -> None:
+    tinker = pytest.importorskip("tinker")  # here: the batch-forming tests need no SDK
+    types = tinker.types
     service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
     try:
         samplers = [
