@@ -37,6 +37,8 @@ SMOKE: dict[str, str] = {
     "fb_throughput.py": "--size tiny --shapes 2x16 --repeats 1 --threads 1 --peak-size 64",
     "linear_routes.py": "--size tiny --tokens 32 --repeats 1 --rounds 1 --threads 1 --peak-size 64",
     "logprobs_memory.py": "--vocab 512 --tokens 64 --hidden 32 --chunk 16 --repeats 1",
+    "multi_lora.py": "--size tiny --clients 2 --samples 2 --new-tokens 4 --batch 2 --seq-len 8 "
+    "--rounds 1 --fb --threads 1",
     "openai_rollouts.py": f"--size tiny --samples 2 --threads 1 {TINY_RL}",
     "openai_sync.py": "--size mini --rank 8 --rounds 1",
     "parity_gap.py": "--steps 2 --prompts 1 --devices cpu,cpu --fault previous",

@@ -240,6 +240,17 @@ class LocalTrainingClient:
         executor = self.dispatch.executor
         return executor.workers[0] if isinstance(executor, InProcessExecutor) else None
 
+    def sampling_worker(self) -> Worker | None:
+        """The one worker of a single-worker client in this process, its state placed for
+        sampling (None otherwise): for a caller that runs several clients' models in one
+        batch (`engine.multi_lora`). Call it where this client's calls run (its compute
+        thread), not concurrently with them."""
+        worker = self._in_process_worker()
+        if worker is None or self.dispatch.num_workers != 1:
+            return None
+        self.dispatch.prepare("sample", "sample")
+        return worker
+
     def _factory(self) -> Callable[[], Worker]:
         if self.worker_factory is None:
             raise ValueError(

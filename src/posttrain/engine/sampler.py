@@ -31,7 +31,7 @@ import contextlib
 import hashlib
 import secrets
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache
 from posttrain.engine.entropy import sampling_entropies
 from posttrain.engine.kv_cache import cache_keyword, preallocated_cache
 from posttrain.engine.logprob_pass import target_logprobs
+from posttrain.engine.multi_lora import MultiLora
 from posttrain.tokenizer import end_of_turn_id
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 
@@ -108,6 +109,59 @@ class Sampler:
             for r, row in zip(responses, rows, strict=True)
         ]
 
+    def sample_batched(
+        self,
+        requests: Sequence[SampleRequest],
+        num_samples: int,
+        adapters: MultiLora | None = None,
+    ) -> list[list[SampleResponse]]:
+        """Several requests decoded in one batch; each gets what `sample` gives it alone.
+
+        Request r samples with its own seed (sequence j of its prompt i draws from
+        (seed_r, i, j), as alone; seed None draws a fresh one per request), its own
+        max_tokens, and, with `adapters` (built on this sampler's model as the host), the
+        adapter of its slot. The other sampling settings must be the same for all requests.
+        """
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if not requests:
+            raise ValueError("requests is empty: give at least one request")
+        shared = replace(requests[0].params, seed=None, max_tokens=None)
+        for k, request in enumerate(requests):
+            if replace(request.params, seed=None, max_tokens=None) != shared:
+                raise ValueError(
+                    f"requests[{k}] has other sampling settings than requests[0]; one batch "
+                    "shares all but seed and max_tokens"
+                )
+            if not request.prompts:
+                raise ValueError(f"requests[{k}] has no prompts: give at least one")
+            if adapters is None and request.slot != 0:
+                raise ValueError(f"requests[{k}] has slot {request.slot} but no adapters given")
+        rows: list[list[int]] = []
+        limits: list[int] = []
+        seeds: list[int] = []
+        slots: list[int] = []
+        for k, request in enumerate(requests):
+            seed = secrets.randbits(63) if request.params.seed is None else request.params.seed
+            for i, prompt in enumerate(request.prompts):
+                row = self._check_prompt(prompt, f"requests[{k}].prompts[{i}]", room=1)
+                room = self.max_positions - len(row)
+                rows.append(row)
+                limits.append(min(room, request.params.max_tokens or room))
+                seeds += [_sequence_seed(seed, i, j) for j in range(num_samples)]
+                slots.append(request.slot)
+        device = _device(self.model)
+        row_slots = None if adapters is None else _RowSlots(adapters, slots, num_samples, device)
+        patched = adapters.patched() if adapters is not None else contextlib.nullcontext()
+        with _eval_mode(self.model), torch.inference_mode(), patched:
+            out = self._generate(rows, num_samples, shared, limits, seeds, row_slots)
+        flat = out.responses(len(rows), num_samples)
+        responses: list[list[SampleResponse]] = []
+        for request in requests:
+            responses.append(flat[: len(request.prompts)])
+            flat = flat[len(request.prompts) :]
+        return responses
+
     def compute_logprobs(self, prompt: Sequence[int]) -> list[float | None]:
         """log p(prompt[t] | prompt[:t]) for each position; None at position 0 (no prefix)."""
         tokens = self._check_prompt(prompt, "prompt", room=0)
@@ -149,9 +203,12 @@ class Sampler:
         params: SamplingParams,
         limits: list[int],
         seeds: list[int],
+        row_slots: _RowSlots | None = None,
     ) -> _Outputs:
         device = _device(self.model)
         stops = _Stops.build(params, self.eos_ids, device)
+        if row_slots is not None:
+            row_slots.use_prompts()
         batch, logits_AV, cache = self._prefill(rows, num_samples, limits, device)
         out = _Outputs.empty(batch.rows_A.numel(), max(limits), device, params.entropies)
         uniforms = _Uniforms(seeds, device) if params.temperature > 0 else None
@@ -172,6 +229,8 @@ class Sampler:
                 batch = batch.select(keep_A)
                 cache.batch_select_indices(keep_A)
                 tokens_A = tokens_A[keep_A]
+            if row_slots is not None:
+                row_slots.use_rows(batch.rows_A)  # follows the rows through compaction
             logits_AV = self._decode(batch, tokens_A, step, cache)
         return out
 
@@ -292,6 +351,33 @@ def _inverse_cdf(logits_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:
     # x < total strictly, so the chosen token has positive probability (cdf rises there).
     x_A1 = torch.minimum(u_A[:, None] * total_A1, total_A1.nextafter(torch.zeros_like(total_A1)))
     return torch.searchsorted(cdf_AV, x_A1, right=True).squeeze(1)
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One request of `Sampler.sample_batched`: its prompts, its sampling settings (its own
+    seed and max_tokens; the rest as the batch's), and the adapter slot it samples with."""
+
+    prompts: Sequence[Sequence[int]]
+    params: SamplingParams
+    slot: int = 0
+
+
+class _RowSlots:
+    """The adapter slot of each prompt (prefill) and of each output row (decode)."""
+
+    def __init__(
+        self, adapters: MultiLora, slots: list[int], num_samples: int, device: torch.device
+    ) -> None:
+        self.adapters = adapters
+        self.slot_P = torch.tensor(slots, dtype=torch.long, device=device)
+        self.slot_B = self.slot_P.repeat_interleave(num_samples)
+
+    def use_prompts(self) -> None:
+        self.adapters.use(self.slot_P)
+
+    def use_rows(self, rows_A: torch.Tensor) -> None:
+        self.adapters.use(self.slot_B[rows_A])
 
 
 @dataclass(frozen=True)

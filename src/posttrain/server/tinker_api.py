@@ -412,5 +412,6 @@ def create_tinker_router(runtime: Runtime) -> APIRouter:
     post("/create_sampling_session")(sampling.create_sampling_session)
     get("/samplers/{sampler_id}")(sampling.get_sampler)
     post("/asample")(sampling.asample)
+    get("/sample_batching")(sampling.batching_stats)
     post("/retrieve_future")(api.retrieve_future)
     return router

@@ -1,16 +1,23 @@
 """The Tinker protocol's sampling endpoints: sampling sessions (base model, a sampler or
 training checkpoint, or an ephemeral snapshot) and `asample`, which also serves
-`compute_logprobs` (prompt logprobs)."""
+`compute_logprobs` (prompt logprobs).
+
+Concurrent sample requests of all samplers are batched together, each row with its own
+adapter (`server.sample_batching`); a request for prompt logprobs runs alone.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Callable
 
 from fastapi import HTTPException, Request
 
 from posttrain.server import tinker_schema as s
 from posttrain.server.lanes import Outcome
 from posttrain.server.proto import encode_sample_response, sample_response_to_json
+from posttrain.server.sample_batching import PendingSample, SampleGatherer
 from posttrain.server.store import SamplerRow
 from posttrain.server.tinker_api import Api, in_client_terms, not_found, owner
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
@@ -21,6 +28,14 @@ class SamplingApi:
         self.api = api
         self.rt = api.rt
         self.store = api.store
+        self.gatherer = SampleGatherer(self.rt.run, self.rt.sampler_for_row, self._on_compute)
+
+    def _on_compute(self, fn: Callable[[], None]) -> asyncio.Future[None]:
+        return asyncio.wrap_future(self.rt.sampling.submit(fn))
+
+    async def batching_stats(self) -> dict[str, object]:
+        """How many sampling jobs ran and how many requests and samplers they batched."""
+        return {**self.gatherer.stats.as_json(), "max_rows": self.gatherer.max_rows}
 
     async def create_sampling_session(
         self, body: s.CreateSamplingSession, request: Request
@@ -104,7 +119,20 @@ class SamplingApi:
             raise HTTPException(400, str(err)) from None
         key = None if body.seq_id is None else f"{row.sampling_session_id}#sample{body.seq_id}"
         rid, new = await self.api.new_future(request, "sample", key, row.sampling_session_id)
-        if new:
+        if new and not body.prompt_logprobs:
+            names = self._names(row)
+            self.gatherer.add(
+                PendingSample(
+                    rid,
+                    row.session_id or who,
+                    row,
+                    prompt,
+                    body.num_samples,
+                    params,
+                    lambda job: in_client_terms(job, names),
+                )
+            )
+        elif new:
 
             def job() -> Outcome:
                 client = self.rt.sampler_for_row(row)
@@ -114,9 +142,13 @@ class SamplingApi:
                     resp = SampleResponse(resp.sequences, lps)
                 return Outcome(sample_response_to_json(resp), encode_sample_response(resp))
 
-            names = self.api.path_names()
-            if row.weights_dir is not None:
-                names[row.weights_dir] = row.model_path or f"sampler {row.sampling_session_id}"
-            self.rt.submit(self.rt.sampling, rid, in_client_terms(job, names))
+            self.rt.submit(self.rt.sampling, rid, in_client_terms(job, self._names(row)))
         ids = [f"{rid}:{i}" for i in range(body.num_samples)]
         return {"request_id": rid, "sample_sequence_ids": ids}
+
+    def _names(self, row: SamplerRow) -> dict[str, str]:
+        """What the client calls the server's paths, for its error messages."""
+        names = self.api.path_names()
+        if row.weights_dir is not None:
+            names[row.weights_dir] = row.model_path or f"sampler {row.sampling_session_id}"
+        return names
