@@ -229,7 +229,7 @@ def test_refuses_dora_and_dropout() -> None:
         MultiLora(plain, [drop])
 
 
-def test_refuses_other_targets_other_base_and_embedding_lora(
+def test_refuses_other_targets_and_other_base(
     workers: list[Worker], tiny_model_dir: Path, tied_model_dir: Path, tmp_path: Path
 ) -> None:
     host = workers[0].model
@@ -241,9 +241,10 @@ def test_refuses_other_targets_other_base_and_embedding_lora(
     )
     with pytest.raises(ValueError, match=r"models\[1\] is not a model of the host's base"):
         MultiLora(host, [host, other_base])
+    untied_unembedding = apply_lora(load_hf_model(tied_model_dir), LoraSettings(4))
     tied = apply_lora(load_hf_model(tied_model_dir), LoraSettings(4, train_unembed=True))
-    with pytest.raises(ValueError, match="LoRA on a Embedding"):
-        MultiLora(tied, [tied])
+    with pytest.raises(ValueError, match="adapts other layers than the host"):
+        MultiLora(tied, [tied, untied_unembedding])
 
 
 def test_base_check_sees_a_changed_base_after_a_cached_pass(tiny_model_dir: Path) -> None:
@@ -283,3 +284,65 @@ def test_gathered_forward_on_a_bf16_base_casts_as_peft_does(tiny_model_dir: Path
         for b, slot in enumerate([1, 0]):
             own = ms[slot](input_ids=ids[b : b + 1]).logits.float().log_softmax(-1)[0]
             assert ((batched[b] - own).abs() <= 2.0**-8 * own.abs()).all()
+
+
+@pytest.fixture(scope="module")
+def tied_workers(tied_model_dir: Path) -> Iterator[list[Worker]]:
+    """The tinker SDK's default on a tied model (train_unembed=True: one adapter on the shared
+    embedding matrix, which the unembedding uses transposed): ranks 4 and 8, trained, and the
+    base model."""
+    clients = []
+    for seed, rank in [(1, 4), (2, 8)]:
+        client = create_training_client(
+            tied_model_dir, lora_rank=rank, seed=seed, train_unembed=True, device="cpu"
+        )
+        train_two_steps(client, seed)
+        clients.append(client)
+    clients.append(create_training_client(tied_model_dir, lora_rank=None, device="cpu"))
+    yield [worker_of(c) for c in clients]
+    for client in clients:
+        client.close()
+
+
+def test_tied_embedding_adapters_gather_per_row(tied_workers: list[Worker]) -> None:
+    host, ms = tied_workers[0].model, models(tied_workers)
+    ids = torch.tensor([PROMPTS[0][:3], PROMPTS[3][:3], PROMPTS[2][:3]])
+    with torch.no_grad():
+        # The embedding adapters differ from each other enough to catch a wrong slot.
+        logits = [m(input_ids=ids[:1]).logits for m in ms]
+        assert (logits[0] - logits[1]).abs().max() > 1e-3
+        assert (logits[0] - logits[2]).abs().max() > 1e-3
+    gathered = MultiLora(host, ms)
+    slots = torch.tensor([1, 2, 0])
+    with torch.no_grad(), gathered.patched():
+        gathered.use(slots)
+        batched = host(input_ids=ids).logits.log_softmax(-1)
+    with torch.no_grad():
+        for b in range(3):
+            alone = ms[int(slots[b])](input_ids=ids[b : b + 1]).logits.log_softmax(-1)
+            torch.testing.assert_close(batched[b], alone[0], atol=ATOL, rtol=0)
+    # Gradients reach the embedding adapter of a slot with rows.
+    with gathered.patched():
+        gathered.use(torch.tensor([0, 0, 2]))
+        host(input_ids=ids).logits.sum().backward()
+    embedding_grads = [p.grad for n, p in ms[0].named_parameters() if "lora_embedding" in n]
+    assert embedding_grads and all(g is not None and bool(g.any()) for g in embedding_grads)
+    for m in ms:
+        m.zero_grad(set_to_none=True)
+
+
+def test_tied_embedding_adapters_sample_as_alone(tied_workers: list[Worker]) -> None:
+    params = SamplingParams(temperature=0.0, stop=[], max_tokens=6)
+    requests = [
+        SampleRequest([PROMPTS[0]], params, 1),
+        SampleRequest([PROMPTS[1]], params, 0),
+        SampleRequest([PROMPTS[2]], params, 2),
+    ]
+    gathered = MultiLora(tied_workers[0].model, models(tied_workers))
+    batched = tied_workers[0].sampler().sample_batched(requests, 1, gathered)
+    for request, responses in zip(requests, batched, strict=True):
+        own = tied_workers[request.slot].sampler().sample(request.prompts, 1, params)[0]
+        (got,), (want,) = responses[0].sequences, own.sequences
+        assert got.tokens == want.tokens
+        assert got.logprobs is not None and want.logprobs is not None
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) <= ATOL

@@ -20,8 +20,19 @@ Which models may share a batch (`MultiLora` refuses the others with a ValueError
   tensor (same storage) or equal to it. The check compares values once per (host, model) pair
   and keeps the answer while neither model's base tensors change (their version counters);
 - the same LoRA target modules as the host (a base model has none: its slot adds nothing);
-- plain LoRA on linear layers: not on an Embedding (a tied unembedding's adapter is one),
-  no dropout, no DoRA, no LoRA bias, no `modules_to_save`, one active adapter, not merged.
+- plain LoRA: no dropout, no DoRA, no LoRA bias, no `modules_to_save`, one active adapter,
+  not merged.
+
+LoRA on the input embedding (the tinker SDK's `train_unembed=True` on a model that ties its
+unembedding, as Qwen2.5-0.5B and SmolLM2 do: one adapter on the shared matrix,
+`engine.models.apply_lora`) adds, for row b with slot s_b and token ids x_b,
+
+    e_b = embedding(x_b) + scale_{s_b} * A_{s_b}^T[x_b] B_{s_b}^T
+
+a lookup in each slot's own A, done slot by slot for the rows of that slot (an embedding is one
+lookup per forward; stacking the vocabulary-wide A of every slot would copy them all). The tied
+output projection's factors are views of the embedding adapter's, and gather as any linear
+layer's do.
 
 A `MultiLora` stacks the adapters as they are when it is built: build one per batch.
 """
@@ -36,10 +47,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peft.tuners.lora import Embedding as LoraEmbedding
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
+from torch.nn import functional as F
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -112,12 +125,17 @@ class MultiLora:
         The stacks are built here, under the caller's grad mode: with gradients on, they are
         differentiable functions of each model's own A and B Parameters.
         """
-        stacks = {name: self._stack(name) for name in self.layers}
+        forwards = {
+            name: self._embedding_forward(layer, name)
+            if isinstance(layer, LoraEmbedding)
+            else self._forward(layer, self._stack(name))
+            for name, layer in self.layers.items()
+        }
         with _PATCH_LOCK:
             for name, layer in self.layers.items():
                 if "forward" in vars(layer):
                     raise RuntimeError(f"host layer {name} is already patched by a MultiLora")
-                layer.forward = self._forward(layer, stacks[name])
+                layer.forward = forwards[name]
             try:
                 yield self
             finally:
@@ -148,17 +166,47 @@ class MultiLora:
             torch.tensor(scales, dtype=dtype, device=self._device),
         )
 
+    def _rows(self, rows: int) -> torch.Tensor:
+        """The slots of the forward's `rows` rows, as `use` set them."""
+        slot_B = self._slot_B
+        if slot_B is None or slot_B.numel() != rows:
+            raise RuntimeError(
+                f"MultiLora: {rows} rows but slots for "
+                f"{None if slot_B is None else slot_B.numel()}; call use() before the forward"
+            )
+        return slot_B
+
+    def _embedding_forward(self, layer: LoraEmbedding, name: str) -> Callable[..., torch.Tensor]:
+        """The embedding lookup plus each row's own adapter, slot by slot (module doc)."""
+        base_layer = layer.get_base_layer()
+        padding_idx = getattr(base_layer, "padding_idx", None)
+        adapters = [slot[name] if slot else None for slot in self._per_slot]
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            result = base_layer(x, *args, **kwargs)
+            slot_B = self._rows(x.shape[0])
+            # As PEFT adds it: in the adapters' dtype, cast back to the embedding's at the end.
+            dtypes = [a.A.dtype for a in adapters if a is not None]
+            out = result.to(torch.promote_types(result.dtype, dtypes[0])) if dtypes else result
+            for slot in slot_B.unique().tolist():
+                adapter = adapters[slot]
+                if adapter is None:
+                    continue
+                rows = (slot_B == slot).nonzero().squeeze(1)
+                # As PEFT looks it up; padding_idx matters to gradients only.
+                after_A = F.embedding(x[rows], adapter.A.T, padding_idx=padding_idx)
+                delta = (after_A @ adapter.B.T) * adapter.scale
+                out = out.index_add(0, rows, delta.to(out.dtype))
+            return out.to(result.dtype)
+
+        return forward
+
     def _forward(self, layer: LoraLinear, stack: _Stack) -> Callable[..., torch.Tensor]:
         base_layer = layer.get_base_layer()
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             result = base_layer(x, *args, **kwargs)
-            slot_B = self._slot_B
-            if slot_B is None or slot_B.numel() != x.shape[0]:
-                raise RuntimeError(
-                    f"MultiLora: {x.shape[0]} rows but slots for "
-                    f"{None if slot_B is None else slot_B.numel()}; call use() before the forward"
-                )
+            slot_B = self._rows(x.shape[0])
             # [B, T, in] (a [B, in] input is T = 1), in the adapters' dtype as PEFT casts it.
             x_BTI = x.to(stack.A_SRI.dtype).reshape(x.shape[0], -1, x.shape[-1])
             # The gather: each row's own factors, [B, r_max, in] and [B, out, r_max].
@@ -178,10 +226,10 @@ class MultiLora:
 _PATCH_LOCK = threading.RLock()
 
 
-def lora_layers(model: nn.Module, name: str) -> dict[str, LoraLinear]:
-    """`model`'s LoRA linear layers by module name (as named in the PEFT tree); a ValueError
-    for what a batch cannot gather (the module docstring)."""
-    layers: dict[str, LoraLinear] = {}
+def lora_layers(model: nn.Module, name: str) -> dict[str, LoraLinear | LoraEmbedding]:
+    """`model`'s LoRA layers (linear and embedding) by module name (as named in the PEFT
+    tree); a ValueError for what a batch cannot gather (the module docstring)."""
+    layers: dict[str, LoraLinear | LoraEmbedding] = {}
     for module_name, module in model.named_modules():
         if isinstance(module, ModulesToSaveWrapper):
             raise ValueError(
@@ -190,34 +238,43 @@ def lora_layers(model: nn.Module, name: str) -> dict[str, LoraLinear]:
             )
         if not isinstance(module, LoraLayer):
             continue
-        if not isinstance(module, LoraLinear):
+        if not isinstance(module, LoraLinear | LoraEmbedding):
             raise ValueError(
                 f"{name} has LoRA on a {type(module).__name__} ({module_name}); only LoRA on "
-                "linear layers is batched across adapters (a tied unembedding's adapter is an "
-                "Embedding LoRA)"
+                "linear and embedding layers is batched across adapters"
             )
         layers[module_name] = module
     return layers
 
 
-def _adapter(layer: LoraLinear, name: str) -> _Adapter:
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
+def _adapter(layer: LoraLinear | LoraEmbedding, name: str) -> _Adapter:
+    """The layer's factors as A [rank, in] and B [out, rank] (an embedding's: A [rank, vocab],
+    B [dim, rank], as PEFT stores them)."""
+    active = [a for a in layer.active_adapters if a in layer.scaling]
     if len(active) != 1:
         raise ValueError(f"{name} has {len(active)} active adapters; batching needs exactly one")
     if layer.merged or layer.disable_adapters:
         raise ValueError(f"{name} has its adapter merged or disabled; batching needs it live")
     key = active[0]
-    dropout = layer.lora_dropout[key]
+    dropout = layer.lora_dropout[key] if key in layer.lora_dropout else None  # noqa: SIM401 - a ModuleDict has no get
     if isinstance(dropout, nn.Dropout) and dropout.p > 0:
         raise ValueError(f"{name} uses LoRA dropout {dropout.p}; batching needs dropout 0")
     if layer.use_dora.get(key, False) or key in getattr(layer, "lora_variant", {}):
         raise ValueError(f"{name} uses DoRA (or another LoRA variant); batching needs plain LoRA")
+    if isinstance(layer, LoraEmbedding):
+        if layer._get_embed_scale() is not None:
+            raise ValueError(f"{name} scales its embedding (Gemma's); batching does not")
+        A, B = layer.lora_embedding_A[key], layer.lora_embedding_B[key]
+        return _Adapter(A, B, float(layer.scaling[key]))
+    # A linear factor, or a view of the embedding adapter's (a tied unembedding's factors,
+    # `engine.models._TransposedFactor`): either has a 2-D `weight`.
     lora_A, lora_B = layer.lora_A[key], layer.lora_B[key]
-    if not isinstance(lora_A, nn.Linear) or not isinstance(lora_B, nn.Linear):
+    A, B = getattr(lora_A, "weight", None), getattr(lora_B, "weight", None)
+    if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor) or A.dim() != 2:
         raise ValueError(f"{name} has LoRA factors that are not linear layers")
-    if lora_B.bias is not None:
+    if getattr(lora_B, "bias", None) is not None:
         raise ValueError(f"{name} has a LoRA bias; batching needs bias-free factors")
-    return _Adapter(lora_A.weight, lora_B.weight, float(layer.scaling[key]))
+    return _Adapter(A, B, float(layer.scaling[key]))
 
 
 def base_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ model's OpenAI requests). Each round:
 
 What a request gets is what it gets alone (greedy tokens equal, logprobs to float32
 rounding, seeded draws equal: `Sampler.sample_batched`), but:
-- a sampler that cannot share a batch (LoRA on the tied embedding, other target modules,
+- a sampler that cannot share a batch (other target modules than the host's,
   another worker layout) samples alone, in the same job;
 - a batch that fails with a ValueError is retried request by request, so only the bad request
   fails, with its own error.
