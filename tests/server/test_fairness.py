@@ -1,15 +1,19 @@
 """Fair turns between tenants through a real `posttrain serve` and the official tinker SDK.
 
-Four sessions (ServiceClients) sample the base model at once. One floods: it submits 40
-`sample_async` requests at once, which go straight to the compute thread's queue. The other
-three keep two requests in flight each, submitting a new one as each finishes (two, so that an
-HTTP round trip between one result and the next request never leaves them without a call
-queued). Every request is the same (prompt, 16 tokens, seed), so each costs the same compute
-and a session's share of the completed requests is its share of the compute time. The server
-records each future's completion time and sampling session in its SQLite store; the window is
-from the first completion to the flood's last. First in, first out, the flood would finish
-with the others about 2 requests each (measured: 91%, 4.5%, 4.5%, 0%); fair, each
-session gets about 25% (measured: 25.8%, 25.2%, 23.2%, 25.8% of 155 requests).
+Four sessions (ServiceClients) sample the base model at once. One floods: it submits 24
+`sample_async` requests at once. The other three keep two requests in flight each, submitting a
+new one as each finishes (two, so that an HTTP round trip between one result and the next
+request never leaves them without one waiting). Every request is the same (prompt, 64 samples
+of 16 tokens, seed), so each costs the same compute.
+
+Concurrent sample requests run in shared batches (`server.sample_batching`) of at most 128 rows,
+so two of these requests fill one: the batches are what is scarce, and the server fills them
+round-robin across sessions. Each session's share of the completed requests is then its share
+of the compute. The server records each future's completion time and sampling session in its
+SQLite store; the window is from the first completion to the flood's last. First in, first out,
+the flood would take most of the window (the compute thread's FIFO measured 91%, 4.5%, 4.5%,
+0% before batching); fair, each session gets about 25% (measured: 27.6%, 24.1%, 24.1%,
+24.1% of 87 requests).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import pytest
 from serve_helpers import KEY, OTHER_KEY, ServerProcess
 
+from posttrain.server.sample_batching import MAX_ROWS
 from posttrain.server.store import ModelRow, SamplerRow, Store
 
 tinker = pytest.importorskip("tinker")
@@ -31,7 +36,8 @@ types = tinker.types
 
 
 PROMPT = [10, 72, 101, 108, 108, 111]
-FLOOD = 40
+FLOOD = 24
+SAMPLES = MAX_ROWS // 2  # rows per request: two requests fill a batch
 
 
 def test_a_requests_tenant_is_its_session_else_its_owner(tmp_path: Path) -> None:
@@ -59,7 +65,7 @@ def test_a_requests_tenant_is_its_session_else_its_owner(tmp_path: Path) -> None
     }
 
 
-# 40 + about 120 sampling requests on the tiny model: several seconds on a busy CPU.
+# 24 + about 72 requests of 64 x 16 tokens on the tiny model: several seconds on a busy CPU.
 @pytest.mark.slow
 def test_a_flooding_session_does_not_starve_three_steady_ones(
     server: ServerProcess, tiny_model_dir: Path
@@ -78,10 +84,10 @@ def test_a_flooding_session_does_not_starve_three_steady_ones(
 
     def steady(sampler: Any) -> None:
         try:
-            in_flight = [sampler.sample(prompt, 1, params) for _ in range(2)]
+            in_flight = [sampler.sample(prompt, SAMPLES, params) for _ in range(2)]
             while not stop.is_set():
                 in_flight.pop(0).result()
-                in_flight.append(sampler.sample(prompt, 1, params))
+                in_flight.append(sampler.sample(prompt, SAMPLES, params))
             for future in in_flight:
                 future.result()
         except BaseException as exc:  # reported by the main thread
@@ -90,7 +96,7 @@ def test_a_flooding_session_does_not_starve_three_steady_ones(
     threads = [threading.Thread(target=steady, args=(s,)) for s in samplers[1:]]
     for thread in threads:
         thread.start()
-    flood = [samplers[0].sample(prompt, 1, params) for _ in range(FLOOD)]
+    flood = [samplers[0].sample(prompt, SAMPLES, params) for _ in range(FLOOD)]
     for future in flood:
         future.result()
     stop.set()
