@@ -9,9 +9,9 @@ The client has taken one optimizer step and holds the gradients of a second forw
 everything a spill writes is there. Reported per round, median over `--rounds`:
 - `spill`: `residency.spill` (a checkpoint with the optimizer, and the gradients), to disk;
 - `restore`: `residency.restore` into a client already built;
-- `build`: a fresh client of the same LoRA settings (`create_training_client`); where the server
-  shares one base model between its clients, this is building the adapter on it, otherwise it
-  loads the base model from disk too;
+- `build`: a fresh client of the same LoRA settings (`create_training_client`) on the base
+  model the clients share, as the server builds them (`engine.shared_base`): the adapter, not
+  the model;
 - `round trip`: `Residency` evicting one client for another and bringing it back, as the
   server does (spill of the other, build, restore), one direction.
 Every restore is checked bit-exact against the state before the spill.
@@ -34,6 +34,7 @@ import torch
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.executor import InProcessExecutor
+from posttrain.engine.shared_base import SharedBases
 from posttrain.engine.threads import ComputeThread
 from posttrain.engine.tiny import tiny_model_path
 from posttrain.engine.worker import Worker
@@ -97,6 +98,7 @@ def main() -> None:
     )
     root = Path(tempfile.mkdtemp(prefix="posttrain-eviction-"))
     compute = ComputeThread("bench-compute")
+    bases = SharedBases()  # as posttrain serve builds its clients: on one shared base
 
     def build() -> LocalTrainingClient:
         return create_training_client(
@@ -105,6 +107,7 @@ def main() -> None:
             seed=0,
             storage_dir=root / "runs",
             compute_thread=compute,
+            shared_base=bases,
         )
 
     def train(client: LocalTrainingClient) -> LocalTrainingClient:
