@@ -56,8 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--sampler-cache-size",
         type=int,
-        default=4,
-        help="sampling models (base model or checkpoints) kept loaded, least recently used first out",
+        default=16,
+        help="sampling models (base model or checkpoints) kept loaded, least recently used first "
+        "out; each holds an adapter, the base model's weights are shared",
     )
     parser.add_argument(
         "--max-resident-adapters",
