@@ -25,7 +25,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.engine import kv_cache
 from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, load_tokenizer
-from posttrain.engine.sampler import Sampler, choose_tokens, truncate_logits
+from posttrain.engine.sampler import Sampler
+from posttrain.engine.token_draw import choose_tokens, truncate_logits
 from posttrain.types import SampledSequence, SamplingParams
 
 ATOL = 1e-5  # see the module docstring
