@@ -55,7 +55,7 @@ SMOKE: dict[str, str] = {
     "--samples 2 --new-tokens 4 --batch 2 --seq-len 16",
     "serve_sampling.py": "--size tiny --samples 2 --new-tokens 4 --requests 2 --rounds 1 "
     "--threads 1",
-    "serve_memory.py": "--size tiny --clients 1,2 --threads 1 --rank 4",
+    "serve_memory.py": "--size tiny --clients 1 --threads 1 --rank 4",
     "serve_threads.py": "--size tiny --seconds 0.5 --rounds 1 --threads 1 --samples 2 "
     "--new-tokens 4 --batch 2 --seq-len 16",
     "snapshot_speed.py": "--size tiny --lora-rank 4 --snapshots 2",
