@@ -93,7 +93,7 @@ class SampleGatherer:
         self,
         record: Callable[[str, Job], None],
         sampler_of: Callable[[SamplerRow], LocalTrainingClient],
-        submit: Callable[[Callable[[], None]], asyncio.Future[None]],
+        submit: Callable[[Callable[[], None], str], asyncio.Future[None]],
         max_rows: int = MAX_ROWS,
     ) -> None:
         self.record = record
@@ -120,7 +120,11 @@ class SampleGatherer:
                     groups.setdefault(key, []).append(pending)
                 for group in groups.values():
                     try:
-                        await self.submit(lambda group=group: self.run_group(group))
+                        # In the turn of its first request's tenant: the round-robin filling
+                        # rotates who that is, so sampling takes each tenant's turn in order.
+                        await self.submit(
+                            lambda group=group: self.run_group(group), group[0].tenant
+                        )
                     except Exception:  # run_group records every outcome; this is a bug
                         log.exception("a sample batch failed outside its requests")
         finally:

@@ -30,8 +30,8 @@ class SamplingApi:
         self.store = api.store
         self.gatherer = SampleGatherer(self.rt.run, self.rt.sampler_for_row, self._on_compute)
 
-    def _on_compute(self, fn: Callable[[], None]) -> asyncio.Future[None]:
-        return asyncio.wrap_future(self.rt.sampling.submit(fn))
+    def _on_compute(self, fn: Callable[[], None], tenant: str) -> asyncio.Future[None]:
+        return asyncio.wrap_future(self.rt.sampling.submit(fn, tenant=tenant))
 
     async def batching_stats(self) -> dict[str, object]:
         """How many sampling jobs ran and how many requests and samplers they batched."""
