@@ -237,7 +237,7 @@ def test_the_command_line_sets_threads_before_computing(
 def test_serve_reads_the_hidden_size_that_chooses_its_threads(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from posttrain.cli.serve_cmd import model_hidden_size
+    from posttrain.server.config import model_config_int
 
-    assert model_hidden_size(str(tiny_model_dir)) == 64  # the tiny model: one thread
-    assert model_hidden_size(str(tmp_path)) is None  # no config: the usable cores
+    assert model_config_int(str(tiny_model_dir), "hidden_size") == 64  # the tiny model: one thread
+    assert model_config_int(str(tmp_path), "hidden_size") is None  # no config: the usable cores

@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from posttrain.server.config import ServerConfig
+    from posttrain.server.config import ServerConfig, model_config_int
 
     storage = args.storage.resolve()
     try:
@@ -123,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"posttrain serve: {err}", file=sys.stderr)
         return 2
-    hidden_size = model_hidden_size(model_path)
+    hidden_size = model_config_int(model_path, "hidden_size")
     try:
         # Before the server loads the model: it computes on one thread with this many OpenMP
         # threads (see posttrain.server.runtime), one for a tiny model.
@@ -157,14 +157,3 @@ def _serve(app: object, host: str, port: int) -> None:
                 print(f"posttrain serve: ready on http://{shown}:{port}", flush=True)
 
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()  # pyright: ignore[reportArgumentType]
-
-
-def model_hidden_size(model_path: str) -> int | None:
-    """The served model's hidden size from its config (None if it has none)."""
-    from transformers import AutoConfig
-
-    try:
-        value = getattr(AutoConfig.from_pretrained(model_path), "hidden_size", None)
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, int) else None

@@ -85,3 +85,15 @@ class ServerConfig:
 
     def serves(self, name: str) -> bool:
         return name == self.base_model or name in self.aliases
+
+
+def model_config_int(model_path: str, field: str) -> int | None:
+    """An integer field of the served model's config (`hidden_size`, `max_position_embeddings`),
+    or None where it has no config or no such integer."""
+    from transformers import AutoConfig
+
+    try:
+        value = getattr(AutoConfig.from_pretrained(model_path), field, None)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None

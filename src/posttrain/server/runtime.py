@@ -47,7 +47,7 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint
 from posttrain.engine.shared_base import SharedBases
 from posttrain.engine.threads import ComputeThread, as_tenant
-from posttrain.server.config import ServerConfig
+from posttrain.server.config import ServerConfig, model_config_int
 from posttrain.server.lanes import Job, Lane, UserError, category_of
 from posttrain.server.residency import Residency, Unloaded
 from posttrain.server.sampler_cache import SamplerCache
@@ -87,7 +87,7 @@ class Runtime:
         # Sampling jobs run whole on the compute thread: one turn per request (module doc).
         self.sampling = self.compute
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.max_context_length = _context_length(config.model_path)
+        self.max_context_length = model_config_int(config.model_path, "max_position_embeddings")
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -409,13 +409,3 @@ def not_loaded(model_id: str) -> str:
 def _sampler_key(weights_dir: str) -> str:
     """A LoRA sampling model's key among the resident adapters (`server.residency`)."""
     return f"sampler:{Path(weights_dir)}" if weights_dir else "sampler:"
-
-
-def _context_length(model_path: str) -> int | None:
-    from transformers import AutoConfig
-
-    try:
-        value = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    except (OSError, ValueError):
-        return None
-    return int(value) if isinstance(value, int) else None
