@@ -63,12 +63,21 @@ def worker_of(client: LocalTrainingClient) -> Worker:
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir: Path) -> Iterator[list[Worker]]:
     """Slots 0-2: LoRA ranks 4, 8, 16 (trained); slot 3: the base model."""
+    yield from trained_and_base(tiny_model_dir, [(1, 4), (2, 8), (3, 16)])
+
+
+def trained_and_base(
+    model_dir: Path, seeds_and_ranks: list[tuple[int, int]], train_unembed: bool | None = None
+) -> Iterator[list[Worker]]:
+    """Workers of LoRA clients (seed, rank), each trained two steps, then of the base model."""
     clients = []
-    for seed, rank in [(1, 4), (2, 8), (3, 16)]:
-        client = create_training_client(tiny_model_dir, lora_rank=rank, seed=seed, device="cpu")
+    for seed, rank in seeds_and_ranks:
+        client = create_training_client(
+            model_dir, lora_rank=rank, seed=seed, train_unembed=train_unembed, device="cpu"
+        )
         train_two_steps(client, seed)
         clients.append(client)
-    clients.append(create_training_client(tiny_model_dir, lora_rank=None, device="cpu"))
+    clients.append(create_training_client(model_dir, lora_rank=None, device="cpu"))
     yield [worker_of(c) for c in clients]
     for client in clients:
         client.close()
@@ -291,17 +300,7 @@ def tied_workers(tied_model_dir: Path) -> Iterator[list[Worker]]:
     """The tinker SDK's default on a tied model (train_unembed=True: one adapter on the shared
     embedding matrix, which the unembedding uses transposed): ranks 4 and 8, trained, and the
     base model."""
-    clients = []
-    for seed, rank in [(1, 4), (2, 8)]:
-        client = create_training_client(
-            tied_model_dir, lora_rank=rank, seed=seed, train_unembed=True, device="cpu"
-        )
-        train_two_steps(client, seed)
-        clients.append(client)
-    clients.append(create_training_client(tied_model_dir, lora_rank=None, device="cpu"))
-    yield [worker_of(c) for c in clients]
-    for client in clients:
-        client.close()
+    yield from trained_and_base(tied_model_dir, [(1, 4), (2, 8)], train_unembed=True)
 
 
 def test_tied_embedding_adapters_gather_per_row(tied_workers: list[Worker]) -> None:
