@@ -100,6 +100,16 @@ def test_adapter_export_loads_with_peft(lora_run, tiny_model_dir: Path, tmp_path
     assert record["notes"] == list(result.notes)
 
 
+def test_an_export_has_the_umasks_modes(lora_run, tmp_path: Path, wrong_modes):
+    # safetensors writes its file 0600 and mkdtemp its directory 0700, unreadable for the hub
+    # client, server or container (another uid) the export is for.
+    model_dir, _ = lora_run
+    export_model(model_dir, tmp_path / "merged")
+    export_model(model_dir, tmp_path / "adapter", mode="adapter")
+    assert wrong_modes(tmp_path / "merged") == {}
+    assert wrong_modes(tmp_path / "adapter") == {}
+
+
 def test_bfloat16_export(lora_run, tmp_path: Path):
     model_dir, trained = lora_run
     export_model(model_dir, tmp_path / "bf16", dtype="bfloat16", step=2)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from posttrain.backends.tinker_export import (
     TINKER_PREFIX,
@@ -45,6 +45,7 @@ from posttrain.engine.checkpoint import (
     checkpoint_problem,
     step_directories,
 )
+from posttrain.engine.file_modes import apply_umask, save_tensors
 from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.adapters import PEFT_PREFIX, split_adapter
 from posttrain.inference.weights import (
@@ -160,7 +161,7 @@ def _export(
     notes = _adapter_notes(source.checkpoint, adapter, ties_word_embeddings(base_dir))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server run as another user
+    apply_umask(tmp)  # mkdtemp's 0700 would hide the model from a server run as another user
     try:
         if form == "adapter":
             untied = False
@@ -380,14 +381,14 @@ def _write_adapter(
     config["inference_mode"] = True
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     cast = _DTYPES[dtype]
-    save_file(
+    save_tensors(
         {k: v.to(cast) if v.is_floating_point() else v for k, v in tensors.items()},
-        str(tmp / ADAPTER_WEIGHTS),
-        metadata={"format": "pt"},
+        tmp / ADAPTER_WEIGHTS,
+        {"format": "pt"},
     )
     for name in (*_TOKENIZER_FILES, "generation_config.json"):
         if (base_dir / name).is_file():
-            shutil.copy2(base_dir / name, tmp / name)
+            shutil.copyfile(base_dir / name, tmp / name)  # the umask's mode, not the base's
 
 
 def _portable_base(base_model: str, base_dir: Path) -> str:
