@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,31 @@ def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny qwen2 model with its unembedding tied to the input embedding, as SmolLM2 and
     Qwen2.5-0.5B publish theirs (the test sizes untie it)."""
     return make_tiny_model(tmp_path_factory.mktemp("tied-model"), size="tiny", tied=True)
+
+
+@pytest.fixture
+def wrong_modes() -> Iterator[Callable[[Path], dict[str, str]]]:
+    """Sets the umask to 027 for the test, and gives what under a directory (itself included)
+    has another mode than that umask gives (files 0640, directories 0750): a mode that follows
+    the umask is told apart from a fixed 0644 or 0755 and from safetensors' and mkdtemp's own
+    0600 and 0700."""
+
+    def check(directory: Path) -> dict[str, str]:
+        paths = [directory, *directory.rglob("*")]
+        modes = {
+            str(p.relative_to(directory)): (p.stat().st_mode & 0o777, p.is_dir()) for p in paths
+        }
+        return {
+            name: oct(mode)
+            for name, (mode, is_dir) in modes.items()
+            if mode != (0o750 if is_dir else 0o640)
+        }
+
+    old = os.umask(0o027)
+    try:
+        yield check
+    finally:
+        os.umask(old)
 
 
 @pytest.fixture

@@ -178,3 +178,14 @@ def test_src_keeps_its_type_escapes_few():
         f"{escapes} suppressions and casts in src (at most {MAX_ESCAPES_IN_SRC}): fix a type "
         "instead (a TypeGuard, a Protocol, posttrain.data.checks for values from outside)"
     )
+
+
+def test_weights_are_written_through_file_modes():
+    # safetensors' save_file leaves its file 0600 (engine/file_modes.py says why): every writer
+    # of weights calls file_modes.save_tensors, which gives it the umask's mode.
+    writers = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "src" / "posttrain").rglob("*.py")
+        if path.name != "file_modes.py" and re.search(r"\bsave_file\b", path.read_text())
+    ]
+    assert not writers, f"write weights with file_modes.save_tensors in: {writers}"

@@ -178,6 +178,16 @@ def test_full_weights_load_with_from_pretrained(tiny_model_dir: Path, tmp_path: 
         assert torch.equal(reloaded.state_dict()[name], value), name
 
 
+def test_a_checkpoint_has_the_umasks_modes(
+    lora_model, tiny_model_dir: Path, tmp_path: Path, wrong_modes
+) -> None:
+    # PEFT's and transformers' save_pretrained write safetensors 0600, mkdtemp the folder 0700.
+    model, optimizer = lora_model
+    assert wrong_modes(save_checkpoint(tmp_path / "lora", model=model, optimizer=optimizer)) == {}
+    full, _ = _build(tiny_model_dir, "full")
+    assert wrong_modes(save_weights(tmp_path / "full", full)) == {}
+
+
 def test_crash_mid_save_leaves_nothing(lora_model, tmp_path: Path, monkeypatch) -> None:
     model, optimizer = lora_model
 

@@ -138,6 +138,13 @@ def test_a_second_use_reads_the_cache_without_converting_or_hashing(tiny_gguf, m
     assert calls == [gguf_path]
 
 
+def test_the_converted_model_has_the_umasks_modes(tmp_path, wrong_modes):
+    # A packaged model is a GGUF file converted the same way into the same cache.
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path, seed=6)
+    assert wrong_modes(import_gguf(gguf_path)) == {}
+
+
 def test_a_changed_file_is_hashed_and_converted_again(tmp_path):
     gguf_path = tmp_path / "model.gguf"
     write_tiny_gguf(gguf_path, seed=1)

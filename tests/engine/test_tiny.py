@@ -166,6 +166,10 @@ def test_parameter_counts_match_docstring(arch: str, size: str, expected: int) -
     assert f"{expected:,}" in (make_tiny_model.__doc__ or "")
 
 
+def test_the_cached_model_has_the_umasks_modes(tmp_path: Path, wrong_modes) -> None:
+    assert wrong_modes(tiny_model_path(cache_dir=tmp_path)) == {}
+
+
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch must be one of"):
         make_tiny_model(tmp_path, arch="gpt2")  # pyright: ignore[reportArgumentType]

@@ -17,6 +17,7 @@ from local_groups import synthetic_groups
 from posttrain.backends.export import PROVENANCE, export_model
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.tinker import TinkerBackend
+from posttrain.cli.main import main
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
@@ -32,11 +33,20 @@ def _datum() -> object:
     )
 
 
+# The SDK's deprecated forms warn with a FutureWarning (create_rest_client, a future used as
+# its client): the export path, and this test, use none.
+@pytest.mark.filterwarnings("error::FutureWarning")
 def test_a_served_lora_run_exports_merged(
-    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+    server: ServerProcess,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ):
     service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
-    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=5)
+    tc = service.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, seed=5
+    ).result()
     for _ in range(2):
         tc.forward_backward([_datum()], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -63,8 +73,13 @@ def test_a_served_lora_run_exports_merged(
     assert moved > 1e-2  # the export holds the training
     record = json.loads((tmp_path / "out" / PROVENANCE).read_text())
     assert record["checkpoint"] == path and record["base_model"] == str(tiny_model_dir)
-    # The temporary external weights were deleted; nothing but the export is left beside it.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # The command names the checkpoint it exported (a tinker:// path has no step).
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    assert main(["export", path, str(tmp_path / "cli"), "--base-url", server.url]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith(f"exported {path} (merged, float32) to "), said
+    # The temporary external weights were deleted; nothing but the exports is left beside them.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli", "out"]
     run_id = path.removeprefix("tinker://").split("/")[0]
     listed = httpx.get(
         f"{server.url}/api/v1/training_runs/{run_id}/checkpoints", headers={"X-API-Key": KEY}
@@ -74,9 +89,11 @@ def test_a_served_lora_run_exports_merged(
 
 def test_external_weights_urls_need_the_key_and_their_token(server: ServerProcess, tmp_path):
     service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
-    tc = service.create_lora_training_client(base_model=server_base(server), rank=4, seed=6)
+    tc = service.create_lora_training_client(
+        base_model=server_base(server), rank=4, seed=6
+    ).result()
     external = tc.save_weights_external("mine").result().path
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
     urls = rest.get_external_weights_urls(external).result().urls
     assert {"adapter_model.safetensors", "adapter_config.json", "checkpoint.json"} <= set(urls)
     # The URL alone downloads (as from a signed bucket URL); a made-up token does not, nor

@@ -10,7 +10,8 @@ the base model, and `posttrain_export.json` records where the weights came from.
 
 Tied embeddings: a base model that ties its unembedding to its input embedding stays tied
 unless training changed the two apart (an adapter on `lm_head` alone); only then the export
-writes an `lm_head` of its own with `tie_word_embeddings: false`, and says so.
+writes an `lm_head` of its own with `tie_word_embeddings: false`, and says so. Such a model's
+adapter of the shared matrix is merged only: as a PEFT adapter it would merge wrong.
 
 The output is written to a hidden sibling and renamed into place, so OUT_DIR holds either
 nothing, the previous directory (with `force`), or the whole export.
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from posttrain.backends.tinker_export import (
     TINKER_PREFIX,
@@ -44,10 +45,13 @@ from posttrain.engine.checkpoint import (
     checkpoint_problem,
     step_directories,
 )
+from posttrain.engine.file_modes import apply_umask, save_tensors
 from posttrain.engine.model_source import resolve_model_source
+from posttrain.inference.adapters import PEFT_PREFIX, split_adapter
 from posttrain.inference.weights import (
     base_weights_for_merge,
     merge_trainable,
+    ties_word_embeddings,
     write_model_directory,
 )
 
@@ -152,16 +156,19 @@ def _export(
     form: Literal["merged", "adapter", "full"] = (
         "full" if kind == "full" else "adapter" if mode == "adapter" else "merged"
     )
+    adapter = load_file(str(source.checkpoint / ADAPTER_WEIGHTS)) if form == "adapter" else {}
+    # Checked before anything is written: an adapter PEFT would merge wrong is refused.
+    notes = _adapter_notes(source.checkpoint, adapter, ties_word_embeddings(base_dir))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server run as another user
+    apply_umask(tmp)  # mkdtemp's 0700 would hide the model from a server run as another user
     try:
         if form == "adapter":
             untied = False
-            _write_adapter(source, base_dir, tmp, out_dtype)
+            _write_adapter(source, adapter, base_dir, tmp, out_dtype)
         else:
             untied = _write_merged(source, base_dir, tmp, out_dtype, lora=kind == "lora")
-        notes = (_UNTIED_NOTE,) if untied else ()
+            notes = (_UNTIED_NOTE,) if untied else ()
         result = ExportResult(
             out, source.origin, source.step, form, out_dtype, source.base_model, untied, notes
         )
@@ -181,6 +188,35 @@ _UNTIED_NOTE = (
     "(a LoRA on lm_head): the export unties them (tie_word_embeddings: false, an lm_head.weight "
     "of its own)"
 )
+
+
+def _adapter_notes(
+    checkpoint: Path, adapter: Mapping[str, torch.Tensor], tied: bool
+) -> tuple[str, ...]:
+    """Refuse an adapter of a tied model's shared matrix, which PEFT merges wrong; a note for
+    an adapter vLLM's LoRA cannot load."""
+    split = split_adapter(adapter)
+    layers = sorted({name.removeprefix(PEFT_PREFIX).split(".lora_")[0] for name in split.other})
+    if not layers:
+        return ()
+    if tied:
+        # PEFT 0.21 loads it right (lm_head's LoRA shares the embedding's factors), but
+        # merge_and_unload merges embed_tokens and lm_head each into their one matrix: the
+        # shared delta lands on it twice, an lm_head delta changes the input embedding too.
+        raise ValueError(
+            f"--adapter: {checkpoint} has a LoRA on {', '.join(layers)}, and the base model ties "
+            "lm_head to the input embedding (one matrix): PEFT loads that adapter right, but its "
+            "merge_and_unload() merges each of the two layers into the one matrix, so the merged "
+            "model is wrong, and vLLM's LoRA cannot load it. Export without --adapter (the "
+            "merged model, which is right and stays tied), or train with train_unembed=False "
+            "(train_unembed=True on a tied model adapts the shared matrix)"
+        )
+    return (
+        f"the adapter has a LoRA on {', '.join(layers)}, which vLLM's LoRA cannot load (it "
+        "refuses an lm_head or embedding adapter on Qwen2 and Llama); PEFT loads and merges "
+        "it. For vLLM, export without --adapter (the merged model), or train with "
+        "train_unembed=False",
+    )
 
 
 def _local_source(model_dir: Path, step: int | None) -> _Source:
@@ -336,22 +372,23 @@ def _full_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
 
 
-def _write_adapter(source: _Source, base_dir: Path, tmp: Path, dtype: str) -> None:
+def _write_adapter(
+    source: _Source, tensors: Mapping[str, torch.Tensor], base_dir: Path, tmp: Path, dtype: str
+) -> None:
     """The PEFT adapter, its base model recorded where PEFT and vLLM look for it."""
     config = json.loads((source.checkpoint / ADAPTER_CONFIG).read_text())
     config["base_model_name_or_path"] = _portable_base(source.base_model, base_dir)
     config["inference_mode"] = True
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     cast = _DTYPES[dtype]
-    tensors = load_file(str(source.checkpoint / ADAPTER_WEIGHTS))
-    save_file(
+    save_tensors(
         {k: v.to(cast) if v.is_floating_point() else v for k, v in tensors.items()},
-        str(tmp / ADAPTER_WEIGHTS),
-        metadata={"format": "pt"},
+        tmp / ADAPTER_WEIGHTS,
+        {"format": "pt"},
     )
     for name in (*_TOKENIZER_FILES, "generation_config.json"):
         if (base_dir / name).is_file():
-            shutil.copy2(base_dir / name, tmp / name)
+            shutil.copyfile(base_dir / name, tmp / name)  # the umask's mode, not the base's
 
 
 def _portable_base(base_model: str, base_dir: Path) -> str:

@@ -78,10 +78,11 @@ def fetch_tinker_checkpoint(
             f"{tinker_path} holds sampler weights, which the service cannot export; export the "
             "training checkpoint (tinker://<run>/weights/<name>) saved at the same step"
         )
+    # The SDK's RestClient itself: ServiceClient.create_rest_client() is deprecated (SDK 0.38).
+    rest = tinker.RestClient(base_url=base_url, api_key=api_key)
     service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
     status: Literal["success", "errored"] = "errored"
     try:
-        rest = service.create_rest_client()
         base_model = rest.get_weights_info_by_tinker_path(tinker_path).result().base_model
         external = tinker_path
         if parsed.checkpoint_type == "training":

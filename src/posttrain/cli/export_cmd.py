@@ -89,8 +89,10 @@ def run_export(args: argparse.Namespace) -> int:
         return 2
     for note in result.notes:
         print(f"note: {note}")
+    # A tinker:// path names its checkpoint, not a step.
+    what = result.source if result.step is None else f"step {result.step} of {result.source}"
     print(
-        f"exported step {result.step} of {result.source} ({result.form}, {result.dtype}) "
-        f"to {result.path} in {time.perf_counter() - began:.2f}s"
+        f"exported {what} ({result.form}, {result.dtype}) to {result.path} "
+        f"in {time.perf_counter() - began:.2f}s"
     )
     return 0

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from posttrain.engine import atomic_replace
 from posttrain.engine.atomic_replace import name_lock
+from posttrain.engine.file_modes import apply_umask, apply_umask_to_weights
 from posttrain.engine.resume_state import (
     optimizer_state_by_index,
     optimizer_state_by_name,
@@ -100,6 +101,7 @@ def save_checkpoint(
         _check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    apply_umask(tmp)  # not mkdtemp's 0700: a checkpoint is read like any other directory
     with atomic_replace.writing(tmp):
         try:
             _write_weights(tmp, model)
@@ -327,6 +329,7 @@ def _write_weights(tmp: Path, model: nn.Module) -> None:
     if not isinstance(model, PeftModel):
         assert isinstance(model, PreTrainedModel)  # _model_kind admitted it
         model.save_pretrained(str(tmp))
+        apply_umask_to_weights(tmp)
         return
     name = _adapter_name(model)
     # The adapter alone: PEFT's default also saves a targeted lm_head or embedding's whole base
@@ -338,6 +341,7 @@ def _write_weights(tmp: Path, model: nn.Module) -> None:
         for item in (tmp / name).iterdir():
             item.rename(tmp / item.name)
         (tmp / name).rmdir()
+    apply_umask_to_weights(tmp)
 
 
 def _fsync(path: Path) -> None:

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from posttrain.engine.file_modes import apply_umask_to_weights
 from posttrain.engine.model_source import ModelSourceError, cache_root
 
 if TYPE_CHECKING:
@@ -172,6 +173,7 @@ def convert_gguf(path: Path, out: Path, *, sha256: str | None = None, echo: Echo
     count = sum(p.numel() for p in plain.parameters()) / 1e6
     echo(f"writing {count:.1f}M parameters as {str(dtype).removeprefix('torch.')} safetensors")
     plain.save_pretrained(out)
+    apply_umask_to_weights(out)
     context = getattr(config, "max_position_embeddings", None)
     if isinstance(context, int) and tokenizer.model_max_length > context:
         tokenizer.model_max_length = context  # the reader leaves transformers' 1e30 default

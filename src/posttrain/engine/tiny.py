@@ -30,6 +30,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from posttrain.engine.file_modes import apply_umask, apply_umask_to_weights
 from posttrain.engine.model_source import cache_root
 
 Arch = Literal["qwen2", "llama"]
@@ -275,6 +276,7 @@ def make_tiny_model(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    apply_umask_to_weights(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -302,6 +304,7 @@ def tiny_model_path(
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    apply_umask(tmp)  # a cache another user or a container may read
     try:
         make_tiny_model(tmp, arch=arch, size=size, seed=seed)
         try:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from posttrain.engine.file_modes import save_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -78,7 +79,7 @@ def write_adapter(
         k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
         for k, v in split.adapter.items()
     }
-    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_tensors(tensors, directory / ADAPTER_WEIGHTS, {"format": "pt"})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

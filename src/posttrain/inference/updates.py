@@ -22,8 +22,8 @@ from typing import Literal
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from posttrain.engine.file_modes import save_tensors
 from posttrain.engine.lora import LoraSettings
 from posttrain.inference.adapters import (
     ADAPTER_CONFIG,
@@ -103,7 +103,7 @@ class UpdateExporter:
                 name: (t if _is_factor(name, pairs) else t.to(self.dtype)).detach().cpu()
                 for name, t in rest.items()
             }
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
+            save_tensors({k: v.contiguous() for k, v in tensors.items()}, tmp / TENSORS)
         final = publish_version(tmp, self.directory / f"v{version}", self._written, self.keep)
         return WeightSnapshot(
             final,

@@ -23,8 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from posttrain.engine.file_modes import save_tensors
 from posttrain.engine.lora import LoraSettings
 from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.protocol import WeightSnapshot
@@ -90,10 +91,10 @@ def write_model_directory(
     """A Hugging Face model directory: `weights` as `model.safetensors`, and the base model's
     config, generation config and tokenizer files; `untie` writes tie_word_embeddings false
     (the weights hold an `lm_head` of their own), `dtype` the config's dtype."""
-    save_file(dict(weights), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(weights, directory / "model.safetensors", {"format": "pt"})
     for name in _KEEP:
         if (base_dir / name).is_file():
-            shutil.copy2(base_dir / name, directory / name)
+            shutil.copyfile(base_dir / name, directory / name)  # the umask's mode
     if untie or dtype is not None:
         config = json.loads((directory / "config.json").read_text())
         if untie:
