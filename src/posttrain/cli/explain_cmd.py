@@ -233,7 +233,7 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
         inference.parity_check,
         config.model.dtype,
         None if live else inference.dtype,
-        fixed=inference.engine == "openai" and inference.sync == "none",
+        fixed=inference.fixed_policy,
     )
     # False: the backend cannot take inference= and samples its own way (null: not imported).
     record["backend_accepts_inference"] = accepts_inference(info) if info is not None else None

@@ -170,7 +170,7 @@ async def _open_server(
 
     base_model, rank, alpha = lora
     # The server reads the weights from this machine's files, so it must run here.
-    source = None if config.sync == "none" else _weights_source(config, client)
+    source = None if config.fixed_policy else _weights_source(config, client)
     adapters = await _adapter_route(config, source, rank)
     remote = OpenAIEngine(config, version=version, keep=config.versions_kept())
     await remote.start()

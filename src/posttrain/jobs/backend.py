@@ -316,7 +316,8 @@ def _inference_problems(
     info: BackendInfo, config: JobConfig, factory: Factory, kwargs: dict[str, object]
 ) -> list[JobProblem]:
     """`[inference]` goes to a backend that takes `inference=` (and, for a built-in one, fits
-    its devices), and, for RL, to an engine that takes each step's new weights."""
+    its devices), and to an engine that can sample the base model. Whether a server takes
+    each step's weights is its answer at register, for a job as for the API."""
     inference = config.inference
     problems: list[JobProblem] = []
     params = constructor_parameters(factory)
@@ -335,17 +336,6 @@ def _inference_problems(
     problem = engine_model_problem(config)
     if problem is not None:
         problems.append(JobProblem("model", "[inference] engine", problem))
-    if inference.engine == "openai" and inference.sync in ("auto", "none") and config.rl.steps:
-        problems.append(
-            JobProblem(
-                "backend",
-                "[inference] sync",
-                f"engine = 'openai' with sync = {inference.sync!r} keeps sampling the weights "
-                "the server started with, never the trained ones, so RL would go further "
-                'off-policy every step; set [inference] sync = "reload" (a vLLM server '
-                "started with VLLM_SERVER_DEV_MODE=1), or use engine = 'pytorch' or 'vllm'",
-            )
-        )
     return problems
 
 
