@@ -92,7 +92,17 @@ def sync_route(config: InferenceConfig, lora_rank: int, train_unembed: bool | No
     if config.engine == "pytorch" and config.devices is None:
         return "live (the engine samples the training weights: nothing moves)"
     if config.engine == "openai":
-        return "none (the server's fixed weights)" if config.fixed_policy else "whole weights"
+        adapter = "adapter (loaded as a LoRA, <model>-posttrain-v<step>)"
+        if config.fixed_policy:
+            return "none (the server's fixed weights)"
+        if config.sync == "lora":
+            return adapter
+        if config.sync == "auto" and lora_rank:
+            return (
+                f"{adapter} if vLLM's LoRA carries it and the server loads it at register, "
+                "else whole weights"
+            )
+        return "whole weights"
     if lora_rank == 0:
         return "in place (full fine-tuning: the trainable tensors written into its weights)"
     if config.lora_route() == "merge":

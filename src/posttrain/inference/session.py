@@ -19,7 +19,7 @@ import torch
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
 from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.adapter_export import AdapterExporter, check_carried
-from posttrain.inference.adapters import split_adapter
+from posttrain.inference.adapters import lora_sync_problem, split_adapter
 from posttrain.inference.config import InferenceConfig, vllm_head_problem
 from posttrain.inference.live import LiveEngine
 from posttrain.inference.process import ProcessEngine
@@ -225,7 +225,7 @@ async def _adapter_route(
     if config.sync == "lora":
         check_carried(split)
         return True
-    return bool(split.adapter) and not split.other
+    return lora_sync_problem(split.adapted, split.whole) is None
 
 
 def _note_refusal(
