@@ -114,3 +114,25 @@ async def test_an_inference_only_model_samples_a_url_and_logs_beside_the_trained
     with pytest.raises(ValueError, match=r"Model.name must be a plain name"):
         art.Model(name="a/b", project="p")
     await backend.close()
+
+
+async def test_training_an_inference_only_model_says_it_is_not_trainable(tmp_path: Path):
+    """An art.Model registers for its logs only: each call that trains or samples it says so,
+    naming TrainableModel, rather than asking for the register it just had."""
+    backend = art.LocalBackend(tmp_path)
+    judge = art.Model(
+        name="judge", project="p", inference_base_url="http://127.0.0.1:9/v1", inference_api_key="k"
+    )
+    await judge.register(backend)
+    message = r"model 'judge' is a posttrain\.Model, .*not trainable.*posttrain\.TrainableModel\("
+    calls = {
+        "train": lambda: backend.train(judge, groups(0)),  # pyright: ignore[reportArgumentType]
+        "train_sft": lambda: backend.train_sft(judge, []),  # pyright: ignore[reportArgumentType]
+        "checkpoint": lambda: backend.checkpoint(judge),  # pyright: ignore[reportArgumentType]
+    }
+    for call in calls.values():
+        with pytest.raises(TypeError, match=message):
+            await call()
+    with pytest.raises(TypeError, match=message):
+        backend.sampling_client(judge)  # pyright: ignore[reportArgumentType]
+    await backend.close()

@@ -188,6 +188,19 @@ def test_explain_refuses_a_file_that_is_not_gguf(tmp_path, capsys):
 
 
 @pytest.mark.usefixtures("posttrain_cache")
+def test_explain_and_doctor_refuse_a_truncated_gguf(tiny_gguf, tmp_path, capsys):
+    gguf_path, _ = tiny_gguf
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_path.read_bytes()[:-1])  # one byte short: the last tensor's
+    config = job(tmp_path, str(cut))
+    assert main(["explain", str(config)]) == 1
+    assert "cut.gguf is truncated or damaged" in capsys.readouterr().out
+    assert main(["doctor", "--config", str(config), "--storage", str(tmp_path)]) == 1
+    [row] = [x for x in capsys.readouterr().out.splitlines() if "  base model" in x]
+    assert row.startswith("FAIL") and "cut.gguf is truncated or damaged" in row
+
+
+@pytest.mark.usefixtures("posttrain_cache")
 def test_a_job_config_names_a_packaged_model(tmp_path, capsys):
     config = job(tmp_path, "packaged:smollm2-135m-instruct")
     assert main(["explain", str(config), "--json"]) == 0

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.inference.test_openai_lora import LoraStub
 
+from posttrain.backends.local import LocalBackend
+from posttrain.backends.model import TrainableModel
 from posttrain.cli.explain_cmd import PLAN_NOTES, explain
 from posttrain.cli.main import main
 from posttrain.engine.tiny import build_tokenizer
@@ -374,3 +377,63 @@ def test_explain_says_which_route_each_sync_takes():
     assert sync(no_unembed, engine="vllm", lora_sync="adapter") == (
         "adapter (loaded as a LoRA, posttrain-v<step>)"
     )
+    openai = {"engine": "openai", "url": "http://127.0.0.1:9/v1"}
+    assert sync(lora, **openai, sync="reload") == "whole weights"
+    assert (
+        sync(lora, **openai, sync="lora") == "adapter (loaded as a LoRA, <model>-posttrain-v<step>)"
+    )
+    assert sync(lora, **openai) == (
+        "adapter (loaded as a LoRA, <model>-posttrain-v<step>) if vLLM's LoRA carries it and "
+        "the server loads it at register, else whole weights"
+    )
+    assert sync(FULL, **openai) == "whole weights"
+
+
+@pytest.mark.parametrize(
+    ("tied", "lora"),
+    [
+        (False, {}),  # an untied model: posttrain's LoRA adapts lm_head by default
+        (True, {"train_unembed": True}),  # a tied one's unembedding adapter: the embedding's
+        (False, {"lora_rank": 0}),  # full fine-tuning: no adapter at all
+    ],
+)
+async def test_explain_refuses_the_lora_sync_register_refuses(
+    tmp_path: Path, tiny_model_dir: Path, tied_model_dir: Path, tied: bool, lora: dict[str, Any]
+):
+    """sync = 'lora' sends the adapter alone, which vLLM's LoRA carries on linear layers only:
+    explain's preflight and register refuse the same models, with the same message, before
+    the server is asked anything."""
+    stub = LoraStub()
+    base = str(tied_model_dir if tied else tiny_model_dir)
+    lora = {"lora_rank": 4, **lora}
+    inference = InferenceConfig(engine="openai", url=stub.server.url, model="m", sync="lora")
+    try:
+        job = JobConfig(model=ModelConfig(base_model=base, **lora), inference=inference)
+        [problem] = _report(job)["preflight"]["problems"]
+        assert (problem["call"], problem["option"]) == ("backend", "[inference] sync")
+        backend = LocalBackend(tmp_path, inference=inference)
+        model = TrainableModel(name="m", project="p", base_model=base, **lora)
+        with pytest.raises(ValueError) as refused:
+            await model.register(backend)
+        await backend.close()
+    finally:
+        stub.server.stop()
+    assert str(refused.value) == problem["message"]
+    assert stub.server.requests == []
+
+
+async def test_explain_passes_the_lora_sync_register_takes(tmp_path: Path, tied_model_dir: Path):
+    """A tied model's default LoRA leaves the unembedding alone: the adapter is all attention
+    and MLP, which explain passes and register loads."""
+    stub = LoraStub()
+    inference = InferenceConfig(engine="openai", url=stub.server.url, model="m", sync="lora")
+    try:
+        model_table = ModelConfig(base_model=str(tied_model_dir), lora_rank=4)
+        assert _report(JobConfig(model=model_table, inference=inference))["preflight"]["ok"]
+        backend = LocalBackend(tmp_path, inference=inference)
+        model = TrainableModel(name="m", project="p", base_model=str(tied_model_dir), lora_rank=4)
+        await model.register(backend)
+        assert list(stub.loaded) == ["m-posttrain-v0"]
+        await backend.close()
+    finally:
+        stub.server.stop()

@@ -13,15 +13,19 @@ import sys
 import threading
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from gguf_files import logits, write_gguf_of_architecture, write_tiny_gguf
 from posttrain.engine import gguf_import
+from posttrain.engine.gguf_header import read_layout
 from posttrain.engine.gguf_import import (
     RECORD,
     cache_entry,
     cached_gguf,
+    check_gguf_file,
     file_sha256,
     import_gguf,
     lossless_dtype,
@@ -269,17 +273,48 @@ def test_a_file_that_is_not_gguf_says_so(tmp_path):
             call(fake)
 
 
-@pytest.mark.parametrize("keep", [0.5, -100])
+# Where a download may stop in the tiny file (436,384 bytes: metadata from byte 24, the tensor
+# table from 5,829, data from 7,072 to the end): in the counts, the metadata (the tokenizer's),
+# the tensor table, the data, and one byte short of the end.
+CUTS = {"counts": 12, "metadata": 600, "tensor table": 6400, "data": 0.5, "last byte": -1}
+
+
+@pytest.mark.parametrize("keep", CUTS.values(), ids=CUTS.keys())
 def test_a_truncated_file_is_named_with_the_fix(tiny_gguf, tmp_path, keep):
     gguf_path, _ = tiny_gguf
     data = gguf_path.read_bytes()
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(data[: int(len(data) * keep)] if keep > 0 else data[:keep])
-    check_base_model(str(cut))  # the start is fine: only reading it finds the damage
-    with pytest.raises(ModelSourceError, match=r"cut\.gguf is truncated or damaged") as info:
-        import_gguf(cut)
-    assert "download it again and compare its sha256" in str(info.value)
+    cut.write_bytes(data[: int(len(data) * keep)] if isinstance(keep, float) else data[:keep])
+    # Preflight reads the header and the tensor table (not the data) and finds the damage, so
+    # neither explain nor doctor passes a file that train would then refuse at conversion.
+    for call in (check_base_model, import_gguf):
+        with pytest.raises(ModelSourceError, match=r"cut\.gguf is truncated or damaged") as info:
+            call(cut)
+        assert "download it again and compare its sha256" in str(info.value)
     assert cached_gguf(cut) is None
+
+
+@pytest.mark.parametrize("order", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_layout_is_read_from_the_header_alone(tmp_path, order):
+    """Offsets from the tensor table, sizes from the ggml types, the data section aligned by
+    general.alignment, in either byte order."""
+    path = tmp_path / "two.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=order)
+    writer.add_custom_alignment(64)
+    writer.add_tensor("a", np.zeros((3, 5), np.float32))  # 60 bytes, padded to 64
+    writer.add_tensor("b", np.zeros(7, np.float16))  # 14 bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    layout = read_layout(path)
+    assert (layout.version, layout.tensors, layout.data_offset % 64) == (3, 2, 0)
+    assert layout.data_end == layout.data_offset + 64 + 14 <= path.stat().st_size
+    check_gguf_file(path)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: layout.data_end - 1])
+    with pytest.raises(ModelSourceError, match=f"its tensor table needs {layout.data_end} bytes"):
+        check_gguf_file(cut)
 
 
 def test_an_architecture_transformers_cannot_read_is_named(tmp_path):

@@ -56,10 +56,26 @@ def test_the_unembedding_adapter_is_kept_apart(tmp_path: Path):
     ]
     assert "lm_head" not in split.target_modules
     assert len(split.adapter) + 2 == len(weights)
+    assert "lm_head" in split.adapted and split.whole == []
+
+
+def test_a_tied_unembedding_adapter_is_the_embeddings():
+    """On a tied model the unembedding's adapter is PEFT's embedding adapter, whose factors
+    are named `lora_embedding_A`/`_B` (no `.weight`): a LoRA factor, on embed_tokens."""
+    split = split_adapter(
+        {
+            "base_model.model.model.embed_tokens.lora_embedding_A.default": torch.ones(2, 4),
+            "base_model.model.model.embed_tokens.lora_embedding_B.default": torch.ones(4, 2),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.ones(2),
+        }
+    )
+    assert split.target_modules == ["q_proj"] and split.adapted == ["embed_tokens", "q_proj"]
+    assert split.whole == []
 
 
 def test_full_fine_tuning_has_no_adapter(tmp_path: Path):
     split = split_adapter({"model.norm.weight": torch.ones(2)})
     assert split.adapter == {} and list(split.other) == ["model.norm.weight"]
+    assert split.adapted == [] and split.whole == ["model.norm.weight"]
     with pytest.raises(ValueError, match="no LoRA factor"):
         write_adapter(split, tmp_path, rank=1, alpha=1, base_model="x")

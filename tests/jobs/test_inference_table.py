@@ -1,18 +1,23 @@
 """The job's `[inference]` table: parsed into an InferenceConfig, given to the backend as
 `inference=`, recorded in job.json (a resume keeps the engine), and refused before any work
-where it cannot hold: a backend without `inference=`, an engine that never takes new weights."""
+where it cannot hold: a backend without `inference=`, devices the backend disagrees with. Its
+`sync` is the server's to take at register, for a job as for the API."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.inference.test_openai_lora import LOAD, LoraStub
+from tests.server.serve_helpers import KEY, start_server
 
 from posttrain.backends.local import LocalBackend
 from posttrain.inference.config import InferenceConfig
-from posttrain.jobs.backend import JobPreflightError, constructor_kwargs, job_problems
+from posttrain.inference.openai_engine import OpenAIServerError
+from posttrain.jobs.backend import constructor_kwargs, job_problems
 from posttrain.jobs.config import JobConfig, parse_config
 from posttrain.jobs.run_dir import JOB_FILE, config_changes, config_record, prepare_run_dir
 from posttrain.jobs.train_job import run_job, train
@@ -21,7 +26,7 @@ TESTS = Path(__file__).parents[1]
 OPENAI = {"engine": "openai", "url": "http://127.0.0.1:9/v1"}  # nothing listens: never reached
 
 
-def _job(output: Path, inference: dict[str, object], **run: object) -> JobConfig:
+def _job(output: Path, inference: Mapping[str, object], **run: object) -> JobConfig:
     return parse_config(
         {
             "run": {"task": "reverse", "name": "job", "output_dir": str(output), **run},
@@ -117,16 +122,55 @@ def test_split_devices_must_fit_the_backend(tmp_path: Path):
     ]
 
 
-async def test_an_engine_that_never_takes_new_weights_is_refused_before_any_work(tmp_path: Path):
-    for sync in ({}, {"sync": "none"}):
-        with pytest.raises(JobPreflightError, match=r'set \[inference\] sync = "reload"') as info:
-            await run_job(_job(tmp_path, {**OPENAI, **sync}), echo=lambda line: None)
-        assert [p.option for p in info.value.problems] == ["[inference] sync"]
-    assert not (tmp_path / "posttrain").exists()  # nothing written, no server asked
-    # "reload" takes each step's weights; evaluation alone ([rl] steps = 0) trains nothing.
-    assert job_problems(_job(tmp_path, {**OPENAI, "sync": "reload"}))[1] == []
-    evaluation = parse_config({"rl": {"steps": 0}, "inference": OPENAI})
-    assert job_problems(evaluation)[1] == []
+@pytest.mark.parametrize("sync", ["auto", "none", "reload"])
+def test_the_job_takes_each_sync_the_api_takes(tmp_path: Path, sync: str):
+    """What the server takes decides at register, for a job as for the API (`EngineSession`):
+    'auto' sends the adapter or whole weights, 'reload' whole weights, and 'none' samples the
+    server's fixed policy, explicitly off-policy; preflight refuses none of them."""
+    assert job_problems(_job(tmp_path, {**OPENAI, "sync": sync}))[1] == []
+
+
+async def test_a_job_with_sync_auto_sends_each_steps_adapter(tmp_path: Path):
+    """The openai engine's default, on a LoRA model whose adapter vLLM carries: register loads
+    the adapter of step 0, and each RL step's sync a new one, as `register` does for the API."""
+    stub = LoraStub()
+    inference = {"engine": "openai", "url": stub.server.url, "model": "m", "parity_check": "off"}
+    config = _job(tmp_path, inference)
+    model = replace(config.model, lora_rank=4, train_unembed=False)  # no lm_head adapter
+    try:
+        await run_job(replace(config, model=model), echo=lambda line: None)
+    finally:
+        stub.server.stop()
+    loads = [name for path, name in stub.calls() if path == LOAD]
+    assert loads == ["m-posttrain-v0", "m-posttrain-v1", "m-posttrain-v2"]
+    assert not [r for r in stub.server.requests if r[1] == "/collective_rpc"]  # no whole weights
+
+
+@pytest.mark.slow  # a posttrain serve subprocess
+async def test_the_sync_register_advises_is_one_the_job_runs(tmp_path: Path, tiny_model_dir: Path):
+    """posttrain serve takes no weights (no vLLM dev mode, no runtime LoRA): register refuses
+    'auto' and advises 'none', and the job with 'none' trains, off-policy, and says how far."""
+    server = start_server(tiny_model_dir, tmp_path / "storage")
+    try:
+        inference = {"engine": "openai", "url": f"{server.url}/v1", "api_key": KEY}
+        config = _job(tmp_path / "auto", inference)
+        config = replace(config, model=replace(config.model, base_model=str(tiny_model_dir)))
+        with pytest.raises(OpenAIServerError) as refused:
+            await run_job(config, echo=lambda line: None)
+        assert "set sync = 'none'" in "\n".join(refused.value.__notes__)
+        fixed = replace(
+            config,
+            run=replace(config.run, output_dir=str(tmp_path / "none")),
+            inference=replace(config.inference, sync="none"),
+        )
+        result = await run_job(fixed, echo=lambda line: None)
+    finally:
+        server.stop()
+    rows = [
+        json.loads(line) for line in (result.run_dir / "history.jsonl").read_text().splitlines()
+    ]
+    # Step k's update leaves the model k steps past the server's weights, which sampled it.
+    assert [r["sampler_steps_behind"] for r in rows if r["split"] == "train"] == [1.0, 2.0]
 
 
 def test_job_json_records_it_and_a_resume_keeps_the_engine(tmp_path: Path):

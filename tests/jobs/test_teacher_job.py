@@ -52,6 +52,9 @@ def test_explain_and_preflight_judge_the_job_with_its_teacher(tmp_path):
     report = explain(mixed)
     assert report["preflight"] == {"ok": True, "problems": []}
     assert report["config"]["teacher"]["model"] == "tiny:qwen2:tiny:1"  # pyright: ignore[reportIndexIssue]
+    # [rl] shows the teacher the job distills from, as the job's train() options hold it.
+    assert report["config"]["rl"]["trainer"]["teacher"] == "tiny:qwen2:tiny:1"  # pyright: ignore[reportIndexIssue]
+    assert json.loads(json.dumps(report)) == report  # the --json output, unchanged
     # Without a teacher, distill_reward_coef is refused; with one, what distillation replaces.
     alone = explain(_job(tmp_path, None, distill_reward_coef=0.5))["preflight"]
     assert [p["option"] for p in alone["problems"]] == ["distill_reward_coef"]  # pyright: ignore[reportIndexIssue]

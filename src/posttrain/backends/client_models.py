@@ -22,7 +22,7 @@ from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.checkpoint_index import CheckpointIndex, ClientSource
 from posttrain.backends.critics import Critics, delete_saved_critic
 from posttrain.backends.inputs import group_list, pair_list, trajectory_list
-from posttrain.backends.model import TrainableModel
+from posttrain.backends.model import Model, TrainableModel
 from posttrain.backends.model_json import check_model_json, write_model_json
 from posttrain.backends.model_record import ClientT, ModelRecord
 from posttrain.backends.model_steps import ModelSteps, WeightsHook, open_engine
@@ -134,7 +134,15 @@ class ModelClients(Generic[ClientT]):
         self._records[id(model)] = ModelRecord(model, client, session, critic=critic)
 
     def record(self, model: TrainableModel) -> ModelRecord[ClientT]:
-        """The model's record; the one "not registered" error."""
+        """The model's record; the one "not registered" error (and, for a `Model`, which
+        registers for its logs alone, the one "not trainable" error)."""
+        if isinstance(model, Model):
+            raise TypeError(
+                f"model {model.name!r} is a posttrain.Model, which is not trainable: it is "
+                "sampled from its inference_base_url, and register gives it a log directory "
+                "only; to train or sample it here, make it a posttrain.TrainableModel(name=..., "
+                "project=..., base_model=...) and register that"
+            )
         try:
             return self._records[id(model)]
         except KeyError:

@@ -83,7 +83,7 @@ def mode_of(config: InferenceConfig) -> EngineMode:
         return ENGINE_MODES[0 if config.devices is None else 1]
     if config.engine == "vllm":
         return ENGINE_MODES[2]
-    return ENGINE_MODES[4 if config.sync == "none" else 3]
+    return ENGINE_MODES[4 if config.fixed_policy else 3]
 
 
 def sync_route(config: InferenceConfig, lora_rank: int, train_unembed: bool | None) -> str:
@@ -92,7 +92,17 @@ def sync_route(config: InferenceConfig, lora_rank: int, train_unembed: bool | No
     if config.engine == "pytorch" and config.devices is None:
         return "live (the engine samples the training weights: nothing moves)"
     if config.engine == "openai":
-        return "none (the server's fixed weights)" if config.sync == "none" else "whole weights"
+        adapter = "adapter (loaded as a LoRA, <model>-posttrain-v<step>)"
+        if config.fixed_policy:
+            return "none (the server's fixed weights)"
+        if config.sync == "lora":
+            return adapter
+        if config.sync == "auto" and lora_rank:
+            return (
+                f"{adapter} if vLLM's LoRA carries it and the server loads it at register, "
+                "else whole weights"
+            )
+        return "whole weights"
     if lora_rank == 0:
         return "in place (full fine-tuning: the trainable tensors written into its weights)"
     if config.lora_route() == "merge":

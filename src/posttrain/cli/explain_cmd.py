@@ -24,10 +24,17 @@ from posttrain.cli.engine_table import (
     sync_route,
     where,
 )
+from posttrain.clients.teacher import Teacher
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.finder import did_you_mean
 from posttrain.inference import InferenceConfig
-from posttrain.jobs.backend import PLAIN_CALLS, JobProblem, job_problems, work_problems
+from posttrain.jobs.backend import (
+    PLAIN_CALLS,
+    JobProblem,
+    job_problems,
+    planned_rl_options,
+    work_problems,
+)
 from posttrain.jobs.config import JobConfig, key_help, load_config
 from posttrain.jobs.tables import redact_secrets
 from posttrain.tasks.resolve import ResolvedTask
@@ -94,6 +101,8 @@ def key_lines(spec: str) -> list[str]:
 
 
 def _jsonable(value: object) -> object:
+    if isinstance(value, Teacher):
+        return value.name  # the job's [teacher], named (`planned_rl_options`)
     if is_config(value):
         # A table's keys and its train() options, flat by the keys the TOML tables use;
         # canonical: `loss` is the loss that runs.
@@ -233,7 +242,7 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
         inference.parity_check,
         config.model.dtype,
         None if live else inference.dtype,
-        fixed=inference.engine == "openai" and inference.sync == "none",
+        fixed=inference.fixed_policy,
     )
     # False: the backend cannot take inference= and samples its own way (null: not imported).
     record["backend_accepts_inference"] = accepts_inference(info) if info is not None else None
@@ -241,9 +250,10 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
 
 
 def _config(config: JobConfig) -> object:
-    """The resolved config as it may be shown: secrets (in [backend], [inference], [teacher])
-    redacted."""
-    shown = _jsonable(dataclasses.replace(config, backend=redact_secrets(config.backend)))
+    """The resolved config as it may be shown: [rl] with the train options the job runs (its
+    [teacher] among them), secrets (in [backend], [inference], [teacher]) redacted."""
+    rl = dataclasses.replace(config.rl, trainer=planned_rl_options(config))
+    shown = _jsonable(dataclasses.replace(config, rl=rl, backend=redact_secrets(config.backend)))
     for table in ("inference", "teacher"):
         if isinstance(shown, dict) and isinstance(shown.get(table), dict):
             shown[table] = redact_secrets(shown[table])

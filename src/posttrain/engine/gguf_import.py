@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from posttrain.engine.file_modes import apply_umask_to_weights
+from posttrain.engine.gguf_header import GGUFHeaderError, read_layout
 from posttrain.engine.model_source import ModelSourceError, cache_root
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def cache_entry(sha256: str) -> Path:
 
 
 def check_gguf_file(spec: str | Path) -> Path:
-    """The GGUF file `spec` names: it exists and starts with the GGUF magic bytes, and the `gguf`
+    """The GGUF file `spec` names: it exists, starts with the GGUF magic bytes and holds every
+    byte its tensor table names (`gguf_header`: milliseconds, whatever its size), and the `gguf`
     package is installed unless the file's conversion is cached. Nothing is converted."""
     text = str(spec)
     path = Path(text).expanduser()
@@ -82,10 +84,28 @@ def check_gguf_file(spec: str | Path) -> Path:
             "a GGUF file, or its start is damaged; download it again and compare its sha256 with "
             "the publisher's"
         )
-    # Hashing the file to find its conversion is only worth it when the package is missing.
-    if importlib.util.find_spec("gguf") is None and cached_gguf(path) is None:
-        require_gguf_package(f"reading GGUF file {path}")
+    # Hashing the file to find its conversion is only worth it when the package is missing;
+    # a file converted before is whole (its sha256 names the conversion).
+    if importlib.util.find_spec("gguf") is None:
+        if cached_gguf(path) is None:
+            require_gguf_package(f"reading GGUF file {path}")
+        return path
+    _check_layout(path)
     return path
+
+
+def _check_layout(path: Path) -> None:
+    """Raise unless the file holds its whole header and every tensor its table names."""
+    size = path.stat().st_size
+    try:
+        layout = read_layout(path)
+        if layout.data_end > size:
+            raise GGUFHeaderError(f"its tensor table needs {layout.data_end} bytes")
+    except GGUFHeaderError as exc:
+        raise ModelSourceError(
+            f"GGUF file {path} is truncated or damaged ({size} bytes; {exc}); download it "
+            "again and compare its sha256 with the publisher's"
+        ) from None
 
 
 def require_gguf_package(doing: str) -> None:

@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from posttrain.engine.lora import LoraSettings
-from posttrain.inference.adapters import AdapterSplit, split_adapter, write_adapter
+from posttrain.inference.adapters import (
+    AdapterSplit,
+    lora_sync_problem,
+    split_adapter,
+    write_adapter,
+)
 from posttrain.inference.protocol import WeightSnapshot
 
 
@@ -52,21 +57,10 @@ class AdapterExporter:
 
 
 def check_carried(split: AdapterSplit) -> None:
-    """Refuse trained tensors a vLLM adapter cannot carry, naming the fix."""
-    if not split.adapter:
-        raise ValueError(
-            "[inference] sync = 'lora' sends the model's LoRA adapter, and this model trains "
-            "no LoRA of a linear layer (full fine-tuning): set sync = 'reload' (whole weights)"
-        )
-    if split.other:
-        names = ", ".join(sorted(split.other)[:4])
-        more = f" and {len(split.other) - 4} more" if len(split.other) > 4 else ""
-        raise ValueError(
-            f"[inference] sync = 'lora': vLLM's LoRA cannot carry this model's trained "
-            f"{names}{more} (an adapter on lm_head or the embedding, or full-fine-tuning "
-            "tensors); train LoRA with train_unembed = false (attention and MLP layers only), "
-            "or set sync = 'reload' (whole LoRA-merged weights)"
-        )
+    """Refuse trained tensors a vLLM adapter cannot carry, naming the fix (`lora_sync_problem`)."""
+    problem = lora_sync_problem(split.adapted, split.whole)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def discard(snapshot_path: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +19,15 @@ import torch
 
 from posttrain.engine.file_modes import save_tensors
 
+from posttrain.engine.lora import LoraSettings
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 # A linear layer's factor, in memory (`.lora_A.default.weight`) or as PEFT saves it.
 _LINEAR = re.compile(r"^(?P<layer>.+)\.lora_(?P<which>[AB])(\.[^.]+)?\.weight$")
+# Any LoRA factor: a linear layer's, or an embedding's (`.lora_embedding_A.default`).
+_FACTOR = re.compile(r"^(?P<layer>.+)\.lora_(embedding_)?[AB](\.[^.]+)?(\.weight)?$")
 # Layers vLLM's LoRA cannot carry: the unembedding and the input embedding.
 _UNCARRIED = ("lm_head", "embed_tokens")
 
@@ -43,6 +47,18 @@ class AdapterSplit:
     def adapter_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.adapter.values())
 
+    @property
+    def adapted(self) -> list[str]:
+        """Every layer the LoRA adapts, by last name, carried or not (`lm_head`, ...)."""
+        found = (_FACTOR.match(name.removeprefix(PEFT_PREFIX)) for name in self.other)
+        uncarried = {m["layer"].split(".")[-1] for m in found if m is not None}
+        return sorted({*self.target_modules, *uncarried})
+
+    @property
+    def whole(self) -> list[str]:
+        """The trained tensors that are no LoRA factor: trained whole (full fine-tuning)."""
+        return sorted(n for n in self.other if not _FACTOR.match(n.removeprefix(PEFT_PREFIX)))
+
 
 def split_adapter(trainable: Mapping[str, torch.Tensor]) -> AdapterSplit:
     """Split a client's trainable tensors (`ExportsWeights.trainable_weights`) into what a
@@ -59,6 +75,41 @@ def split_adapter(trainable: Mapping[str, torch.Tensor]) -> AdapterSplit:
         adapter[f"{PEFT_PREFIX}{layer}.lora_{match['which']}.weight"] = tensor
         modules.add(layer.split(".")[-1])
     return AdapterSplit(adapter, other, sorted(modules))
+
+
+def lora_sync_problem(adapted: Collection[str], whole: Collection[str] = ()) -> str | None:
+    """Why `[inference] sync = 'lora'` cannot send what a model trains as a vLLM LoRA adapter,
+    or None. `adapted`: the layers its LoRA adapts, by last name (`q_proj`, `lm_head`);
+    `whole`: the tensors it trains whole. The one rule: register asks it of the model's
+    trained weights (`check_carried`), and job preflight and `posttrain explain` of the job's
+    LoRA before anything loads (`planned_layers`)."""
+    if not adapted:
+        return (
+            "[inference] sync = 'lora' sends the model's LoRA adapter, and this model trains "
+            "no LoRA of a linear layer (full fine-tuning): set sync = 'reload' (whole weights)"
+        )
+    uncarried = [f"an adapter on {layer}" for layer in sorted(set(adapted) & set(_UNCARRIED))]
+    if whole:
+        more = f" and {len(whole) - 4} more" if len(whole) > 4 else ""
+        uncarried.append(f"{', '.join(sorted(whole)[:4])}{more} trained whole")
+    if not uncarried:
+        return None
+    return (
+        f"[inference] sync = 'lora': vLLM's LoRA cannot carry what this model trains: "
+        f"{' and '.join(uncarried)} (it adapts linear layers only, not the unembedding or the "
+        "embedding); train LoRA with train_unembed = false (attention and MLP layers only), "
+        "or set sync = 'reload' (whole LoRA-merged weights)"
+    )
+
+
+def planned_layers(lora: LoraSettings | None, model_config: Mapping[str, object]) -> list[str]:
+    """The layers `lora` will adapt on the model of this transformers config (as a dict),
+    named as `split_adapter` finds them: a tied unembedding's adapter is the embedding's."""
+    if lora is None:
+        return []
+    tied = model_config.get("tie_word_embeddings") is True
+    layers = lora.target_modules(tied)
+    return sorted("embed_tokens" if tied and layer == "lm_head" else layer for layer in layers)
 
 
 def write_adapter(

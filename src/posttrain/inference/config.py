@@ -120,6 +120,14 @@ class InferenceConfig:
         return cls(**values)  # pyright: ignore[reportArgumentType]
 
     @property
+    def fixed_policy(self) -> bool:
+        """Whether the engine samples weights that training never reaches: the openai engine
+        with sync = 'none', explicitly off-policy (register warns once, and each step reports
+        the gap). Every other engine and sync follows training: what the server cannot take
+        is refused at register, for a job as for the API."""
+        return self.engine == "openai" and self.sync == "none"
+
+    @property
     def split(self) -> bool:
         """Whether sampling runs apart from training (another process or device)."""
         return self.devices is not None or self.engine == "vllm"

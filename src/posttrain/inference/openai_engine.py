@@ -86,7 +86,7 @@ class OpenAIEngine:
         self.capabilities = EngineCapabilities(
             returns_token_ids=False,
             returns_logprobs=False,
-            weight_sync="none" if config.sync == "none" else "full",
+            weight_sync="none" if config.fixed_policy else "full",
             own_process=True,
             provides_token_entropies=False,
         )

@@ -19,7 +19,7 @@ import torch
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
 from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.adapter_export import AdapterExporter, check_carried
-from posttrain.inference.adapters import split_adapter
+from posttrain.inference.adapters import lora_sync_problem, split_adapter
 from posttrain.inference.config import InferenceConfig, vllm_head_problem
 from posttrain.inference.live import LiveEngine
 from posttrain.inference.process import ProcessEngine
@@ -170,7 +170,7 @@ async def _open_server(
 
     base_model, rank, alpha = lora
     # The server reads the weights from this machine's files, so it must run here.
-    source = None if config.sync == "none" else _weights_source(config, client)
+    source = None if config.fixed_policy else _weights_source(config, client)
     adapters = await _adapter_route(config, source, rank)
     remote = OpenAIEngine(config, version=version, keep=config.versions_kept())
     await remote.start()
@@ -225,7 +225,7 @@ async def _adapter_route(
     if config.sync == "lora":
         check_carried(split)
         return True
-    return bool(split.adapter) and not split.other
+    return lora_sync_problem(split.adapted, split.whole) is None
 
 
 def _note_refusal(

@@ -37,6 +37,7 @@ from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.finder import DOTTED_PATH, did_you_mean
+from posttrain.inference.adapters import lora_sync_problem, planned_layers
 from posttrain.inference.config import InferenceConfig, vllm_head_problem
 from posttrain.jobs.config import JobConfig, TeacherConfig
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
@@ -316,7 +317,9 @@ def _inference_problems(
     info: BackendInfo, config: JobConfig, factory: Factory, kwargs: dict[str, object]
 ) -> list[JobProblem]:
     """`[inference]` goes to a backend that takes `inference=` (and, for a built-in one, fits
-    its devices), and, for RL, to an engine that takes each step's new weights."""
+    its devices), to an engine that can sample the base model, with a sync that can carry
+    what it trains. Whether a server takes each step's weights is its answer at register,
+    for a job as for the API."""
     inference = config.inference
     problems: list[JobProblem] = []
     params = constructor_parameters(factory)
@@ -335,17 +338,9 @@ def _inference_problems(
     problem = engine_model_problem(config)
     if problem is not None:
         problems.append(JobProblem("model", "[inference] engine", problem))
-    if inference.engine == "openai" and inference.sync in ("auto", "none") and config.rl.steps:
-        problems.append(
-            JobProblem(
-                "backend",
-                "[inference] sync",
-                f"engine = 'openai' with sync = {inference.sync!r} keeps sampling the weights "
-                "the server started with, never the trained ones, so RL would go further "
-                'off-policy every step; set [inference] sync = "reload" (a vLLM server '
-                "started with VLLM_SERVER_DEV_MODE=1), or use engine = 'pytorch' or 'vllm'",
-            )
-        )
+    problem = sync_problem(config)
+    if problem is not None:
+        problems.append(JobProblem("backend", "[inference] sync", problem))
     return problems
 
 
@@ -356,6 +351,17 @@ def engine_model_problem(config: JobConfig) -> str | None:
         return None
     found = base_model_config(config.model.base_model)
     return vllm_head_problem(config.inference, found) if found is not None else None
+
+
+def sync_problem(config: JobConfig) -> str | None:
+    """Why register would refuse the job's `[inference] sync = 'lora'` (`lora_sync_problem`,
+    as register asks it), when the base model's config can be read here without a download;
+    else None (register checks again). Every other sync is the server's to take at register."""
+    inference, lora = config.inference, config.model.lora
+    if inference.engine != "openai" or inference.sync != "lora":
+        return None
+    found = base_model_config(config.model.base_model) if lora is not None else {}
+    return lora_sync_problem(planned_layers(lora, found)) if found is not None else None
 
 
 def base_model_config(spec: str) -> dict[str, object] | None:
