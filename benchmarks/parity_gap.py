@@ -1,6 +1,6 @@
-"""The parity check's evidence: the mean |sampler − trainer logprob| (`logprob_diff_mean`) of
-each RL step, for a correct engine and a faulty one, so that the bounds in `trainer/parity.py`
-sit between the two with a stated margin.
+"""The parity check's evidence: the mean |sampler − trainer logprob| the check judged
+(`parity_logprob_diff_mean`) of each RL step, for a correct engine and a faulty one, so that
+the bounds in `trainer/parity.py` sit between the two with a stated margin.
 
 The demo's model (`tiny:qwen2:mini`, 0.5M parameters) and its RL sampling (temperature 1,
 10 tokens, groups of 8), `--prompts` prompts a step, rewards drawn at random (seeded) so that
@@ -27,6 +27,7 @@ import posttrain
 from posttrain.data.trajectories import POLICY_VERSION, TrajectoryGroup
 from posttrain.engine.tiny import tiny_model_path
 from posttrain.inference.faults import FaultyEngine
+from posttrain.trainer.parity import PARITY_METRIC
 from posttrain.types import SamplingParams
 
 WORDS = ["abc", "hello", "world", "xyz", "reverse", "engine", "tokens", "reward"]
@@ -74,7 +75,8 @@ async def gaps(args: argparse.Namespace, root: Path) -> list[float]:
             result = await backend.train(
                 model, groups, learning_rate=args.lr, loss="ppo", save_checkpoint=False
             )
-            found.append(result.metrics["logprob_diff_mean"])
+            # Here every token is on-policy and one mini-batch trains: logprob_diff_mean equal.
+            found.append(result.metrics[PARITY_METRIC])
     finally:
         await backend.close()
     return found
@@ -95,7 +97,7 @@ def main() -> None:
     label = f"{args.dtype} devices={args.devices or 'live'} lr={args.lr:g} fault={args.fault}"
     later = found[1:] or found
     print(
-        f"{label}: {len(found)} steps, logprob_diff_mean max {max(found):.3g} median "
+        f"{label}: {len(found)} steps, {PARITY_METRIC} max {max(found):.3g} median "
         f"{statistics.median(found):.3g}; from step 2 on min {min(later):.3g}; "
         f"first 3 {[float(f'{g:.3g}') for g in found[:3]]}"
     )

@@ -43,6 +43,14 @@ async def _registered(tmp_path: Path, tiny_model_dir: Path, fault: Fault, **infe
 async def _step(backend, model, *, stamp: int | None = None, **options):
     """One RL step on 4 fresh samples of one prompt, each trajectory stamped with the version
     the engine claimed (or with `stamp`)."""
+    return await _train(backend, model, await _rollouts(backend, model, stamp), **options)
+
+
+async def _train(backend, model, group: TrajectoryGroup, **options):
+    return await backend.train(model, [group], learning_rate=5e-2, **options)
+
+
+async def _rollouts(backend, model, stamp: int | None = None) -> TrajectoryGroup:
     sampler = backend.sampling_client(model)
     builder = posttrain.TrajectoryBuilder(sampler.tokenizer)
     prompt = builder.prompt({"role": "user", "content": "abc"})
@@ -53,9 +61,7 @@ async def _step(backend, model, *, stamp: int | None = None, **options):
         turn = builder.fork()
         turn.completion(sequence)
         group.append(turn.build(reward=float(i), metadata={POLICY_VERSION: version}))
-    return await backend.train(
-        model, [TrajectoryGroup(tuple(group))], learning_rate=5e-2, **options
-    )
+    return TrajectoryGroup(tuple(group))
 
 
 async def _trainer_logprobs(backend, model) -> list[float | None]:
@@ -151,11 +157,24 @@ async def test_stale_rollouts_make_a_probe_after_the_sync_catch_it(
 async def test_a_correct_engine_passes_stale_rollouts_through_its_probe(
     tiny_model_dir: Path, tmp_path: Path
 ):
+    """As async RL does (one step ahead): step 1 trains on-policy rollouts, step k > 1 the
+    rollouts sampled before step k - 1's update. Each step records the gap the check judged
+    (`parity_logprob_diff_mean`): step 1's own tokens, then the probe's, as small as fp32 makes
+    them; `logprob_diff_mean`, over the stale tokens, measures how far the policy has moved
+    since they were sampled."""
     backend, model = await _registered(tmp_path, tiny_model_dir, "none")
     try:
-        for step in range(1, 4):
-            await _step(backend, model, stamp=max(step - 2, 0))
+        ahead = await _rollouts(backend, model)
+        results = []
+        for _ in range(3):
+            rollouts, ahead = ahead, await _rollouts(backend, model)
+            results.append(await _train(backend, model, rollouts))
         assert model.step == 3
+        for result in results:
+            # A correct fp32 engine: <= 2.5e-7 (docs/engines.md); the bound is 5e-4.
+            assert result.metrics["parity_logprob_diff_mean"] < 1e-5
+        for result in results[1:]:  # one version stale, after an update at lr 5e-2
+            assert result.metrics["logprob_diff_mean"] > 5e-4
     finally:
         await backend.close()
 

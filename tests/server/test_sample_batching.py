@@ -27,7 +27,7 @@ def gatherer(max_rows: int) -> SampleGatherer:
     def unused(*args: object) -> object:
         raise AssertionError("take() runs nothing")
 
-    g = SampleGatherer(unused, unused, unused, max_rows=max_rows)  # pyright: ignore[reportArgumentType]
+    g = SampleGatherer(unused, unused, unused, unused, max_rows=max_rows)  # pyright: ignore[reportArgumentType]
     g._draining = True  # no event loop here: take() is called by hand
     return g
 

@@ -4,9 +4,12 @@ With q the sampler's logprob and p the trainer's, per counted token δ_t = q_t �
     kl_sample_train_v1 = mean_t δ_t          (k1 estimate of KL(sampler ‖ trainer))
     kl_sample_train_v2 = mean_t ½·δ_t²       (k2 estimate, never negative)
     logprob_diff_max   = max_t |δ_t|
-    logprob_diff_mean  = mean_t |δ_t|          (what the parity check bounds: `trainer.parity`)
+    logprob_diff_mean  = mean_t |δ_t|
 the first three as tinker-cookbook's `compute_kl_sample_train` (tinker_cookbook/rl/metrics.py) logs them. The
 sums are kept apart from the division so that mini-batches add up to the step's token mean.
+Over a step's trainable tokens these include staleness when an older policy sampled them
+(async RL); the parity check (`trainer.parity`) bounds mean_t |δ_t| over the tokens it
+compares, reported as `parity_logprob_diff_mean`.
 """
 
 from __future__ import annotations

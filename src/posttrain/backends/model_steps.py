@@ -153,6 +153,8 @@ class ModelSteps(Generic[ClientT]):
 
         metrics = await trainer_step(run)
         result = metrics.as_dict() | engine.policy_gap(step)
+        if parity is not None:
+            result |= parity.metrics()  # what the check judged: on-policy tokens or the probe
         sync = dict(engine.last_sync)  # the sync of this step: `run` ran it
         return TrainResult(step=step, metrics=result, checkpoint_path=path, sync=sync)
 

@@ -67,7 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="N",
         help="LoRA adapters (training clients with their optimizer state, and sampling "
         "models) kept in memory at most; an idle one beyond N is written to disk and reloaded "
-        "on its next request. Default: no limit",
+        "on its next request; a Tinker API request waits up to 60 s for room while all N are "
+        "busy. Default: no limit",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(

@@ -40,6 +40,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "no such checkpoint: the base model) instead of the latest, which a damaged latest "
         "checkpoint needs; the checkpoints after N are moved aside, not deleted",
     )
+    _add_debug(train)
     train.set_defaults(handler=run_train)
     demo = subparsers.add_parser(
         "demo",
@@ -48,7 +49,16 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     demo.add_argument("task", nargs="?", default=FLAGSHIP, choices=EXAMPLES)
     demo.add_argument("--print-config", action="store_true", help="print the config and exit")
+    _add_debug(demo)
     demo.set_defaults(handler=run_demo)
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, raise it with its full traceback instead of printing one line",
+    )
 
 
 def example_config(task: str) -> Path:
@@ -65,12 +75,14 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except (ValueError, FileNotFoundError) as exc:
+        if args.debug:
+            raise
         print(f"posttrain train: error: {exc}", file=sys.stderr)
         return 2
     if args.resume_step is not None and args.resume is None:
         print("posttrain train: error: --resume-step needs --resume DIR", file=sys.stderr)
         return 2
-    return _run(config, args.resume, args.resume_step)
+    return _run(config, args.resume, args.resume_step, debug=args.debug)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -91,10 +103,34 @@ def run_demo(args: argparse.Namespace) -> int:
         index += 1
         name = f"{config.run.name}-{index}"
     print(f"posttrain demo: {path}")
-    return _run(replace(config, run=replace(config.run, name=name)), None)
+    return _run(replace(config, run=replace(config.run, name=name)), None, debug=args.debug)
 
 
-def _run(config: JobConfig, resume: Path | None, resume_step: int | None = None) -> int:
+def _job_errors() -> tuple[type[Exception], ...]:
+    """What a job stops on that is no crash of posttrain's: a bad config or input, the engine
+    failing the parity check, the hub, an OpenAI server or an engine process that fails. Each
+    message names the cause and the fix (an engine process's has its log's tail), so it is one
+    line and exit code 2; anything else is a bug and keeps its traceback."""
+    from posttrain.engine.model_source import HubUnreachableError
+    from posttrain.inference.openai_engine import OpenAIServerError
+    from posttrain.inference.process import EngineProcessError
+    from posttrain.trainer.parity import ParityError
+
+    return (
+        ValueError,
+        FileNotFoundError,
+        ImportError,
+        ParityError,
+        HubUnreachableError,
+        OpenAIServerError,
+        EngineProcessError,
+    )
+
+
+def _run(
+    config: JobConfig, resume: Path | None, resume_step: int | None = None, *, debug: bool = False
+) -> int:
+    """Run the job; a job error is printed as one line (`_job_errors`), or raised with `debug`."""
     from transformers.utils import logging as hf_logging
 
     from posttrain.jobs.backend import JobPreflightError
@@ -106,10 +142,14 @@ def _run(config: JobConfig, resume: Path | None, resume_step: int | None = None)
         # run_job runs the job's preflight before any work: a refused configuration costs nothing.
         asyncio.run(run_job(config, resume=resume, resume_step=resume_step))
     except JobPreflightError as exc:
+        if debug:
+            raise
         for problem in exc.problems:
             print(f"posttrain train: preflight: {problem}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, ImportError) as exc:
+    except _job_errors() as exc:
+        if debug:
+            raise
         print(f"posttrain train: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

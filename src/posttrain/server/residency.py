@@ -14,12 +14,15 @@ compute thread, where evictions run too, so none is evicted mid-request; a holde
 Threads: spills, rebuilds and evictions run on the compute thread (torch work, and one at a
 time, so no eviction races another); `_lock` guards the bookkeeping and is never held while
 waiting for the compute thread. A training client's reload waits on its lane thread for a busy
-adapter to become idle (up to `wait_s`); a sampling model's admission, on the compute thread,
-cannot wait (the busy clients' requests queue behind it), so it fails at once.
+adapter to become idle (up to `wait_s`). A sampling model's admission runs on the compute
+thread, which cannot wait (the busy clients' requests queue behind it), so it refuses at once;
+the sample request it refused waits on the event loop instead (`room`) and is tried again
+once an adapter may leave, up to `wait_s` in all too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -52,7 +55,13 @@ Build = Callable[[], LocalTrainingClient]
 
 class NoRoomError(UserError, SourceBusyError):
     """Every resident adapter is busy: nothing can leave to make room for another (a user
-    error on the Tinker side; a 503 on the OpenAI-compatible endpoints)."""
+    error on the Tinker side; a 503 on the OpenAI-compatible endpoints). `seen`, from
+    `admit_sampler`: the notices that an adapter may leave before the refusal (`Residency.room`
+    waits for the next one)."""
+
+    def __init__(self, message: str, seen: int = 0) -> None:
+        super().__init__(message)
+        self.seen = seen
 
 
 class Unloaded(LookupError):
@@ -89,8 +98,10 @@ class Residency:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when an adapter may leave
         self._changes = 0  # such notices so far: a waiter sees whether one came meanwhile
+        self._wakers: list[Callable[[], None]] = []  # `room`'s, told of the next notice
         self.spills = 0  # training clients written to disk so far
         self.reloads = 0  # and rebuilt from there
+        self.sample_waits = 0  # waits of refused sample requests (`room`) so far
         # Spills of an earlier process: its models are unloaded, so they are debris.
         shutil.rmtree(spill_dir, ignore_errors=True)
 
@@ -216,9 +227,39 @@ class Residency:
                 return
             victims = self._victims()
             if victims is None:
-                raise NoRoomError(self._no_room(""))
+                raise NoRoomError(self._no_room(""), self._changes)
             self._lru[key] = _Sampler(drop)
         self._evict(victims)
+
+    async def room(self, refused: NoRoomError, since: float) -> None:
+        """On the event loop, for a request `admit_sampler` refused: return once an adapter
+        may leave (a request finished, a model unloaded) since the refusal, to try again; a
+        NoRoomError once `wait_s` seconds have passed since `since` (loop time of the request's
+        first refusal), as a training client's reload waits."""
+        loop = asyncio.get_running_loop()
+        freed: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not freed.done():
+                freed.set_result(None)
+
+        def wake() -> None:  # under the lock, on the thread that frees an adapter
+            with contextlib.suppress(RuntimeError):  # the loop closed: the server is exiting
+                loop.call_soon_threadsafe(settle)
+
+        with self._lock:
+            if self._changes != refused.seen:
+                return  # one left meanwhile
+            self._wakers.append(wake)
+            self.sample_waits += 1
+        try:
+            await asyncio.wait_for(freed, since + self.wait_s - loop.time())
+        except TimeoutError:
+            raise NoRoomError(self._no_room(f" (waited {self.wait_s:g} s for one)")) from None
+        finally:
+            with self._lock:
+                if wake in self._wakers:
+                    self._wakers.remove(wake)
 
     def touch(self, key: str) -> None:
         """The sampling model `key` is used: it is the most recently used now."""
@@ -277,6 +318,9 @@ class Residency:
         """Under the lock: an adapter may leave now (a pin released, a model unloaded)."""
         self._changes += 1
         self._idle.notify_all()
+        for wake in self._wakers:
+            wake()
+        self._wakers.clear()
 
     def _no_room(self, waited: str) -> str:
         return (

@@ -20,7 +20,11 @@ rounding, seeded draws equal: `Sampler.sample_batched`), but:
 - a sampler that cannot share a batch (other target modules than the host's,
   another worker layout) samples alone, in the same job;
 - a batch that fails with a ValueError is retried request by request, so only the bad request
-  fails, with its own error.
+  fails, with its own error;
+- a request for prompt logprobs (`compute_logprobs`) samples alone;
+- a request whose sampler finds no room (`posttrain serve --max-resident-adapters`, every
+  resident adapter busy) waits, off the compute thread, until an adapter may leave, and joins
+  the next batch then; it fails only after the residency's wait (`Residency.room`).
 
 `stats` counts the batches (GET /api/v1/sample_batching): how many jobs ran, how many requests
 and samplers the largest held.
@@ -31,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -42,6 +46,7 @@ from posttrain.engine.sampler import SampleRequest
 from posttrain.engine.worker import Worker
 from posttrain.server.lanes import Job, Outcome
 from posttrain.server.proto import encode_sample_response, sample_response_to_json
+from posttrain.server.residency import NoRoomError
 from posttrain.server.store import SamplerRow
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 
@@ -67,6 +72,8 @@ class PendingSample:
     params: SamplingParams
     # Wraps a job so that its failure names what the client named (`in_client_terms`).
     wrap: Callable[[Job], Job] = field(default=lambda job: job)
+    prompt_logprobs: bool = False  # also the prompt's logprobs (it then samples alone)
+    refused_at: float | None = None  # loop time its sampler first found no room
 
 
 @dataclass
@@ -85,8 +92,9 @@ class SampleGatherer:
     """The waiting sample requests of all tenants; see the module docstring.
 
     `record(request_id, job)` records a request's outcome (`Runtime.run`); `sampler_of(row)`
-    gives a row's sampling client; `submit(fn)` runs `fn` on the compute thread. State lives
-    on the server's event loop: `add` and the drain run there.
+    gives a row's sampling client; `submit(fn)` runs `fn` on the compute thread; `room(error,
+    since)` waits for room after a NoRoomError (`Residency.room`). State lives on the server's
+    event loop: `add`, the drain and the waits for room run there.
     """
 
     def __init__(
@@ -94,15 +102,19 @@ class SampleGatherer:
         record: Callable[[str, Job], None],
         sampler_of: Callable[[SamplerRow], LocalTrainingClient],
         submit: Callable[[Callable[[], None], str], asyncio.Future[None]],
+        room: Callable[[NoRoomError, float], Awaitable[None]],
         max_rows: int = MAX_ROWS,
     ) -> None:
         self.record = record
         self.sampler_of = sampler_of
         self.submit = submit
+        self.room = room
         self.max_rows = max_rows
         self.stats = BatchStats()
         self._waiting: OrderedDict[str, deque[PendingSample]] = OrderedDict()
         self._draining = False
+        self._refused: list[tuple[PendingSample, NoRoomError]] = []  # by the last group
+        self._waits: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
 
     def add(self, pending: PendingSample) -> None:
         self._waiting.setdefault(pending.tenant, deque()).append(pending)
@@ -114,9 +126,9 @@ class SampleGatherer:
         try:
             while self._waiting:
                 await self._let_arrivals_join()
-                groups: dict[tuple[int, SamplingParams], list[PendingSample]] = {}
+                groups: dict[tuple[int, SamplingParams, bool], list[PendingSample]] = {}
                 for pending in self.take():
-                    key = (pending.num_samples, _shared(pending.params))
+                    key = (pending.num_samples, _shared(pending.params), pending.prompt_logprobs)
                     groups.setdefault(key, []).append(pending)
                 for group in groups.values():
                     try:
@@ -127,8 +139,25 @@ class SampleGatherer:
                         )
                     except Exception:  # run_group records every outcome; this is a bug
                         log.exception("a sample batch failed outside its requests")
+                    refused, self._refused = self._refused, []
+                    for pending, error in refused:
+                        wait = asyncio.get_running_loop().create_task(self._wait(pending, error))
+                        self._waits.add(wait)
+                        wait.add_done_callback(self._waits.discard)
         finally:
             self._draining = False
+
+    async def _wait(self, pending: PendingSample, refused: NoRoomError) -> None:
+        """A request whose sampler found no room: back in line once an adapter may leave, or
+        failed once the wait for one is over."""
+        if pending.refused_at is None:
+            pending.refused_at = asyncio.get_running_loop().time()
+        try:
+            await self.room(refused, pending.refused_at)
+        except NoRoomError as exc:
+            self.record(pending.request_id, pending.wrap(_raise(exc)))
+            return
+        self.add(pending)
 
     def _count(self) -> int:
         return sum(len(q) for q in self._waiting.values())
@@ -174,8 +203,14 @@ class SampleGatherer:
         for pending in group:
             try:
                 ready.append((pending, self.sampler_of(pending.row)))
+            except NoRoomError as exc:  # waits on the loop for room (`_wait`), then retries
+                self._refused.append((pending, exc))
             except Exception as exc:
                 self.record(pending.request_id, pending.wrap(_raise(exc)))
+        if group[0].prompt_logprobs:  # all of the group or none (`_drain` groups by it)
+            for pending, client in ready:
+                self._alone(pending, client)
+            return
         try:
             batched, alone = _plan(ready)
         except Exception:  # planning must not leave requests without an outcome
@@ -210,9 +245,11 @@ class SampleGatherer:
 
     def _alone(self, pending: PendingSample, client: LocalTrainingClient) -> None:
         def job() -> Outcome:
-            return _outcome(
-                client.sample(pending.prompt, pending.num_samples, pending.params).result()
-            )
+            response = client.sample(pending.prompt, pending.num_samples, pending.params).result()
+            if pending.prompt_logprobs:
+                logprobs = client.compute_logprobs(pending.prompt).result()
+                response = SampleResponse(response.sequences, logprobs)
+            return _outcome(response)
 
         self._count_job(1, 1)
         self.record(pending.request_id, pending.wrap(job))

@@ -3,7 +3,8 @@ training checkpoint, or an ephemeral snapshot) and `asample`, which also serves
 `compute_logprobs` (prompt logprobs).
 
 Concurrent sample requests of all samplers are batched together, each row with its own
-adapter (`server.sample_batching`); a request for prompt logprobs runs alone.
+adapter (`server.sample_batching`); a request for prompt logprobs runs alone. A request whose
+sampler finds no room (`--max-resident-adapters`) waits for some, as a training request does.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from collections.abc import Callable
 from fastapi import HTTPException, Request
 
 from posttrain.server import tinker_schema as s
-from posttrain.server.lanes import Outcome
-from posttrain.server.proto import encode_sample_response, sample_response_to_json
 from posttrain.server.sample_batching import PendingSample, SampleGatherer
 from posttrain.server.store import SamplerRow
 from posttrain.server.tinker_api import Api, in_client_terms, not_found, owner
-from posttrain.types import ModelInput, SampleResponse, SamplingParams
+from posttrain.types import ModelInput, SamplingParams
 
 
 class SamplingApi:
@@ -28,7 +27,9 @@ class SamplingApi:
         self.api = api
         self.rt = api.rt
         self.store = api.store
-        self.gatherer = SampleGatherer(self.rt.run, self.rt.sampler_for_row, self._on_compute)
+        self.gatherer = SampleGatherer(
+            self.rt.run, self.rt.sampler_for_row, self._on_compute, self.rt.residency.room
+        )
 
     def _on_compute(self, fn: Callable[[], None], tenant: str) -> asyncio.Future[None]:
         return asyncio.wrap_future(self.rt.sampling.submit(fn, tenant=tenant))
@@ -119,7 +120,7 @@ class SamplingApi:
             raise HTTPException(400, str(err)) from None
         key = None if body.seq_id is None else f"{row.sampling_session_id}#sample{body.seq_id}"
         rid, new = await self.api.new_future(request, "sample", key, row.sampling_session_id)
-        if new and not body.prompt_logprobs:
+        if new:
             names = self._names(row)
             self.gatherer.add(
                 PendingSample(
@@ -130,19 +131,9 @@ class SamplingApi:
                     body.num_samples,
                     params,
                     lambda job: in_client_terms(job, names),
+                    prompt_logprobs=body.prompt_logprobs,
                 )
             )
-        elif new:
-
-            def job() -> Outcome:
-                client = self.rt.sampler_for_row(row)
-                resp = client.sample(prompt, body.num_samples, params).result()
-                if body.prompt_logprobs:
-                    lps = client.compute_logprobs(prompt).result()
-                    resp = SampleResponse(resp.sequences, lps)
-                return Outcome(sample_response_to_json(resp), encode_sample_response(resp))
-
-            self.rt.submit(self.rt.sampling, rid, in_client_terms(job, self._names(row)))
         ids = [f"{rid}:{i}" for i in range(body.num_samples)]
         return {"request_id": rid, "sample_sequence_ids": ids}
 

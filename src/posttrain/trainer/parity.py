@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 #     step 2 (caught), then 1.2e-2 to 5e-2: bf16 cannot tell a slightly stale adapter from
 #     rounding; a base model or a much older one is caught.
 PARITY_BOUNDS: Mapping[str, float] = {"float32": 5e-4, "bfloat16": 3e-2}
+# The step metric of the gap the check judged: mean |δ| over the tokens it compared.
+PARITY_METRIC = "parity_logprob_diff_mean"
 
 
 def parity_precision(model_dtype: str, engine_dtype: str | None) -> str:
@@ -71,6 +73,14 @@ class ParityCheck:
     @property
     def bound(self) -> float:
         return PARITY_BOUNDS[self.precision]
+
+    def metrics(self) -> dict[str, float]:
+        """The gap the check judged, as the step's `parity_logprob_diff_mean` (none when it
+        compared nothing). Not the step's `logprob_diff_mean`: that one takes every trainable
+        token, and an async step's tokens are an older policy's, so it measures staleness."""
+        if self.compared.count == 0:
+            return {}
+        return {PARITY_METRIC: self.compared.abs_mean}
 
     def on_policy(self, metadata: Mapping[str, JSONScalar]) -> bool:
         """Whether a trajectory's tokens were sampled by the weights the trainer holds now."""
