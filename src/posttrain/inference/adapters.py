@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from posttrain.engine.file_modes import save_tensors
-
 from posttrain.engine.lora import LoraSettings
 
 ADAPTER_CONFIG = "adapter_config.json"
