@@ -1,9 +1,8 @@
 """Every example in docs/ runs: the python blocks of each page in order in one process (on a
 tiny model, in a temporary directory, against a real `posttrain serve` where a page uses one),
 and the `posttrain` commands of its bash blocks (all but `serve`, which a page's python uses),
-at one torch thread, so that a seeded run prints the same on every run. A page that names
-`tiny.gguf` finds that file (the tiny llama model as GGUF) in its directory, and a cache of its
-own ($POSTTRAIN_CACHE).
+at one torch thread, so that a seeded run prints the same on every run. A page that names a
+`.gguf` file gets a cache of its own ($POSTTRAIN_CACHE); it makes the file itself.
 
 A block whose info string names a file (```toml file=job.toml```) is that file's content: it
 is written into the directory before the page's python blocks run, and before its commands.
@@ -24,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from gguf_files import write_tiny_gguf
 from posttrain.engine.tiny import make_tiny_model
 from shown_output import mismatch
 
@@ -75,17 +73,16 @@ def shown_outputs(page: Path) -> list[Shown]:
 
 
 def write_files(page: Path, directory: Path) -> dict[str, str]:
-    """The page's file blocks (```LANG file=NAME```), written into `directory`, and a GGUF file
-    where the page names one; returns the environment its examples run in: one torch thread,
-    unbuffered output (a block's prints and those of the processes it starts keep their order),
-    and for a page with a GGUF file a cache of its own in `directory`."""
+    """The page's file blocks (```LANG file=NAME```), written into `directory`; returns the
+    environment its examples run in: one torch thread, unbuffered output (a block's prints and
+    those of the processes it starts keep their order), and for a page with a GGUF file a cache
+    of its own in `directory`."""
     for name, text in re.findall(r"```\w+ file=(\S+)\n(.*?)```", page.read_text(), flags=re.S):
         (directory / name).write_text(text)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    if "tiny.gguf" not in page.read_text():
-        return env
-    write_tiny_gguf(directory / "tiny.gguf")
-    return {**env, "POSTTRAIN_CACHE": str(directory / "cache")}
+    if ".gguf" in page.read_text():
+        env["POSTTRAIN_CACHE"] = str(directory / "cache")
+    return env
 
 
 def block_commands(block: str) -> list[list[str]]:
