@@ -127,7 +127,10 @@ def test_every_python_block_is_run():
 
 
 def scaling_costs() -> Any:
-    """benchmarks/scaling_costs.py as a module (benchmarks/ is not a package)."""
+    """benchmarks/scaling_costs.py as a module (benchmarks/ is not a package; its scripts import
+    their helpers, such as host.py, from their own directory)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("scaling_costs", BENCHMARKS / "scaling_costs.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -224,3 +227,17 @@ def test_commands_run(page: Path, tmp_path: Path):
             assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
             printed[-1] += proc.stdout
     check_shown(page, "bash", printed)
+
+
+def test_every_ratio_to_trl_names_its_host():
+    """A ratio to TRL moves with the CPU (1.96x on an AMD EPYC with AVX2, 1.58x on a Xeon with
+    AVX-512 and AMX, the same code): each row of benchmarks.md's table that gives one says where
+    it was measured."""
+    rows = [
+        line
+        for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+        if line.startswith("| GRPO step vs TRL")
+    ]
+    assert len(rows) >= 5
+    unnamed = [row[:80] for row in rows if not re.search(r"AMD EPYC|Xeon", row)]
+    assert not unnamed, f"name the host of these ratios: {unnamed}"
