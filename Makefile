@@ -3,7 +3,7 @@
 
 setup: .venv/.installed
 
-.venv/.installed: pyproject.toml constraints.txt scripts/setup.sh
+.venv/.installed: pyproject.toml constraints.txt scripts/setup.sh scripts/install-torch.sh
 	bash scripts/setup.sh
 	touch $@
 

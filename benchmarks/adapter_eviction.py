@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from host import host_line
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens of the training datum")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     model_dir = str(tiny_model_path(size=args.size))
     load = os.getloadavg()[0]
     print(

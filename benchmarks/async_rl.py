@@ -21,6 +21,7 @@ from contextlib import aclosing
 from pathlib import Path
 
 import torch
+from host import host_line
 
 import posttrain
 from posttrain.data.trajectories import TrajectoryGroup
@@ -95,6 +96,7 @@ async def main() -> None:
     parser.add_argument("--trainer-threads", type=int, default=1)
     parser.add_argument("--engine-threads", type=int, default=1)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.trainer_threads)
     print(
         f"engine {args.engine}: trainer {args.trainer_threads} thread(s), engine "

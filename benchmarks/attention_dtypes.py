@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from host import host_line
 
 SHAPES = ((32, 8, 4, 48, 64), (8, 8, 4, 256, 64), (64, 14, 2, 48, 64), (8, 14, 2, 256, 64))
 
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     ways = {
         "float32": (torch.float32, False),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from host import host_line
 
 from posttrain import Datum, ModelInput
 from posttrain.clients.create import create_training_client
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     path = tiny_model_path(size=args.size)
     ids = rows(4, 64)
     logprobs, gaps = {}, {}

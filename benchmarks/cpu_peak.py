@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
+from host import host_line
 
 MatmulKind = Literal["fp32", "fp32_onednn", "bf16"]
 KINDS: tuple[MatmulKind, ...] = get_args(MatmulKind)
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every kind in turn")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.size}^3 products, "
           f"{args.rounds} rounds of {' '.join(KINDS)}, median of {args.repeats} each; "

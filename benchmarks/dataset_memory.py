@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from host import host_line
+
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
@@ -93,6 +95,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(Path(args.child), args.steps, args.prompts)))
         return
+    print(host_line(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         files = write_files(Path(tmp), args.rows)
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_CACHE=str(Path(tmp) / "cache"))

@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from host import host_line
 
 from posttrain.algo.losses import LossConfig
 from posttrain.engine import datum_checks
@@ -84,6 +85,7 @@ def main() -> None:
     if args.mode is not None:  # the child process: measure one mode, print JSON
         print(json.dumps(measure(args.mode, *sizes)))
         return
+    print(host_line(), flush=True)
     for mode in ("whole", "micro"):
         command = [sys.executable, __file__, "--mode", mode]
         command += ["--long", str(args.long), "--short", str(args.short)]

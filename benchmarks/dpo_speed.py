@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import torch
+from host import host_line
 
 import posttrain
 from posttrain.backends.local import LocalBackend
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo"])
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         base = str(make_tiny_model(f"{tmp}/model", size=args.size))

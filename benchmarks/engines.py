@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from host import host_line
 
 import posttrain
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
@@ -127,6 +128,7 @@ async def main() -> None:
         help="PROMPTSxSAMPLESxTOKENS, comma-separated (default: %(default)s)",
     )
     args = parser.parse_args()
+    print(host_line(), flush=True)
     workloads = {w: tuple(map(int, w.split("x"))) for w in args.workloads.split(",")}
     model_dir = args.model or tiny_model_path(size=args.size)
     threads = torch.get_num_threads()

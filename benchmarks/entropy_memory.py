@@ -34,6 +34,7 @@ import time
 from typing import Literal, get_args
 
 import torch
+from host import host_line
 
 from posttrain.engine.entropy import sampling_entropies
 
@@ -99,6 +100,7 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(args.child, args)))
         return
+    print(host_line(), flush=True)
     logits_mib = args.tokens * args.vocab * 4 / 2**20
     print(
         f"tokens {args.tokens}, vocab {args.vocab}, hidden {args.hidden}, chunk {args.chunk}, "

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from host import host_line
 from torch import nn
 
 from posttrain import Datum, ModelInput
@@ -204,6 +205,7 @@ def main() -> None:
         "--peak-size", type=int, default=2048, help="n of the n x n x n peak products"
     )
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     variants = build_variants(args)
     peaks = Peaks(args.peak_size)

@@ -34,6 +34,7 @@ from posttrain.engine.tiny import build_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_peak import Peaks
+from host import host_line
 
 Product = Callable[[], object]
 
@@ -113,6 +114,7 @@ def main() -> None:
         "--peak-size", type=int, default=2048, help="n of the n x n x n peak products"
     )
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     shapes, counts = layer_shapes(args.size), layer_counts(args.size)
     print(f"{args.size}, {args.tokens} tokens, {torch.get_num_threads()} threads")

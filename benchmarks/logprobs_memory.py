@@ -29,6 +29,7 @@ import time
 from typing import Literal, get_args
 
 import torch
+from host import host_line
 
 from posttrain.algo.logprobs import token_logprobs, token_logprobs_from_hidden
 
@@ -100,6 +101,7 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(args.child, args)))
         return
+    print(host_line(), flush=True)
     logits_mib = args.tokens * args.vocab * 4 / 2**20
     print(
         f"tokens {args.tokens}, vocab {args.vocab}, hidden {args.hidden}, chunk {args.chunk}, "

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from host import host_line
 from torch import nn
 
 from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, load_tokenizer
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     args = parser.parse_args()
+    print(host_line(), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = tiny_model_path(size=args.size)

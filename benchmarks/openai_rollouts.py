@@ -30,6 +30,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from host import host_line
+
 import posttrain as art
 from posttrain.data.trajectories import TokenSegment
 from posttrain.engine.threads import configure_torch_threads, thread_report
@@ -173,6 +175,7 @@ def main() -> None:
     parser.add_argument("--size", default="mini", choices=["tiny", "mini", "small"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     if args.samples % args.per_request:
         parser.error("--samples must be a multiple of --per-request")
     os.environ["POSTTRAIN_NUM_THREADS"] = str(args.threads)

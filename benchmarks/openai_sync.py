@@ -28,6 +28,7 @@ from posttrain.inference.openai_engine import VLLM_LORA_RANKS
 from posttrain.inference.session import EngineSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from host import host_line
 from tests.inference.vllm_server import vllm_server
 
 
@@ -83,6 +84,7 @@ def main() -> None:
         "--vllm-python", help="an interpreter with vLLM (else as the tests find one)"
     )
     args = parser.parse_args()
+    print(host_line(), flush=True)
     if args.vllm_python:
         os.environ["POSTTRAIN_VLLM_PYTHON"] = args.vllm_python
     model = tiny_model_path(size=args.size)

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import torch
+from host import host_line
 
 import posttrain
 from posttrain.backends.local import LocalBackend
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     trajectories = make_trajectories(args.trajectories, args.min_length, args.spread, vocab=250)
     lengths = [sum(len(s.tokens) for s in t.segments) for t in trajectories]

@@ -23,6 +23,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from host import host_line
+
 import posttrain
 from posttrain.data.trajectories import POLICY_VERSION, TrajectoryGroup
 from posttrain.engine.tiny import tiny_model_path
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     with tempfile.TemporaryDirectory() as root:
         found = asyncio.run(gaps(args, Path(root)))
     label = f"{args.dtype} devices={args.devices or 'live'} lr={args.lr:g} fault={args.fault}"

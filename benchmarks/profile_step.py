@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from host import host_line
+
 PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sampling", ("sample_many", "sample")),
     ("forward_backward", ("forward_backward",)),
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         child(args)
         return
+    print(host_line(), flush=True)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         raise SystemExit("py-spy is not installed: pip install -r benchmarks/requirements-trl.txt")

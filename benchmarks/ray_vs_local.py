@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from host import host_line
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
@@ -110,6 +111,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    print(host_line(), flush=True)
     cores = os.cpu_count() or 1
     torch.set_num_threads(args.local_threads or cores)
     path = tiny_model_path(size=args.size)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from host import host_line
 
 from posttrain import Datum, ModelInput
 from posttrain.clients.create import create_training_client
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args()
+    print(host_line(), flush=True)
     path = tiny_model_path(size=args.size)
     print(f"{args.size} LoRA {args.lora}, {args.dtype}, {args.prompts} prompts x {args.group} "
           f"x {args.tokens} tokens, micro-batches of {args.micro_batch_tokens} tokens, gradient "

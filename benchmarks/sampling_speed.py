@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+from host import host_line
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from posttrain.engine.sampler import Sampler
@@ -66,6 +67,7 @@ def main() -> None:
         "--size", default="small", choices=["tiny", "mini", "small"], help="the tiny model's size"
     )
     args = parser.parse_args()
+    print(host_line(), flush=True)
 
     path = tiny_model_path(size=args.size)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from host import host_line
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
@@ -473,6 +474,7 @@ def main() -> None:
     parser.add_argument("--modes", default="lora,full", help="lora (bf16 base), full (fp32)")
     parser.add_argument("--derive", action="store_true", help="print docs/scaling.md's tables")
     args = parser.parse_args()
+    print(host_line(), flush=True)
     if args.derive:
         for title, table in derived_tables().items():
             print(f"{title}:\n\n{table}\n", flush=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import tinker
+from host import host_line
 from serve_process import KEY, serve_process
 from tinker import types
 
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     model_dir = tiny_model_path(size=args.size)
     counts = [int(c) for c in args.clients.split(",")]
     adapter = adapter_bytes(model_dir, args.rank)

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import tinker
+from host import host_line
 from serve_process import KEY, serve_process
 from serve_threads import Sampler, first_requests, rate, sft_batch
 from tinker import types
@@ -214,6 +215,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per forward(_backward)")
     parser.add_argument("--seq-len", type=int, default=32)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     print(
         f"qwen2 {args.size} model, LoRA rank 8, fp32; {args.clients} users x {args.ops} "
         f"operations ({', '.join(OPS)}); forward(_backward) {args.batch} x {args.seq_len} "

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import openai
 import torch
+from host import host_line
 from serve_process import KEY, serve
 
 from posttrain.clients.create import create_training_client
@@ -93,6 +94,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     base_model = tiny_model_path(size=args.size)
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import tinker
+from host import host_line
 from serve_process import KEY, serve
 from tinker import types
 
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     base_model = tiny_model_path(size=args.size)
     print(
         f"qwen2 {args.size} model, LoRA rank 8, fp32; server torch threads: OMP_NUM_THREADS="

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from host import host_line
+
 from posttrain.clients.create import create_training_client
 from posttrain.engine.tiny import make_tiny_model
 
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--snapshots", type=int, default=8)
     parser.add_argument("--close", action="store_true", help="close() each previous client")
     args = parser.parse_args()
+    print(host_line(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "model", arch="qwen2", size=args.size, seed=0)
         client = create_training_client(

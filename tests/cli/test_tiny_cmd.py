@@ -54,3 +54,34 @@ def test_real_size_with_another_arch_is_refused(tmp_path: Path) -> None:
     args = ["make-tiny-model", str(tmp_path / "m"), "--arch", "llama", "--size", "qwen2.5-0.5b"]
     assert main(args) == 2
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.usefixtures("posttrain_cache")
+def test_gguf_writes_the_same_model_as_a_gguf_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gguf_files import logits
+
+    out, gguf_file = tmp_path / "tiny-llama", tmp_path / "tiny.gguf"
+    assert main(["make-tiny-model", str(out), "--gguf", str(gguf_file)]) == 0
+    assert capsys.readouterr().out.split() == [str(out), str(gguf_file)]
+    assert AutoConfig.from_pretrained(out).model_type == "llama"  # the default with --gguf
+    # F32 weights, Q/K rows permuted and read back unpermuted: the same floats, equal logits.
+    ids = [256, 259, 72, 105, 10, 257]
+    assert torch.equal(logits(gguf_file, ids), logits(out, ids))
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--arch", "qwen2"], "a GGUF file is written of a llama model, not qwen2"),
+        (["--size", "llama3.2-1b"], "of a test size (tiny, mini, small), not llama3.2-1b"),
+    ],
+)
+def test_gguf_refuses_what_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], error: str
+) -> None:
+    args = ["make-tiny-model", str(tmp_path / "m"), "--gguf", str(tmp_path / "m.gguf"), *flags]
+    assert main(args) == 2
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.gguf").exists()

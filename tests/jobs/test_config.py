@@ -267,3 +267,34 @@ def test_rl_learning_rate_schedule():
 def test_rl_learning_rate_schedule_errors(rl, message):
     with pytest.raises(ValueError, match=message):
         parse_config({"rl": rl})
+
+
+def test_overrides_set_keys_as_the_file_would():
+    shipped = next(p for p in EXAMPLES if p.name == "reverse.toml")
+    sets = ["rl.steps=2", "sft.epochs=1", "rl.learning_rate=1e-3", "run.name=short"]
+    sets += ['model.base_model="tiny:qwen2:tiny"', "eval.held_out = 8"]
+    config = load_config(shipped, sets)
+    assert (config.rl.steps, config.sft.trainer.epochs, config.eval.held_out) == (2, 1, 8)
+    assert config.rl.trainer.optimizer.learning_rate == 1e-3  # a TOML float
+    assert (config.run.name, config.model.base_model) == ("short", "tiny:qwen2:tiny")
+    # Every other key is the file's.
+    plain = load_config(shipped)
+    assert (config.rl.group_size, config.sft.examples) == (plain.rl.group_size, plain.sft.examples)
+    assert load_config(shipped, ["inference.threads=1"]).inference.threads == 1  # a new table
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("rl.stepz=2", "[rl] unknown key 'stepz'; did you mean 'steps'?"),
+        ("rl.steps=two", "[rl] option steps='two' is invalid: expected int"),
+        ("rl.steps", "--set 'rl.steps': write TABLE.KEY=VALUE, e.g. --set rl.steps=2"),
+        ("steps=2", "--set 'steps=2': write TABLE.KEY=VALUE"),
+        ("rll.steps=2", "unknown table [rll]; did you mean 'rl'?"),
+    ],
+)
+def test_a_bad_override_names_the_key_and_the_fix(override: str, error: str):
+    shipped = next(p for p in EXAMPLES if p.name == "reverse.toml")
+    with pytest.raises(ValueError) as raised:
+        load_config(shipped, [override])
+    assert error in str(raised.value)

@@ -215,6 +215,22 @@ def test_cli_demo_prints_its_config(capsys):
     assert 'task = "reverse"' in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_cli_demo_runs_its_first_steps_with_set(tmp_path, capsys, monkeypatch):
+    # The shipped demo, cut to its first steps on the command line (as scripts/release-check
+    # runs it from an installed wheel): the tiny model for the mini one, a short warm-up.
+    monkeypatch.chdir(tmp_path)
+    sets = ["model.base_model=tiny:qwen2:tiny", "sft.examples=8", "sft.epochs=1"]
+    sets += ["rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "eval.held_out=2"]
+    assert main(["demo", *(a for s in sets for a in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert "sft warm-up: 8 examples, 1 epochs" in out
+    assert sum(line.startswith("rl step    1/1") for line in out.splitlines()) == 1
+    assert "held-out accuracy (2 problems, greedy): before RL" in out
+    assert main(["demo", "--set", "rl.stepz=1"]) == 2
+    assert "[rl] unknown key 'stepz'; did you mean 'steps'?" in capsys.readouterr().err
+
+
 def _toml(config: dict[str, dict[str, object]]) -> str:
     lines = []
     for table, values in config.items():

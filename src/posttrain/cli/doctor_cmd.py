@@ -32,12 +32,8 @@ if TYPE_CHECKING:
 Status = Literal["pass", "warn", "fail"]
 MIN_FREE_GB = 5.0
 DEFAULT_STORAGE = ".posttrain"
-VLLM_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"  # what scripts/setup-vllm.sh makes
+VLLM_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"  # what the install hint makes
 VLLM_IMPORT_TIMEOUT_S = 60.0  # importing vLLM takes ~5-10 s
-VLLM_HINT = (
-    "bash scripts/setup-vllm.sh, then set POSTTRAIN_VLLM_PYTHON=.venv-vllm/bin/python "
-    "(or [inference] python)"
-)
 
 
 @dataclass(frozen=True)
@@ -321,6 +317,8 @@ def vllm_interpreter(inference: InferenceConfig) -> tuple[str, str, bool]:
 def check_vllm(inference: InferenceConfig, required: bool) -> Check:
     """`import vllm` in a subprocess of the interpreter the engine would run; a problem fails
     when the config samples with vLLM (`required`), else warns."""
+    from posttrain.inference.vllm_install import install_hint
+
     python, source, used = vllm_interpreter(inference)
     name, problem = "sampling engine: vllm", "fail" if required else "warn"
     code = "import vllm; print('\\nPOSTTRAIN_VLLM_VERSION=' + vllm.__version__)"
@@ -329,7 +327,8 @@ def check_vllm(inference: InferenceConfig, required: bool) -> Check:
             [python, "-c", code], capture_output=True, text=True, timeout=VLLM_IMPORT_TIMEOUT_S
         )
     except OSError as exc:
-        return Check(name, problem, f"{python} ({source}): {exc.strerror or exc}; {VLLM_HINT}")
+        hint = install_hint()
+        return Check(name, problem, f"{python} ({source}): {exc.strerror or exc}; {hint}")
     except subprocess.TimeoutExpired:
         return Check(
             name, problem, f"import vllm took over {VLLM_IMPORT_TIMEOUT_S:.0f} s in {python}"
@@ -341,7 +340,8 @@ def check_vllm(inference: InferenceConfig, required: bool) -> Check:
     ]
     if done.returncode != 0 or not versions:
         error = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return Check(name, problem, f"not importable in {python} ({source}): {error}; {VLLM_HINT}")
+        hint = install_hint()
+        return Check(name, problem, f"not importable in {python} ({source}): {error}; {hint}")
     found = f"vllm {versions[-1]} in {python} ({source})"
     if used:
         return Check(name, "pass", found)

@@ -1,4 +1,5 @@
-"""`posttrain make-tiny-model DIR`: write a randomly initialised tiny model and tokenizer."""
+"""`posttrain make-tiny-model DIR [--gguf FILE]`: write a randomly initialised tiny model and
+tokenizer, and optionally the same model as a GGUF file."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "llama3.2-1b: 1.24B (real sizes take seconds to a minute and 1-2.5 GB of disk)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        metavar="FILE",
+        help="also write the model as GGUF file FILE, a base model like any .gguf file "
+        "(llama, the default with --gguf; sizes tiny, mini, small; needs the gguf package: "
+        "pip install 'posttrain[gguf]')",
+    )
     parser.set_defaults(handler=run_make_tiny_model)
 
 
@@ -45,9 +54,13 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     from posttrain.engine.tiny import make_tiny_model
 
     try:
-        path = make_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
-    except ValueError as err:  # a real size asked for with another architecture
+        path = make_tiny_model(
+            args.dir, arch=args.arch, size=args.size, seed=args.seed, gguf=args.gguf
+        )
+    except (ValueError, ImportError) as err:  # a size or architecture refused; gguf missing
         print(f"posttrain make-tiny-model: error: {err}", file=sys.stderr)
         return 2
     print(path)
+    if args.gguf is not None:
+        print(args.gguf)
     return 0

@@ -1,4 +1,5 @@
-"""`posttrain train CONFIG.toml [--resume DIR [--resume-step N]]` and `posttrain demo [TASK]`."""
+"""`posttrain train CONFIG.toml [--resume DIR [--resume-step N]]` and `posttrain demo [TASK]`,
+each with `--set TABLE.KEY=VALUE` to change a key of the job for this run."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "no such checkpoint: the base model) instead of the latest, which a damaged latest "
         "checkpoint needs; the checkpoints after N are moved aside, not deleted",
     )
+    _add_set(train)
     _add_debug(train)
     train.set_defaults(handler=run_train)
     demo = subparsers.add_parser(
@@ -49,8 +51,20 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     demo.add_argument("task", nargs="?", default=FLAGSHIP, choices=EXAMPLES)
     demo.add_argument("--print-config", action="store_true", help="print the config and exit")
+    _add_set(demo)
     _add_debug(demo)
     demo.set_defaults(handler=run_demo)
+
+
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="change one key of the job for this run, as the TOML file would set it "
+        "(repeatable): --set rl.steps=20 --set run.name=short",
+    )
 
 
 def _add_debug(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +87,7 @@ def run_train(args: argparse.Namespace) -> int:
     from posttrain.jobs.config import load_config
 
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, args.set)
     except (ValueError, FileNotFoundError) as exc:
         if args.debug:
             raise
@@ -92,7 +106,11 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.print_config:
         print(path.read_text(), end="")
         return 0
-    config = load_config(path)
+    try:
+        config = load_config(path, args.set)
+    except ValueError as exc:  # a --set key or value the job refuses
+        print(f"posttrain demo: error: {exc}", file=sys.stderr)
+        return 2
     # A fresh run each time: the next free name, never overwriting an earlier demo.
     base, name, index = (
         Path(config.run.output_dir) / config.run.project / "models",

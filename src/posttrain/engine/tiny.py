@@ -11,6 +11,7 @@ without re-rendering.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import shutil
 import tempfile
@@ -248,6 +249,7 @@ def make_tiny_model(
     size: Size = "tiny",
     seed: int = 0,
     tied: bool | None = None,
+    gguf: str | Path | None = None,
 ) -> Path:
     """Write a randomly initialised causal LM and its tokenizer to `path`; same seed, same bits.
 
@@ -258,8 +260,11 @@ def make_tiny_model(
     2.5 GB); the test sizes in float32. `tied=True` ties a test size's unembedding to its
     input embedding as real models do (one matrix: a tiny model's count drops by 64 x 260).
     The directory loads with `AutoModelForCausalLM.from_pretrained` and
-    `AutoTokenizer.from_pretrained`.
+    `AutoTokenizer.from_pretrained`. `gguf` also writes the model as that GGUF file
+    (`engine.tiny_gguf`): a llama model, the default `arch` then, of a test size.
     """
+    if gguf is not None:
+        arch = _gguf_arch(arch, size)
     config = build_config(arch, size, tied=tied)
     tokenizer = build_tokenizer(config.vocab_size)
     tokenizer.model_max_length = config.max_position_embeddings
@@ -278,7 +283,25 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     apply_umask_to_weights(out)
     tokenizer.save_pretrained(out)
+    if gguf is not None:
+        from posttrain.engine.tiny_gguf import write_gguf
+
+        write_gguf(out, Path(gguf))
     return out
+
+
+def _gguf_arch(arch: Arch | None, size: Size) -> Arch:
+    """The architecture of a tiny model written as GGUF too, refused before anything is built
+    when `engine.tiny_gguf` cannot write it."""
+    if arch not in (None, "llama"):
+        raise ValueError(f"a GGUF file is written of a llama model, not {arch}")
+    if size in _PUBLIC:
+        raise ValueError(f"a GGUF file is written of a test size (tiny, mini, small), not {size}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            "writing a GGUF file needs the gguf package: pip install 'posttrain[gguf]'"
+        )
+    return "llama"
 
 
 def default_cache_dir() -> Path:

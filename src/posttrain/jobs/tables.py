@@ -6,7 +6,8 @@ closest valid one), the secrets a table must not show, the tiny-model spec, the 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, TypeVar, get_args
 
@@ -286,3 +287,24 @@ def table_of(data: Mapping[str, object], name: str) -> dict[str, object]:
     if not isinstance(table, dict):
         raise ValueError(f"[{name}] must be a table, got {table!r}")
     return {str(key): value for key, value in table.items()}
+
+
+def with_overrides(data: Mapping[str, object], overrides: Sequence[str]) -> dict[str, object]:
+    """`data` (parsed TOML) with each `TABLE.KEY=VALUE` of `overrides` set, as the command
+    line's `--set` gives them. VALUE is read as a TOML value (`2`, `1e-3`, `true`, `"a b"`),
+    else taken as a string (`--set run.name=short`); the keys are checked as the file's are."""
+    out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
+    for item in overrides:
+        name, equals, text = item.partition("=")
+        table, dot, key = name.strip().partition(".")
+        if not (equals and dot and table and key):
+            raise ValueError(f"--set {item!r}: write TABLE.KEY=VALUE, e.g. --set rl.steps=2")
+        try:
+            value = tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        section = out.setdefault(table, {})
+        if not isinstance(section, dict):
+            raise ValueError(f"--set {item!r}: [{table}] is not a table")
+        section[key] = value
+    return out
