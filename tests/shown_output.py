@@ -38,7 +38,9 @@ def pattern(shown: str) -> re.Pattern[str]:
     """The regular expression an output block stands for (the rules above)."""
     lines = shown.rstrip("\n").split("\n")
     return re.compile(
-        "".join(r"(?:[^\n]*\n)*?" if l.strip() == "..." else _line(l) + r"\n" for l in lines)
+        "".join(
+            r"(?:[^\n]*\n)*?" if line.strip() == "..." else _line(line) + r"\n" for line in lines
+        )
     )
 
 
