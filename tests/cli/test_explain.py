@@ -19,6 +19,7 @@ from posttrain.cli.explain_cmd import PLAN_NOTES, explain
 from posttrain.cli.main import main
 from posttrain.engine.tiny import build_tokenizer
 from posttrain.inference import InferenceConfig
+from posttrain.jobs.backend import JobProblem
 from posttrain.jobs.config import JobConfig, ModelConfig, RunConfig, load_config
 from posttrain.rollouts.task_rollouts import derive_seed
 from posttrain.tasks import get_task
@@ -420,6 +421,9 @@ async def test_explain_refuses_the_lora_sync_register_refuses(
         stub.server.stop()
     assert str(refused.value) == problem["message"]
     assert stub.server.requests == []
+    # Printed once, not as "[inference] sync: [inference] sync = 'lora': ...".
+    printed = str(JobProblem("backend", "[inference] sync", problem["message"]))
+    assert printed == problem["message"]
 
 
 async def test_explain_passes_the_lora_sync_register_takes(tmp_path: Path, tied_model_dir: Path):

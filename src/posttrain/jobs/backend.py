@@ -68,6 +68,8 @@ class JobProblem:
 
     def __str__(self) -> str:
         where = self.option if self.call in PLAIN_CALLS else f"{self.call}() {self.option}"
+        if self.message.startswith(f"{self.option} = "):  # register's own message names it
+            return self.message if where == self.option else f"{self.call}() {self.message}"
         return f"{where}: {self.message}"
 
 
