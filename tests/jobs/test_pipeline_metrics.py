@@ -15,9 +15,10 @@ from test_async_rl import _Backend, _job, _Model, _run, _trajectory
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.jobs.pipeline import TIMING_METRICS, token_staleness
+from posttrain.jobs.pipeline import TIMING_METRICS, Rollouts, pipeline_metrics, token_staleness
 from posttrain.jobs.report import TIMING_KEYS
 from posttrain.jobs.train_job import run_job
+from posttrain.types import TrainResult
 
 TIME_KEYS = ("time/sample_s", "time/wait_for_rollouts_s", "time/train_s", "time/sync_s")
 KEYS = (
@@ -126,3 +127,18 @@ def test_a_jobs_rl_steps_record_their_pipeline(tmp_path: Path, ahead: int):
     assert [r["staleness/max"] for r in history] == expected
     assert all(" wait " in x and " sync " in x and f" stale {e:.2f} " in x
                for x, e in zip(lines, expected, strict=True))  # fmt: skip
+
+
+def test_tokens_trained_are_what_the_trainer_trained():
+    """A step whose groups all have equal rewards trains nothing: 0 trained tokens (and no
+    trained tokens per second), not the 6 tokens it was handed; a backend that reports no count
+    gets the tokens it was handed."""
+    groups = [TrajectoryGroup([_tokens(2, 0), _tokens(4, 0)])]
+    rollouts = Rollouts(groups, sample_s=1.0, wait_s=0.0)
+    none = TrainResult(step=1, metrics={"nothing_to_train": 1.0, "num_trainable_tokens": 0.0})
+    m = pipeline_metrics(groups, groups, 1, none, rollouts, train_call_s=0.5, step_s=1.5)
+    assert (m["tokens/sampled"], m["tokens/trained"]) == (6.0, 0.0)
+    assert m["throughput/trained_tokens_per_s"] == 0.0
+    silent = TrainResult(step=1, metrics={"loss": 0.1})  # a plugin backend's bare metrics
+    m = pipeline_metrics(groups, groups, 1, silent, rollouts, train_call_s=0.5, step_s=1.5)
+    assert m["tokens/trained"] == 6.0 and m["throughput/trained_tokens_per_s"] == 12.0

@@ -27,6 +27,12 @@ def test_each_reduction_combines_the_updates_its_way():
     assert out["num_trainable_tokens"] == 4 and "tokens" not in out  # the same count
     metrics.flow = {"peak": 9.0}  # what the trainer computes itself wins
     assert metrics.as_dict()["peak"] == 9.0
+    # A second PPO epoch over the first update's token: its mean weighs by 1 token again, but
+    # the step trained no new token: (1·1 + 4·3 + 5·1) / 5 = 3.6, 4 tokens.
+    third = {"loss:sum": 1.0, "avg:mean": 5.0}
+    metrics.add_update(third, {}, num_tokens=1, new_tokens=False)
+    out = metrics.as_dict()
+    assert out["avg"] == 3.6 and out["num_trainable_tokens"] == 4 and out["num_updates"] == 3
 
 
 def _counting_loss(data: list[Datum], logprobs: list[torch.Tensor]):

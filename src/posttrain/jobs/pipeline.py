@@ -153,20 +153,23 @@ def pipeline_metrics(
     """Where an RL step's time went and how stale its tokens were.
 
     `sampled`: the step's rollouts, sampled in `rollouts.sample_s` seconds, of which the
-    trainer waited `rollouts.wait_s` (all of them in a synchronous step); `trained`: those it trained (stale ones left
-    out), at model step `model_step`, in a `backend.train` call of `train_call_s` seconds that
-    includes the engine's weight sync after the updates (`result.sync`, as
-    `EngineSession.last_sync` holds it): `time/train_s` is that call less the sync. `step_s`
+    trainer waited `rollouts.wait_s` (all of them in a synchronous step); `trained`: those
+    handed to the trainer (stale ones left out), at model step `model_step`, in a
+    `backend.train` call of `train_call_s` seconds that includes the engine's weight sync
+    after the updates (`result.sync`, as `EngineSession.last_sync` holds it): `time/train_s` is that call less the sync. `step_s`
     (`time/step_s`): the trainer's wall time for the step, from asking for its rollouts to the
     end of `backend.train`: the wait, the training, the sync and the little between them.
     A backend whose sampler takes no sync (a fixed-policy engine, Tinker) reports none: 0
-    seconds, and no `sync/*`.
+    seconds, and no `sync/*`. `tokens/trained` is what the trainer reports it trained
+    (`num_trainable_tokens`: it drops groups of equal rewards, and may train none), else the
+    tokens of `trained`.
     """
     sync = result.sync
     sync_s = float(sync.get("sync_s", 0.0))
     train_s = max(train_call_s - sync_s, 0.0)
     most, mean = token_staleness(trained, model_step)
-    n_sampled, n_trained = trainable_tokens(sampled), trainable_tokens(trained)
+    n_sampled = trainable_tokens(sampled)
+    n_trained = result.metrics.get("num_trainable_tokens", trainable_tokens(trained))
     metrics = {
         "time/sample_s": rollouts.sample_s,
         "time/wait_for_rollouts_s": rollouts.wait_s,
@@ -201,7 +204,7 @@ TIMING_METRICS = frozenset(
 )
 
 
-def _rate(tokens: int, seconds: float) -> float:
+def _rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 

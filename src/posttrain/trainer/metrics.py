@@ -60,13 +60,19 @@ class StepMetrics:
         return self
 
     def add_update(
-        self, forward: Mapping[str, float], optim: Mapping[str, float], *, num_tokens: int
+        self,
+        forward: Mapping[str, float],
+        optim: Mapping[str, float],
+        *,
+        num_tokens: int,
+        new_tokens: bool = True,
     ) -> None:
         """Fold in one mini-batch: `<name>:mean` token-weighted, `<name>:sum` summed, `:min`
         and `:max` the least and greatest over the step's updates, each reported as `<name>`.
         A key with no such reduction (a custom loss's `"my_metric"`) is averaged over the
         updates under its own name. `loss:sum` is averaged over the updates (`loss`), and
-        `tokens:sum` is the step's `num_trainable_tokens`.
+        `tokens:sum` is the step's `num_trainable_tokens`: the mini-batch's `num_tokens` count
+        once (`new_tokens=False` for a later PPO epoch over the same tokens).
 
         `forward` must report `loss:sum` (every TrainingClient does). The optimizer's metrics
         are optional: a remote service may report none, and then none is aggregated.
@@ -77,7 +83,7 @@ class StepMetrics:
                 "TrainingClient must report the summed loss"
             )
         self.num_updates += 1
-        self.num_tokens += num_tokens
+        self.num_tokens += num_tokens if new_tokens else 0
         self._add("loss", forward["loss:sum"], 1.0)
         for key, value in forward.items():
             name, _, reduction = key.partition(":")

@@ -328,7 +328,9 @@ async def train_rl_batch(
                 recorder.record(mini, out)
             step = await client.optim_step(adam)
             tokens = sum(int(m.sum()) for m in masks)
-            metrics.add_update(out.metrics, step.metrics or {}, num_tokens=tokens)
+            metrics.add_update(
+                out.metrics, step.metrics or {}, num_tokens=tokens, new_tokens=epoch == 0
+            )
             if critic is not None:
                 value_mini = weighted([critic_datums[i] for i in part], masks, config)
                 value_out, value_step = await update_critic(critic, value_mini, config)
