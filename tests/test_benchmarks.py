@@ -4,7 +4,9 @@ to run it. What it prints is not checked here (timings belong to benchmarks/, no
 but for its first line, the host it ran on (`benchmarks/host.py`): a ratio means little
 without it. That it runs to the end is.
 
-Each script is one entry of SMOKE (a new script without one fails the first test). The vLLM
+Each script is one entry of SMOKE (a new script without one fails the first test). The runs of a
+module share one interpreter (tests/script_runner.py), which imports torch, transformers and
+PEFT once, as each run would, and fails a run that leaves a thread or a process behind. The vLLM
 engine's comparison needs `.venv-vllm` (scripts/setup-vllm.sh; CI always has it) and skip without
 it, unless POSTTRAIN_REQUIRE_VLLM=1.
 """
@@ -12,11 +14,13 @@ it, unless POSTTRAIN_REQUIRE_VLLM=1.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from script_runner import ScriptRunner
 
 ROOT = Path(__file__).parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -77,9 +81,16 @@ def test_every_benchmark_has_a_smoke_run():
     assert sorted(SMOKE) == scripts()
 
 
+@pytest.fixture(scope="module")
+def runner() -> Iterator[ScriptRunner]:
+    shared = ScriptRunner(env=dict(os.environ, OMP_NUM_THREADS="1"))
+    yield shared
+    shared.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SMOKE))
-def test_benchmark_runs(script: str, tmp_path: Path):
+def test_benchmark_runs(script: str, runner: ScriptRunner, tmp_path: Path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     args = SMOKE[script].split()
     if script in NEEDS_VLLM:
@@ -89,14 +100,7 @@ def test_benchmark_runs(script: str, tmp_path: Path):
                 pytest.fail(f"{script} needs vLLM at {vllm} (POSTTRAIN_REQUIRE_VLLM=1)")
             pytest.skip(f"{script} needs vLLM (bash scripts/setup-vllm.sh)")
         args += ["--vllm-python", vllm]
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = runner.run([str(BENCHMARKS / script), *args], cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     assert proc.stdout.startswith("host: "), proc.stdout[:500]
 
