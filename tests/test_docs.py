@@ -17,6 +17,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from posttrain.engine.tiny import make_tiny_model
+from script_runner import ScriptRunner
 from shown_output import mismatch
 
 ROOT = Path(__file__).parents[1]
@@ -209,22 +211,26 @@ def test_python_examples_run(page: Path, tmp_path: Path):
     check_shown(page, "python", printed[1:])  # [0]: nothing runs before the first block
 
 
+@pytest.fixture(scope="module")
+def runner() -> Iterator[ScriptRunner]:
+    shared = ScriptRunner(env={**os.environ, "OMP_NUM_THREADS": "1"})
+    yield shared
+    shared.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=lambda p: p.name)
-def test_commands_run(page: Path, tmp_path: Path):
+def test_commands_run(page: Path, runner: ScriptRunner, tmp_path: Path):
+    """Each command as `python -m posttrain.cli.main ARGS` would run it, in one interpreter for
+    the module's commands (tests/script_runner.py: torch and transformers imported once)."""
     env = write_files(page, tmp_path)
     printed: list[str] = []
     for block in blocks(page, "bash"):
         printed.append("")
         for args in block_commands(block):
             args = [str(ROOT / a) if a.startswith("src/") else a for a in args]
-            proc = subprocess.run(
-                [sys.executable, "-m", "posttrain.cli.main", *args],
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env=env,
+            proc = runner.run(
+                ["-m", "posttrain.cli.main", *args], cwd=tmp_path, env=env, timeout=300
             )
             assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
             printed[-1] += proc.stdout
