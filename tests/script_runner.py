@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ class ScriptRunner:
         self._count = 0
 
     def run(self, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> Completed:
-        """`python *args` in `cwd` with `env`: args[0] a script, or "-m" and a module."""
+        """`python *args` in `cwd` with `env`: a script, or "-m" and a module, after any
+        "-W ACTION:MESSAGE:CATEGORY:MODULE" options."""
         process = self._started()
         self._count += 1
         out = self._outputs / f"{self._count}.out"
@@ -137,12 +139,7 @@ def _serve() -> None:
         before = {t.ident for t in threading.enumerate()}
         with warnings.catch_warnings():  # a run's warning filters end with it
             code = _run(request)
-        # Daemon threads (tqdm's monitor, a library's pool) never keep a process alive.
-        leftovers = [
-            t.name
-            for t in threading.enumerate()
-            if t.ident not in before and t.is_alive() and not t.daemon
-        ]
+        leftovers = _leftover_threads(before)
         leftovers += [f"process {pid}" for pid in _children()]
         os.chdir(saved[0])
         os.environ.clear()
@@ -159,6 +156,9 @@ def _serve() -> None:
 
 def _run(request: dict[str, Any]) -> int:
     args = [str(a) for a in request["args"]]
+    while args[0] == "-W":
+        _warning_option(args[1])
+        args = args[2:]
     out = os.open(str(request["out"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err = os.open(str(request["err"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     kept = os.dup(1), os.dup(2)
@@ -193,6 +193,36 @@ def _run(request: dict[str, Any]) -> int:
         os.close(kept[0])
         os.close(kept[1])
     return code
+
+
+def _leftover_threads(before: set[int | None]) -> list[str]:
+    """The run's threads still alive once what it left is collected: a pool's idle worker
+    (a client nobody closed, as a script may leave it at exit) ends with its pool, within a
+    few seconds. Daemon threads (tqdm's monitor) never keep a process alive; they are not
+    counted."""
+    import gc
+
+    gc.collect()
+    started = [t for t in threading.enumerate() if t.ident not in before and not t.daemon]
+    deadline = time.monotonic() + 5.0
+    for thread in started:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return [t.name for t in started if t.is_alive()]
+
+
+def _warning_option(spec: str) -> None:
+    """Python's -W option (ACTION:MESSAGE:CATEGORY:MODULE:LINENO, as the interpreter reads it)."""
+    import builtins
+    import re
+
+    action, message, category, module, lineno = (spec.split(":") + [""] * 5)[:5]
+    warnings.filterwarnings(
+        action,  # pyright: ignore[reportArgumentType]  # checked by filterwarnings
+        message=re.escape(message),
+        category=getattr(builtins, category) if category else Warning,
+        module=re.escape(module) + r"\Z" if module else "",
+        lineno=int(lineno or 0),
+    )
 
 
 def _children() -> list[int]:

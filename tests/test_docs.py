@@ -15,7 +15,6 @@ import importlib.util
 import os
 import re
 import shlex
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -178,9 +177,19 @@ def test_scaling_derivation_adds_up_by_hand():
     assert got == pytest.approx(want, rel=1e-12)
 
 
+@pytest.fixture(scope="module")
+def runner() -> Iterator[ScriptRunner]:
+    """One interpreter for the module's pages and commands (tests/script_runner.py)."""
+    shared = ScriptRunner(env={**os.environ, "OMP_NUM_THREADS": "1"})
+    yield shared
+    shared.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")], ids=lambda p: p.name)
-def test_python_examples_run(page: Path, tmp_path: Path):
+def test_python_examples_run(page: Path, runner: ScriptRunner, tmp_path: Path):
+    """The page's python blocks in order, as one script (in the module's shared interpreter,
+    tests/script_runner.py)."""
     tiny = tmp_path / "tiny"
     env = write_files(page, tmp_path)
     script = "".join(
@@ -192,30 +201,18 @@ def test_python_examples_run(page: Path, tmp_path: Path):
         make_tiny_model(tiny)  # the page builds the same model (seed 0); the server needs it first
         server = start_server(tiny, tmp_path / "storage", keys=(SERVER_KEY,))
         script = script.replace(SERVER_URL, server.url)
+    (tmp_path / "page.py").write_text(script)  # run from its folder, as `python -c` from cwd
     try:
-        proc = subprocess.run(
-            # A page's own call of a deprecated API (the tinker SDK's and transformers' warn with
-            # a FutureWarning, attributed to their caller) fails it: examples show current forms.
-            [sys.executable, "-W", "error::FutureWarning:__main__", "-c", script],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-        )
+        # A page's own call of a deprecated API (the tinker SDK's and transformers' warn with a
+        # FutureWarning, attributed to their caller) fails it: examples show current forms.
+        options = ["-W", "error::FutureWarning:__main__"]
+        proc = runner.run([*options, str(tmp_path / "page.py")], cwd=tmp_path, env=env, timeout=600)
     finally:
         if server is not None:
             server.stop()
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = BLOCK_SPLIT.split(proc.stdout)
     check_shown(page, "python", printed[1:])  # [0]: nothing runs before the first block
-
-
-@pytest.fixture(scope="module")
-def runner() -> Iterator[ScriptRunner]:
-    shared = ScriptRunner(env={**os.environ, "OMP_NUM_THREADS": "1"})
-    yield shared
-    shared.close()
 
 
 @pytest.mark.slow

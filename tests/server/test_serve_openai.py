@@ -134,7 +134,8 @@ def test_overwritten_sampler_weights_are_served_new_and_deleted_ones_refused(
     run_id = path.removeprefix("tinker://").split("/")[0]
     directory = server.storage / "runs" / run_id.replace(":", "_") / "sampler_weights" / "published"
     assert directory.is_dir()
-    service.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)  # create_rest_client is deprecated
+    rest.delete_checkpoint_from_tinker_path(path).result()
     assert not directory.exists()
     with pytest.raises(openai.NotFoundError):
         served(oai, path)
