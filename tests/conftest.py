@@ -11,6 +11,9 @@ import pytest
 
 from posttrain.engine.tiny import make_tiny_model
 
+sys.path.insert(0, str(Path(__file__).parent / "server"))
+from serve_helpers import ServerProcess, start_server
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -23,6 +26,15 @@ def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny qwen2 model with its unembedding tied to the input embedding, as SmolLM2 and
     Qwen2.5-0.5B publish theirs (the test sizes untie it)."""
     return make_tiny_model(tmp_path_factory.mktemp("tied-model"), size="tiny", tied=True)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model that chats and calls a tool (tests/chat_model.py: 200 fine-tuning steps,
+    about 11 s), trained once per test session."""
+    from chat_model import make_chat_model
+
+    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "model")
 
 
 @pytest.fixture
@@ -80,3 +92,57 @@ def standin() -> Iterator[object]:
     yield server
     server.shutdown()
     server.server_close()
+
+
+class SharedRay:
+    """One local Ray per test process, started by the first test that asks for it and kept for
+    the next ones: a start costs about 5 s on two cores, and some twenty modules need one. A
+    module that must start (or watch) its own Ray stops it first (`without_shared_ray`)."""
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def ensure(self) -> None:
+        if not self.held:
+            from posttrain.engine.ray.session import acquire_ray
+
+            acquire_ray(num_cpus=4)  # 4: room for two 2-worker groups at once
+            self.held = True
+
+    def stop(self) -> None:
+        if self.held:
+            from posttrain.engine.ray.session import release_ray
+
+            release_ray()
+            self.held = False
+
+
+@pytest.fixture(scope="session")
+def shared_ray() -> Iterator[SharedRay]:
+    ray = SharedRay()
+    yield ray
+    ray.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_started(shared_ray: SharedRay) -> None:
+    """This process's local Ray, up for the module (and kept for the modules after it)."""
+    pytest.importorskip("ray")
+    shared_ray.ensure()
+
+
+@pytest.fixture(scope="module")
+def without_shared_ray(shared_ray: SharedRay) -> None:
+    """No Ray session in this process when the module starts: it starts and watches its own."""
+    shared_ray.stop()
+
+
+@pytest.fixture(scope="session")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One `posttrain serve` process (default settings, keys KEY and OTHER_KEY) for the test
+    session; a module that needs special flags defines its own `server` fixture."""
+    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-shared") / "storage")
+    yield process
+    process.stop()

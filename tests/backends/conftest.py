@@ -2,32 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from backend_kinds import KINDS, MakeBackend, make
-from serve_helpers import ServerProcess, start_server  # pyright: ignore[reportMissingImports]
-
-
-# Per module, not per session: a server left running would be a child process of the test
-# session that tests/clients/test_ray_lifecycle.py counts as Ray's, waiting for it to exit.
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve") / "storage")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def ray_started() -> Iterator[None]:
-    pytest.importorskip("ray")
-    from posttrain.engine.ray.session import ray_session
-
-    with ray_session(num_cpus=2):
-        yield
+from serve_helpers import ServerProcess  # pyright: ignore[reportMissingImports]
 
 
 @pytest.fixture(params=KINDS)

@@ -12,7 +12,6 @@ from local_groups import synthetic_groups
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.ray import RayBackend
-from posttrain.engine.ray.session import ray_session
 
 # The first step differs from LocalBackend's only in the order FSDP2 sums the ranks' gradients:
 # REL_TOL. Later steps start from weights that AdamW's first update set to w - lr * sign(g) per
@@ -26,37 +25,36 @@ AMPLIFIED_TOL = 2e-5
 
 
 @pytest.mark.slow
-async def test_fsdp2_critic_matches_local(tiny_model_dir, tmp_path):
+async def test_fsdp2_critic_matches_local(ray_started, tiny_model_dir, tmp_path):
     local = LocalBackend(tmp_path / "local")
     expected = new_model(tiny_model_dir)
     await expected.register(local)
     expected_results = [
         await local.train(expected, synthetic_groups(s, groups=2, size=3), **GAE) for s in range(2)
     ]
-    # Two groups of two actors (policy and critic) share the 2 CPUs: half a CPU each.
-    with ray_session(num_cpus=2):
-        backend = RayBackend(
-            tmp_path / "ray",
-            num_workers=2,
-            ray_config=TEST_RAY,
-            sharding="fsdp2",
-            resources_per_worker={"CPU": 0.5},
-        )
-        model = new_model(tiny_model_dir)
-        await model.register(backend)
-        for s, reference in enumerate(expected_results):
-            result = await backend.train(model, synthetic_groups(s, groups=2, size=3), **GAE)
-            assert_same_metrics(result, reference, rel=REL_TOL if s == 0 else AMPLIFIED_TOL)
-        critic = backend.critic_client(model)
-        assert critic is not None
-        gathered = critic.executor.full_tensors("weights")[0]
-        assert rel_error(weights(local.critic_client(expected)), gathered) < AMPLIFIED_TOL  # pyright: ignore[reportArgumentType]
-        await backend.close()
+    # Two groups of two actors (policy and critic) at half a CPU each: they fit in two CPUs.
+    backend = RayBackend(
+        tmp_path / "ray",
+        num_workers=2,
+        ray_config=TEST_RAY,
+        sharding="fsdp2",
+        resources_per_worker={"CPU": 0.5},
+    )
+    model = new_model(tiny_model_dir)
+    await model.register(backend)
+    for s, reference in enumerate(expected_results):
+        result = await backend.train(model, synthetic_groups(s, groups=2, size=3), **GAE)
+        assert_same_metrics(result, reference, rel=REL_TOL if s == 0 else AMPLIFIED_TOL)
+    critic = backend.critic_client(model)
+    assert critic is not None
+    gathered = critic.executor.full_tensors("weights")[0]
+    assert rel_error(weights(local.critic_client(expected)), gathered) < AMPLIFIED_TOL  # pyright: ignore[reportArgumentType]
+    await backend.close()
     await local.close()
 
 
 @pytest.mark.slow
-async def test_fsdp2_frozen_reference_matches_local(tiny_model_dir, tmp_path):
+async def test_fsdp2_frozen_reference_matches_local(ray_started, tiny_model_dir, tmp_path):
     """A fully fine-tuned policy's KL reference as a second FSDP2 actor group (each rank holds
     a shard of it, where the in-worker copy was whole on every rank)."""
     kl = {"learning_rate": 1e-3, "kl_penalty_coef": 0.5, "loss": "ppo"}
@@ -64,24 +62,20 @@ async def test_fsdp2_frozen_reference_matches_local(tiny_model_dir, tmp_path):
     expected = TrainableModel(name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None)
     await expected.register(local)
     expected_results = [await local.train(expected, synthetic_groups(s), **kl) for s in range(2)]
-    with ray_session(num_cpus=2):
-        backend = RayBackend(
-            tmp_path / "ray",
-            num_workers=2,
-            ray_config=TEST_RAY,
-            sharding="fsdp2",
-            resources_per_worker={"CPU": 0.5},
-        )
-        model = TrainableModel(
-            name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None
-        )
-        await model.register(backend)
-        results = [
-            await backend.train(model, synthetic_groups(s), **kl)
-            for s in range(len(expected_results))
-        ]
-        for result, reference in zip(results, expected_results, strict=True):
-            assert_same_metrics(result, reference)
-        assert results[-1].metrics["kl"] > 0
-        await backend.close()
+    backend = RayBackend(
+        tmp_path / "ray",
+        num_workers=2,
+        ray_config=TEST_RAY,
+        sharding="fsdp2",
+        resources_per_worker={"CPU": 0.5},
+    )
+    model = TrainableModel(name="f", project="p", base_model=str(tiny_model_dir), lora_rank=None)
+    await model.register(backend)
+    results = [
+        await backend.train(model, synthetic_groups(s), **kl) for s in range(len(expected_results))
+    ]
+    for result, reference in zip(results, expected_results, strict=True):
+        assert_same_metrics(result, reference)
+    assert results[-1].metrics["kl"] > 0
+    await backend.close()
     await local.close()

@@ -253,22 +253,22 @@ def test_the_command(lora_run, tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.slow
-async def test_a_ray_fsdp2_run_exports_its_gathered_weights(tiny_model_dir: Path, tmp_path: Path):
+async def test_a_ray_fsdp2_run_exports_its_gathered_weights(
+    ray_started, tiny_model_dir: Path, tmp_path: Path
+):
     from posttrain.backends.ray import RayBackend
     from posttrain.engine.lora import LoraSettings
     from posttrain.engine.models import apply_lora
     from posttrain.engine.ray.executor import RayConfig
-    from posttrain.engine.ray.session import ray_session
 
     config = RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0)
-    with ray_session(num_cpus=2):
-        backend = RayBackend(tmp_path / "ray", num_workers=2, ray_config=config, sharding="fsdp2")
-        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
-        await model.register(backend)
-        await backend.train(model, synthetic_groups(0), learning_rate=1e-2)
-        # Rank 0's whole weights, gathered from the two FSDP2 shards.
-        gathered = backend.client(model).executor.full_tensors("weights")[0]
-        await backend.close()
+    backend = RayBackend(tmp_path / "ray", num_workers=2, ray_config=config, sharding="fsdp2")
+    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+    await model.register(backend)
+    await backend.train(model, synthetic_groups(0), learning_rate=1e-2)
+    # Rank 0's whole weights, gathered from the two FSDP2 shards.
+    gathered = backend.client(model).executor.full_tensors("weights")[0]
+    await backend.close()
     trained = apply_lora(load_hf_model(tiny_model_dir), LoraSettings(rank=4), seed=0)
     missing = set(gathered) - {n for n, _ in trained.named_parameters()}
     assert not missing, missing

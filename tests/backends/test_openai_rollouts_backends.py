@@ -20,9 +20,8 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 import posttrain as art
-from chat_model import ADD_CALL, ADD_TOOL, make_chat_model
+from chat_model import ADD_CALL, ADD_TOOL
 from posttrain.engine.ray.executor import RayConfig
-from posttrain.engine.ray.session import ray_session
 from posttrain.types import Datum, ModelInput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -162,11 +161,6 @@ async def test_n_samples_per_request_are_trajectories_of_their_own(
     await backend.close()
 
 
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "model")
-
-
 @pytest.mark.slow  # fine-tunes the chat model first (a few seconds)
 async def test_multi_turn_tool_call_trains_exactly_the_assistant_tokens(
     chat_model_dir: Path, tmp_path: Path
@@ -299,24 +293,23 @@ def test_a_response_without_token_ids_is_refused_naming_the_field():
 
 
 @pytest.mark.slow  # starts a local Ray and two actor workers
-async def test_art_rollouts_on_ray_backend(tiny_model_dir: Path, tmp_path: Path):
+async def test_art_rollouts_on_ray_backend(ray_started, tiny_model_dir: Path, tmp_path: Path):
     config = RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0)
-    with ray_session(num_cpus=2):
-        backend = art.RayBackend(tmp_path, num_workers=2, ray_config=config)
-        model = art.TrainableModel(
-            name="agent", project="p", base_model=str(tiny_model_dir), lora_rank=4
-        )
-        await model.register(backend)
-        before = await art.gather_trajectory_groups(
-            [art.TrajectoryGroup(rollout(model, w) for _ in range(2)) for w in WORDS[:2]],
-            pbar_desc=None,
-        )
-        for trajectory in (t for g in before for t in g):
-            await assert_exact(backend, model, trajectory)
-        await art_step(backend, model)
-        after = await rollout(model, "abc")  # served from the trained weights
-        await assert_exact(backend, model, after)
-        await backend.close()
+    backend = art.RayBackend(tmp_path, num_workers=2, ray_config=config)
+    model = art.TrainableModel(
+        name="agent", project="p", base_model=str(tiny_model_dir), lora_rank=4
+    )
+    await model.register(backend)
+    before = await art.gather_trajectory_groups(
+        [art.TrajectoryGroup(rollout(model, w) for _ in range(2)) for w in WORDS[:2]],
+        pbar_desc=None,
+    )
+    for trajectory in (t for g in before for t in g):
+        await assert_exact(backend, model, trajectory)
+    await art_step(backend, model)
+    after = await rollout(model, "abc")  # served from the trained weights
+    await assert_exact(backend, model, after)
+    await backend.close()
 
 
 @pytest.mark.slow  # a `posttrain serve` subprocess

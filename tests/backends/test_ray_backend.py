@@ -25,7 +25,6 @@ from posttrain.backends.options import LocalRLOptions, option_names
 from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.ray import RayBackend, RayRLConfig, RayRLOptions
 from posttrain.engine.ray.executor import RayConfig
-from posttrain.engine.ray.session import ray_session
 from posttrain.trainer.config import option_fields
 from posttrain.types import (
     SamplingParams,
@@ -78,54 +77,53 @@ def assert_same_metrics(got: TrainResult, expected: TrainResult, rel: float = RE
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
-async def test_train_checkpoint_resume_matches_local(tiny_model_dir, tmp_path, sharding):
+async def test_train_checkpoint_resume_matches_local(
+    ray_started, tiny_model_dir, tmp_path, sharding
+):
     local = LocalBackend(tmp_path / "local")
     expected = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     await expected.register(local)
     expected_results = await three_steps(local, expected, stop_after=None)
 
-    with ray_session(num_cpus=2):
-        first = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY, sharding=sharding)
-        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
-        await model.register(first)
-        results = await three_steps(first, model, stop_after=2)
-        result = await first.train(
-            model, synthetic_groups(9), save_checkpoint=False, check_weights_in_sync=True
-        )
-        assert result.step == 3 and result.checkpoint_path is None
-        await first.close()  # "dies" after step 3's update, which was never checkpointed
+    first = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY, sharding=sharding)
+    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+    await model.register(first)
+    results = await three_steps(first, model, stop_after=2)
+    result = await first.train(
+        model, synthetic_groups(9), save_checkpoint=False, check_weights_in_sync=True
+    )
+    assert result.step == 3 and result.checkpoint_path is None
+    await first.close()  # "dies" after step 3's update, which was never checkpointed
 
-        second = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY, sharding=sharding)
-        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
-        await model.register(second)
-        assert model.step == 2  # resumed from checkpoint 2, not a fresh start
-        results |= await three_steps(second, model, stop_after=None)
-        assert sorted(results) == [1, 2, 3]
-        for step, result in results.items():
-            assert_same_metrics(result, expected_results[step])
-        assert sorted(p.name for p in (model.directory / "checkpoints").iterdir()) == [
-            "1",
-            "2",
-            "3",
-        ]
-        state = json.loads(
-            (model.directory / "checkpoints" / "3" / "trainer_state.json").read_text()
-        )
-        assert state["step"] == 3
-        assert rel_error(local_weights(local, expected), ray_weights(second, model)) < REL_TOL
-        await second.check_weights_in_sync(model)
-        # Rollout code samples from the workers through the same ModelSampler.
-        sampler = second.sampling_client(model)
-        responses = await sampler.sample_many(
-            [[5, 6, 7], [8, 9]], 2, SamplingParams(max_tokens=3, seed=0)
-        )
-        assert [len(r.sequences) for r in responses] == [2, 2]
-        await second.close()
+    second = RayBackend(tmp_path / "ray", num_workers=2, ray_config=TEST_RAY, sharding=sharding)
+    model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+    await model.register(second)
+    assert model.step == 2  # resumed from checkpoint 2, not a fresh start
+    results |= await three_steps(second, model, stop_after=None)
+    assert sorted(results) == [1, 2, 3]
+    for step, result in results.items():
+        assert_same_metrics(result, expected_results[step])
+    assert sorted(p.name for p in (model.directory / "checkpoints").iterdir()) == [
+        "1",
+        "2",
+        "3",
+    ]
+    state = json.loads((model.directory / "checkpoints" / "3" / "trainer_state.json").read_text())
+    assert state["step"] == 3
+    assert rel_error(local_weights(local, expected), ray_weights(second, model)) < REL_TOL
+    await second.check_weights_in_sync(model)
+    # Rollout code samples from the workers through the same ModelSampler.
+    sampler = second.sampling_client(model)
+    responses = await sampler.sample_many(
+        [[5, 6, 7], [8, 9]], 2, SamplingParams(max_tokens=3, seed=0)
+    )
+    assert [len(r.sequences) for r in responses] == [2, 2]
+    await second.close()
     await local.close()
 
 
 @pytest.mark.slow
-async def test_packed_sft_matches_local_unpacked(tiny_model_dir, tmp_path):
+async def test_packed_sft_matches_local_unpacked(ray_started, tiny_model_dir, tmp_path):
     # Packing reaches every Ray rank (and, under FSDP2, each unpacked micro-batch packs into
     # one pass, so the ranks' collectives line up): same metrics and weights as LocalBackend
     # unpacked, to the tolerance of the module docstring. Both shardings in one Ray session,
@@ -135,23 +133,18 @@ async def test_packed_sft_matches_local_unpacked(tiny_model_dir, tmp_path):
     expected = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
     await expected.register(local)
     plain = await local.train_sft(expected, trajectories, batch_size=5, learning_rate=1e-3)
-    with ray_session(num_cpus=2):
-        for sharding in ("replicate", "fsdp2"):
-            ray = RayBackend(
-                tmp_path / sharding, num_workers=2, ray_config=TEST_RAY, sharding=sharding
-            )
-            model = TrainableModel(
-                name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4
-            )
-            await model.register(ray)
-            packed = await ray.train_sft(
-                model, trajectories, batch_size=5, learning_rate=1e-3, packing=True
-            )
-            assert_same_metrics(packed, plain)
-            assert rel_error(local_weights(local, expected), ray_weights(ray, model)) < REL_TOL, (
-                sharding
-            )
-            await ray.close()
+    for sharding in ("replicate", "fsdp2"):
+        ray = RayBackend(tmp_path / sharding, num_workers=2, ray_config=TEST_RAY, sharding=sharding)
+        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_rank=4)
+        await model.register(ray)
+        packed = await ray.train_sft(
+            model, trajectories, batch_size=5, learning_rate=1e-3, packing=True
+        )
+        assert_same_metrics(packed, plain)
+        assert rel_error(local_weights(local, expected), ray_weights(ray, model)) < REL_TOL, (
+            sharding
+        )
+        await ray.close()
     await local.close()
 
 

@@ -64,7 +64,8 @@ class Nodes:
 
 
 @pytest.fixture(scope="module")
-def nodes() -> Iterator[Nodes]:
+def nodes(without_shared_ray: None) -> Iterator[Nodes]:
+    """The two-node cluster, joined by this process (which must not hold a local Ray then)."""
     pytest.importorskip("ray")
     cluster = TwoNodeCluster()
     try:

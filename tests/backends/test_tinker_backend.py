@@ -9,7 +9,6 @@ import json
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -31,7 +30,6 @@ from serve_helpers import (  # pyright: ignore[reportMissingImports]
     ServerProcess,
     post,
     result,
-    start_server,
 )
 
 tinker = pytest.importorskip("tinker")
@@ -41,15 +39,6 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [104, 101, 108, 108, 111, 32]  # "hello " in the tiny byte-level vocabulary
 LR = 1e-2
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-backend") / "storage")
-    yield process
-    process.stop()
 
 
 def tinker_backend(server: ServerProcess, path: Path) -> TinkerBackend:

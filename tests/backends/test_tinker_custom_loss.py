@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from serve_helpers import start_server  # pyright: ignore[reportMissingImports]
 from test_openai_client import groups
 from test_tinker_backend import (
     as_saved,
@@ -32,13 +31,6 @@ from posttrain.trainer.config import RLConfig, from_options
 
 pytestmark = pytest.mark.slow
 LR = 1e-2
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-custom") / "storage")
-    yield process
-    process.stop()
 
 
 async def _updates(server, tiny_model_dir: Path, tmp_path: Path, local: dict, remote: dict):

@@ -131,43 +131,39 @@ def test_a_loss_plugs_in_through_the_entry_point_group(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_custom_loss_on_ray_dp2_matches_the_local_builtin(tiny_model_dir, tmp_path):
+def test_custom_loss_on_ray_dp2_matches_the_local_builtin(ray_started, tiny_model_dir, tmp_path):
     from posttrain.clients.ray import RayTrainingClient
     from posttrain.engine.ray.executor import RayConfig
-    from posttrain.engine.ray.session import ray_session
 
     config = with_art_clip_defaults("cispo", LossConfig())
     datums = make_datums("cispo")
-    with ray_session(num_cpus=2):
-        local = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "l")
-        remote = create_training_client(
-            tiny_model_dir,
-            lora_rank=4,
-            storage_dir=tmp_path / "r",
-            executor="ray",
-            num_workers=2,
-            ray_config=RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0),
-        )
-        assert isinstance(remote, RayTrainingClient)
-        try:
-            expected = local.forward_backward(datums, "cispo", config).result()
-            got = remote.forward_backward_custom(
-                datums, builtin_as_custom("cispo", config)
-            ).result()
-            per_rank = remote.executor.full_tensors("grads")
-            names = {n for rank in per_rank for n, g in rank.items() if g is not None}
-            # Each data-parallel rank holds its shard's gradient: their sum is the batch's.
-            summed = {
-                n: torch.stack([t for r in per_rank if (t := r.get(n)) is not None]).sum(0)
-                for n in names
-            }
-            assert rel_error(summed, grads_of(local)) < REL_TOL
-            assert got.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-6)
-            with pytest.raises(ValueError, match="scalar"):
-                remote.forward_backward_custom(datums, _vector).result()
-        finally:
-            local.close()
-            remote.close()
+    local = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "l")
+    remote = create_training_client(
+        tiny_model_dir,
+        lora_rank=4,
+        storage_dir=tmp_path / "r",
+        executor="ray",
+        num_workers=2,
+        ray_config=RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0),
+    )
+    assert isinstance(remote, RayTrainingClient)
+    try:
+        expected = local.forward_backward(datums, "cispo", config).result()
+        got = remote.forward_backward_custom(datums, builtin_as_custom("cispo", config)).result()
+        per_rank = remote.executor.full_tensors("grads")
+        names = {n for rank in per_rank for n, g in rank.items() if g is not None}
+        # Each data-parallel rank holds its shard's gradient: their sum is the batch's.
+        summed = {
+            n: torch.stack([t for r in per_rank if (t := r.get(n)) is not None]).sum(0)
+            for n in names
+        }
+        assert rel_error(summed, grads_of(local)) < REL_TOL
+        assert got.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-6)
+        with pytest.raises(ValueError, match="scalar"):
+            remote.forward_backward_custom(datums, _vector).result()
+    finally:
+        local.close()
+        remote.close()
 
 
 def test_unknown_loss_lists_only_the_losses_the_call_runs():

@@ -49,7 +49,6 @@ from posttrain.clients.protocol import TrainingClient
 from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.ray.actor import WorkerHost
 from posttrain.engine.ray.executor import RayConfig, WorkerGroupError
-from posttrain.engine.ray.session import ray_session
 from posttrain.types import AdamParams, Datum, ModelInput, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -65,14 +64,7 @@ Pair = tuple[LocalTrainingClient, RayTrainingClient]
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    # Four CPUs of bookkeeping on two cores: two 2-actor groups may be alive at once.
-    with ray_session(num_cpus=4):
-        yield
-
-
-@pytest.fixture(scope="module")
-def pair(local_ray, tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Pair, str]]:
+def pair(ray_started, tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Pair, str]]:
     base = tmp_path_factory.mktemp("ray-pair")
     local = create_training_client(tiny_model_dir, storage_dir=base / "local", lora_rank=None)
     remote = create_training_client(
@@ -291,7 +283,9 @@ def make_group(
     return client
 
 
-def test_an_exception_mid_update_on_one_rank_retires_the_group(local_ray, tiny_model_dir, tmp_path):
+def test_an_exception_mid_update_on_one_rank_retires_the_group(
+    ray_started, tiny_model_dir, tmp_path
+):
     client = make_group(tiny_model_dir, tmp_path)
     datums = make_datums("cross_entropy", seed=3, count=2)
 
@@ -312,7 +306,7 @@ def test_an_exception_mid_update_on_one_rank_retires_the_group(local_ray, tiny_m
 
 
 def test_a_killed_actor_fails_the_call_at_once_and_the_checkpoint_stays_valid(
-    local_ray, tiny_model_dir, tmp_path
+    ray_started, tiny_model_dir, tmp_path
 ):
     client = make_group(tiny_model_dir, tmp_path)
     datums = make_datums("cross_entropy", seed=1, count=4)
@@ -340,7 +334,7 @@ def test_a_killed_actor_fails_the_call_at_once_and_the_checkpoint_stays_valid(
 
 
 def test_a_stalled_rank_fails_the_call_within_the_collective_timeout(
-    local_ray, tiny_model_dir, tmp_path
+    ray_started, tiny_model_dir, tmp_path
 ):
     timeout_s = 5.0
     client = make_group(tiny_model_dir, tmp_path, replace(TEST_RAY, collective_timeout_s=timeout_s))
@@ -366,7 +360,7 @@ def test_a_stalled_rank_fails_the_call_within_the_collective_timeout(
     assert wait_until_gone(pids), "close() left actor processes running"
 
 
-def test_startup_failures_are_clear_and_bounded(local_ray, tiny_model_dir, tmp_path):
+def test_startup_failures_are_clear_and_bounded(ray_started, tiny_model_dir, tmp_path):
     # No node has this resource: placement never happens, the startup timeout ends the wait.
     unplaceable = RayConfig(
         resources_per_worker={"CPU": 1.0, "tpu_pod": 1.0}, startup_timeout_s=3.0
@@ -378,7 +372,7 @@ def test_startup_failures_are_clear_and_bounded(local_ray, tiny_model_dir, tmp_p
         make_group(tmp_path / "no-such-model", tmp_path, num_workers=1)
 
 
-def test_one_actor_refuses_bad_input_and_bounds_every_call(local_ray, tiny_model_dir, tmp_path):
+def test_one_actor_refuses_bad_input_and_bounds_every_call(ray_started, tiny_model_dir, tmp_path):
     client = make_group(tiny_model_dir, tmp_path, num_workers=1)
     datums = make_datums("cross_entropy", seed=2, count=6)
     bad = Datum(

@@ -36,7 +36,6 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.ray.actor import WorkerHost
 from posttrain.engine.ray.executor import RayConfig
-from posttrain.engine.ray.session import ray_session
 from posttrain.types import AdamParams, ModelInput, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -47,16 +46,10 @@ FSDP_RAY = RayConfig(sharding="fsdp2", collective_timeout_s=60.0, startup_timeou
 Pair = tuple[LocalTrainingClient, RayTrainingClient]
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    with ray_session(num_cpus=4):
-        yield
-
-
 # LoRA rank 3: each A matrix (3 rows) is cut into pieces of 2 and 1 rows, so checkpoints gather
 # uneven pieces to rank 0.
 @pytest.fixture(scope="module", params=[3, None], ids=["lora", "full"])
-def pair(request, local_ray, tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Pair, str]]:
+def pair(request, ray_started, tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Pair, str]]:
     base = tmp_path_factory.mktemp("fsdp-pair")
     local = create_training_client(
         tiny_model_dir, lora_rank=request.param, storage_dir=base / "local"

@@ -1,7 +1,8 @@
 """The local Ray a RayTrainingClient starts by itself: loopback only, no usage stats, and
 nothing left behind after close() or after an interpreter exit without it.
 
-No shared Ray here: each test needs this process (or a child) to start its own.
+No shared Ray here: each test needs this process (or a child) to start its own. Processes
+this test session started before (a shared `posttrain serve`) are not Ray's and not counted.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from posttrain.engine.ray.actor import store_directory
 from posttrain.engine.ray.executor import RayConfig
 from posttrain.engine.ray.session import import_ray
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("without_shared_ray")]
 
 
 def is_loopback(address: str) -> bool:
@@ -49,6 +50,7 @@ def listening_addresses(processes: list[psutil.Process]) -> set[tuple[str, str, 
 def test_own_ray_listens_on_loopback_only_and_close_frees_it(tiny_model_dir, tmp_path):
     ray = import_ray()
     assert not ray.is_initialized(), "another test left a Ray session up in this process"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     client = create_training_client(
         tiny_model_dir,
         storage_dir=tmp_path,
@@ -70,7 +72,7 @@ def test_own_ray_listens_on_loopback_only_and_close_frees_it(tiny_model_dir, tmp
         metadata = usage_lib.get_cluster_metadata(ray._private.worker.global_worker.gcs_client)
         assert "ray_version" in metadata and "session_start_timestamp_ms" not in metadata
         # ... and so is every socket its processes (servers and actors) listen on.
-        processes = psutil.Process().children(recursive=True)
+        processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         listening = listening_addresses(processes)
         assert listening, "found no listening Ray process: the check would prove nothing"
         assert {(n, ip, port) for n, ip, port in listening if not is_loopback(ip)} == set()

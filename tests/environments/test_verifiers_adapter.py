@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 import posttrain
-from chat_model import make_chat_model
 from posttrain.environments import (
     EnvironmentSpecError,
     VerifiersEpisodeError,
@@ -99,11 +98,6 @@ async def test_a_verifiers_env_trains_and_its_reward_rises(tiny_model_dir: Path,
     # 0.58 0.84 0.96, twice); the margin is wide all the same.
     assert sum(means[-2:]) / 2 > sum(means[:2]) / 2 + 0.5, means
     await backend.close()
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "model")
 
 
 @pytest.mark.slow  # fine-tunes the chat model first (a few seconds)

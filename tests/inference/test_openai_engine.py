@@ -28,7 +28,7 @@ from posttrain.tokenizer import eos_token_id
 from posttrain.types import ModelInput, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from serve_helpers import KEY, ServerProcess, start_server  # pyright: ignore[reportMissingImports]
+from serve_helpers import KEY, ServerProcess  # pyright: ignore[reportMissingImports]
 
 PROMPTS = [[104, 101, 108, 108, 111], [97, 98, 99]]
 Json = dict[str, Any]
@@ -41,15 +41,6 @@ def config(url: str, **fields: Any) -> InferenceConfig:
 
 
 # -- a real `posttrain serve` ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-engine") / "storage")
-    yield process
-    process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ async def test_rl_learns_through_the_vllm_engine(
 
 
 async def test_ray_fsdp_backend_syncs_gathered_weights_to_vllm(
-    mini_model: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_started: None, mini_model: Path, tmp_path_factory: pytest.TempPathFactory
 ):
     """RayBackend with FSDP2 shards hands vLLM whole (gathered) weights after a step: vLLM's
     logprobs then equal the sharded trainer's within 1e-5."""

@@ -18,7 +18,6 @@ what a wire that collapsed them would train, are off by more than 1e-2.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,22 +31,13 @@ from posttrain.engine.models import load_tokenizer
 from posttrain.types import AdamParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from serve_helpers import KEY, ServerProcess, start_server  # pyright: ignore[reportMissingImports]
+from serve_helpers import KEY, ServerProcess  # pyright: ignore[reportMissingImports]
 
 tinker = pytest.importorskip("tinker")
 pytestmark = pytest.mark.slow  # a server subprocess
 
 SEED, LR, EPS, REL_TOL = 7, 100.0, 1.0, 1e-5
 ADAM = AdamParams(learning_rate=LR, beta1=0.0, beta2=0.0, eps=EPS, grad_clip_norm=0.0)
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-wire") / "storage")
-    yield process
-    process.stop()
 
 
 def gradient_from_step(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]):

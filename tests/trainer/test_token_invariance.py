@@ -130,26 +130,24 @@ def test_token_varying_advantages_are_invariant_to_micro_batches_and_dp(tiny_mod
 
 
 @pytest.mark.slow
-def test_token_varying_advantages_match_on_ray_dp2(tiny_model_dir, tmp_path):
+def test_token_varying_advantages_match_on_ray_dp2(ray_started, tiny_model_dir, tmp_path):
     from posttrain.engine.ray.executor import RayConfig
-    from posttrain.engine.ray.session import ray_session
 
-    with ray_session(num_cpus=2):
-        local = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "l")
-        remote = create_training_client(
-            tiny_model_dir,
-            lora_rank=4,
-            storage_dir=tmp_path / "r",
-            executor="ray",
-            num_workers=2,
-            ray_config=RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0),
-        )
-        try:
-            datums, config = datums_for(local)
-            reference, loss = gradient(local, datums, config)
-            got, got_loss = gradient(remote, datums, config)
-            assert rel_error(got, reference) < REL_TOL
-            assert got_loss == pytest.approx(loss, rel=REL_TOL, abs=1e-6)
-        finally:
-            local.close()
-            remote.close()
+    local = create_training_client(tiny_model_dir, lora_rank=4, storage_dir=tmp_path / "l")
+    remote = create_training_client(
+        tiny_model_dir,
+        lora_rank=4,
+        storage_dir=tmp_path / "r",
+        executor="ray",
+        num_workers=2,
+        ray_config=RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0),
+    )
+    try:
+        datums, config = datums_for(local)
+        reference, loss = gradient(local, datums, config)
+        got, got_loss = gradient(remote, datums, config)
+        assert rel_error(got, reference) < REL_TOL
+        assert got_loss == pytest.approx(loss, rel=REL_TOL, abs=1e-6)
+    finally:
+        local.close()
+        remote.close()
