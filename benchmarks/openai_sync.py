@@ -9,6 +9,10 @@ ratio. The server needs the vLLM venv (scripts/setup-vllm.sh); it starts with bo
 VLLM_SERVER_DEV_MODE=1 and runtime LoRA. Timings on a shared machine: read `uptime` with them.
 
     python benchmarks/openai_sync.py [--size mini] [--rank 8] [--rounds 5] [--vllm-python PY]
+    python benchmarks/openai_sync.py --url http://HOST:PORT/v1 --model DIR  # a running server
+
+A running server must serve DIR as "base" with the flags above; it is left serving adapters'
+weights (the last reload): the tests' shared server is restored after the run.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ async def run(args: argparse.Namespace, url: str, model: Path, work: Path) -> No
                     last["sync_bytes"],
                 )
             )
-    print(f"model {args.size}, LoRA rank {args.rank}, {args.rounds} rounds, medians:")
+    print(f"model {args.model or args.size}, LoRA rank {args.rank}, {args.rounds} rounds, medians:")
     print("route    sync_s  write_s  load_s   bytes")
     medians = {}
     for sync, values in rows.items():
@@ -83,10 +87,18 @@ def main() -> None:
     parser.add_argument(
         "--vllm-python", help="an interpreter with vLLM (else as the tests find one)"
     )
+    parser.add_argument("--url", help="a running vLLM server's .../v1 URL (else one is started)")
+    parser.add_argument("--model", type=Path, help="the model directory it serves as 'base'")
     args = parser.parse_args()
+    if (args.url is None) != (args.model is None):
+        parser.error("--url and --model go together: the server's URL and the model it serves")
     print(host_line(), flush=True)
     if args.vllm_python:
         os.environ["POSTTRAIN_VLLM_PYTHON"] = args.vllm_python
+    if args.url is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            asyncio.run(run(args, args.url, args.model, Path(tmp)))
+        return
     model = tiny_model_path(size=args.size)
     max_rank = next(r for r in VLLM_LORA_RANKS if r >= args.rank)
     flags = ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "3"]

