@@ -12,7 +12,7 @@ import pytest
 from posttrain.engine.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
-from serve_helpers import ServerProcess, start_server
+from serve_helpers import ServerProcess, start_server  # pyright: ignore[reportMissingImports]
 
 
 @pytest.fixture(scope="session")
