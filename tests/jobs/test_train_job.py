@@ -13,7 +13,8 @@ from kill_resume import kill_and_resume
 from safetensors.torch import load_file
 
 from posttrain.cli.main import main
-from posttrain.jobs.config import JobConfig, parse_config
+from posttrain.cli.train_cmd import example_config
+from posttrain.jobs.config import JobConfig, load_config, parse_config
 from posttrain.jobs.report import TIMING_KEYS
 from posttrain.jobs.run_dir import prepare_run_dir
 from posttrain.jobs.train_job import run_job
@@ -213,6 +214,25 @@ def test_cli_refuses_a_damaged_latest_checkpoint_and_resumes_an_earlier_step(
 def test_cli_demo_prints_its_config(capsys):
     assert main(["demo", "--print-config"]) == 0
     assert 'task = "reverse"' in capsys.readouterr().out
+
+
+def test_cli_demo_prints_the_config_its_set_makes(capsys, tmp_path):
+    # A key the file has (replaced in its table), one its table lacks (added there), a table
+    # the file lacks (added at the end), and a string given bare: the printed TOML is the job
+    # the run would use.
+    sets = ["rl.steps=3", "rl.kl_penalty_coef=0.1", "run.name=my run", "inference.threads=1"]
+    args = [part for item in sets for part in ("--set", item)]
+    assert main(["demo", "--print-config", *args]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "job.toml").write_text(printed)
+    job = load_config(tmp_path / "job.toml")
+    assert job == load_config(example_config("reverse"), sets)
+    assert (job.rl.steps, job.run.name) == (3, "my run")
+    assert printed.count("\nsteps =") == 1  # replaced, not added twice
+    assert printed.startswith(example_config("reverse").read_text().splitlines()[0])  # comments
+    # A key the job refuses is refused here too, as the run would refuse it.
+    assert main(["demo", "--print-config", "--set", "rl.stepz=3"]) == 2
+    assert "[rl] unknown key 'stepz'; did you mean 'steps'?" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -50,7 +50,11 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         description="Run a shipped example config; its run goes under ./runs/.",
     )
     demo.add_argument("task", nargs="?", default=FLAGSHIP, choices=EXAMPLES)
-    demo.add_argument("--print-config", action="store_true", help="print the config and exit")
+    demo.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the config, with the --set changes written in, and exit",
+    )
     _add_set(demo)
     _add_debug(demo)
     demo.set_defaults(handler=run_demo)
@@ -103,14 +107,16 @@ def run_demo(args: argparse.Namespace) -> int:
     from posttrain.jobs.config import load_config
 
     path = example_config(args.task)
-    if args.print_config:
-        print(path.read_text(), end="")
-        return 0
     try:
         config = load_config(path, args.set)
     except ValueError as exc:  # a --set key or value the job refuses
         print(f"posttrain demo: error: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:  # the job this command would run: the file with --set written in
+        from posttrain.jobs.tables import toml_with_overrides
+
+        print(toml_with_overrides(path.read_text(), args.set), end="")
+        return 0
     # A fresh run each time: the next free name, never overwriting an earlier demo.
     base, name, index = (
         Path(config.run.output_dir) / config.run.project / "models",

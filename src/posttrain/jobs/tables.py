@@ -5,6 +5,7 @@ closest valid one), the secrets a table must not show, the tiny-model spec, the 
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -287,6 +288,44 @@ def table_of(data: Mapping[str, object], name: str) -> dict[str, object]:
     if not isinstance(table, dict):
         raise ValueError(f"[{name}] must be a table, got {table!r}")
     return {str(key): value for key, value in table.items()}
+
+
+def toml_with_overrides(text: str, overrides: Sequence[str]) -> str:
+    """A job file's TOML `text` with each `TABLE.KEY=VALUE` of `overrides` written in: the key's
+    line replaced where the table has it, else added at the end of the table (or in a new table
+    at the end), the file's comments kept. Parsed, it equals `with_overrides` of the file."""
+    lines = text.splitlines()
+    for item in overrides:
+        name, _, value_text = item.partition("=")
+        table, _, key = name.strip().partition(".")
+        try:
+            tomllib.loads(f"value = {value_text}")
+            value = value_text.strip()
+        except tomllib.TOMLDecodeError:  # taken as a string, as with_overrides takes it
+            value = json.dumps(value_text.strip())  # a JSON string is a TOML basic string
+        line = f"{key} = {value}"
+        header = next((i for i, s in enumerate(lines) if s.strip() == f"[{table}]"), None)
+        if header is None:
+            lines += ["", f"[{table}]", line]
+            continue
+        end = next(
+            (i for i in range(header + 1, len(lines)) if lines[i].lstrip().startswith("[")),
+            len(lines),
+        )
+        at = next((i for i in range(header + 1, end) if _key_of(lines[i]) == key), None)
+        if at is not None:
+            lines[at] = line
+            continue
+        while end > header + 1 and not lines[end - 1].strip():
+            end -= 1  # after the table's last key, before the blank lines that end it
+        lines.insert(end, line)
+    return "\n".join(lines) + "\n"
+
+
+def _key_of(line: str) -> str | None:
+    name, equals, _ = line.partition("=")
+    name = name.strip()
+    return name if equals and name and not name.startswith("#") else None
 
 
 def with_overrides(data: Mapping[str, object], overrides: Sequence[str]) -> dict[str, object]:
