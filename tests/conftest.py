@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -95,12 +96,18 @@ def standin() -> Iterator[object]:
 
 
 class SharedRay:
-    """One local Ray per test process, started by the first test that asks for it and kept for
-    the next ones: a start costs about 5 s on two cores, and some twenty modules need one. A
-    module that must start (or watch) its own Ray stops it first (`without_shared_ray`)."""
+    """One local Ray per test process, started by the first module that asks for it and kept
+    for the modules after it: a start costs about 5 s on two cores, and some twenty modules need
+    one. An idle Ray is not free either (its daemons take about 6% of a core), so once no module
+    holds it for `IDLE_S`, the next test stops it. A module that must start (or watch) its own
+    Ray stops it first (`without_shared_ray`)."""
+
+    IDLE_S = 60.0  # about a start's CPU, at 6% of a core
 
     def __init__(self) -> None:
         self.held = False
+        self.users = 0  # modules between their ray_started setup and teardown
+        self.idle_since = 0.0
 
     def ensure(self) -> None:
         if not self.held:
@@ -116,6 +123,10 @@ class SharedRay:
             release_ray()
             self.held = False
 
+    def stop_if_idle(self) -> None:
+        if self.held and self.users == 0 and time.monotonic() - self.idle_since > self.IDLE_S:
+            self.stop()
+
 
 @pytest.fixture(scope="session")
 def shared_ray() -> Iterator[SharedRay]:
@@ -124,11 +135,20 @@ def shared_ray() -> Iterator[SharedRay]:
     ray.stop()
 
 
+@pytest.fixture(autouse=True)
+def _stop_idle_ray(shared_ray: SharedRay) -> None:
+    shared_ray.stop_if_idle()
+
+
 @pytest.fixture(scope="module")
-def ray_started(shared_ray: SharedRay) -> None:
-    """This process's local Ray, up for the module (and kept for the modules after it)."""
+def ray_started(shared_ray: SharedRay) -> Iterator[None]:
+    """This process's local Ray, up for the module (and kept a while for the modules after)."""
     pytest.importorskip("ray")
     shared_ray.ensure()
+    shared_ray.users += 1
+    yield
+    shared_ray.users -= 1
+    shared_ray.idle_since = time.monotonic()
 
 
 @pytest.fixture(scope="module")
