@@ -296,14 +296,9 @@ def toml_with_overrides(text: str, overrides: Sequence[str]) -> str:
     at the end), the file's comments kept. Parsed, it equals `with_overrides` of the file."""
     lines = text.splitlines()
     for item in overrides:
-        name, _, value_text = item.partition("=")
-        table, _, key = name.strip().partition(".")
-        try:
-            tomllib.loads(f"value = {value_text}")
-            value = value_text.strip()
-        except tomllib.TOMLDecodeError:  # taken as a string, as with_overrides takes it
-            value = json.dumps(value_text.strip())  # a JSON string is a TOML basic string
-        line = f"{key} = {value}"
+        table, key, value, as_toml = _split_set(item)
+        # A value given bare is a string: as JSON writes it, a TOML basic string.
+        line = f"{key} = {item.partition('=')[2].strip() if as_toml else json.dumps(value)}"
         header = next((i for i, s in enumerate(lines) if s.strip() == f"[{table}]"), None)
         if header is None:
             lines += ["", f"[{table}]", line]
@@ -328,20 +323,25 @@ def _key_of(line: str) -> str | None:
     return name if equals and name and not name.startswith("#") else None
 
 
+def _split_set(item: str) -> tuple[str, str, object, bool]:
+    """(table, key, value, whether VALUE was read as TOML) of one `TABLE.KEY=VALUE`."""
+    name, equals, text = item.partition("=")
+    table, dot, key = name.strip().partition(".")
+    if not (equals and dot and table and key):
+        raise ValueError(f"--set {item!r}: write TABLE.KEY=VALUE, e.g. --set rl.steps=2")
+    try:
+        return table, key, tomllib.loads(f"value = {text}")["value"], True
+    except tomllib.TOMLDecodeError:
+        return table, key, text.strip(), False
+
+
 def with_overrides(data: Mapping[str, object], overrides: Sequence[str]) -> dict[str, object]:
     """`data` (parsed TOML) with each `TABLE.KEY=VALUE` of `overrides` set, as the command
     line's `--set` gives them. VALUE is read as a TOML value (`2`, `1e-3`, `true`, `"a b"`),
     else taken as a string (`--set run.name=short`); the keys are checked as the file's are."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     for item in overrides:
-        name, equals, text = item.partition("=")
-        table, dot, key = name.strip().partition(".")
-        if not (equals and dot and table and key):
-            raise ValueError(f"--set {item!r}: write TABLE.KEY=VALUE, e.g. --set rl.steps=2")
-        try:
-            value = tomllib.loads(f"value = {text}")["value"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()
+        table, key, value, _ = _split_set(item)
         section = out.setdefault(table, {})
         if not isinstance(section, dict):
             raise ValueError(f"--set {item!r}: [{table}] is not a table")
