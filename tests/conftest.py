@@ -192,3 +192,30 @@ def vllm_base_server(shared_vllm_server: tuple[str, Path]) -> Iterator[tuple[str
 
     yield shared_vllm_server
     restore_base(*shared_vllm_server)
+
+
+@pytest.fixture(scope="session")
+def mini_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen2 mini model (seed 0): head size 32, which vLLM's CPU attention runs (the tiny
+    model's 16 it does not)."""
+    return make_tiny_model(tmp_path_factory.mktemp("mini-model"), size="mini", seed=0)
+
+
+@pytest.fixture(scope="session")
+def _vllm_engines() -> Iterator[object]:
+    from tests.inference.shared_engines import SharedEngines
+
+    engines = SharedEngines()
+    yield engines
+    engines.close()
+
+
+@pytest.fixture(scope="module")
+def shared_vllm_engines(_vllm_engines: object) -> Iterator[object]:
+    """For the module, the vLLM engines `LocalBackend` and `RayBackend` start are this test
+    process's shared ones where the options match (tests/inference/shared_engines.py)."""
+    from tests.inference.shared_engines import SharedEngines, shared_engines
+
+    assert isinstance(_vllm_engines, SharedEngines)
+    with shared_engines(_vllm_engines) as engines:
+        yield engines

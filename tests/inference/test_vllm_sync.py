@@ -1,7 +1,8 @@
 """The vLLM engine takes only what changed at each sync, and after several syncs samples the
 trainer's policy exactly (fp32 logprobs within 1e-5, as test_vllm_engine.py): a LoRA adapter
 loaded under a new name each step (with and without an unembedding adapter, merged in place),
-the adapter merged in place (lora_sync = "merge"), full fine-tuning written in place."""
+the adapter merged in place (lora_sync = "merge"), full fine-tuning written in place. The
+tests of one engine setting share its process (tests/inference/shared_engines.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from tests.inference.vllm_python import require_vllm
 
 import posttrain
 from posttrain.engine.models import load_hf_model
-from posttrain.engine.tiny import make_tiny_model
 from posttrain.inference.adapters import split_adapter
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.process import ProcessEngine
@@ -22,14 +22,14 @@ from posttrain.inference.session import _start_process
 from posttrain.inference.updates import UpdateExporter
 from posttrain.types import SampleResponse, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_vllm_engines")]
 PROMPTS = [[72, 101, 108, 108, 111], [119, 111, 114, 108, 100, 33, 10]]
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def mini_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("mini"), size="mini", seed=0)
+@pytest.fixture
+def mini_model(mini_model_dir: Path) -> Path:
+    return mini_model_dir
 
 
 @pytest.mark.parametrize(
