@@ -138,6 +138,73 @@ def deep_imports_in_docs() -> list[str]:
     return found
 
 
+SAMPLE_NAMES = {"sample", "sample_many", "sample_batched"}
+ENGINE_NAMES = {"pytorch", "vllm", "openai"}
+
+
+def _strings(node: ast.AST) -> set[str]:
+    return {
+        leaf.value
+        for leaf in ast.walk(node)
+        if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str)
+    }
+
+
+def sampling() -> dict[str, Any]:
+    """Where sampling is defined: `sample*` methods, protocols that sample, and branches on
+    an inference engine's name (`engine == "vllm"`, `in ("vllm", ...)`, `case "openai"`)."""
+    definitions, protocols, branches = [], [], []
+    for name, path in package_files().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name in SAMPLE_NAMES:
+                    definitions.append(f"{name}:{node.lineno}")
+            elif isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(base) for base in node.bases}
+                methods = {
+                    item.name
+                    for item in node.body
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                }
+                if bases & {"Protocol", "typing.Protocol"} and methods & SAMPLE_NAMES:
+                    protocols.append(f"{name}.{node.name}")
+            elif isinstance(node, ast.Compare):
+                if _strings(node) & ENGINE_NAMES:
+                    branches.append(f"{name}:{node.lineno}")
+            elif isinstance(node, ast.match_case) and _strings(node.pattern) & ENGINE_NAMES:
+                branches.append(f"{name}:{node.pattern.lineno}")
+    return {
+        "sample_definitions": len(definitions),
+        "sample_definition_files": len({d.split(":")[0] for d in definitions}),
+        "sampling_protocols": protocols,
+        "engine_name_branches": len(branches),
+        "engine_name_branch_files": sorted({b.split(":")[0] for b in branches}),
+    }
+
+
+def folder_lines(folder: str) -> tuple[int, int]:
+    """(files, lines) of one folder, its subfolders included: "engine" -> engine/ and engine/ray/."""
+    paths = [
+        p
+        for m, p in package_files().items()
+        if m == f"posttrain.{folder}" or m.startswith(f"posttrain.{folder}.")
+    ]
+    return len(paths), sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def imports_between(source: str, target: str) -> list[str]:
+    """Each (file of `source`/, module of `target`/) import: "server", "engine"."""
+    prefix, into = f"posttrain.{source}.", f"posttrain.{target}"
+    return sorted(
+        f"{module} -> {imported}"
+        for module, imported_set in import_graph().items()
+        if module.startswith(prefix)
+        for imported in imported_set
+        if imported == into or imported.startswith(into + ".")
+    )
+
+
 def report() -> dict[str, Any]:
     folders = {
         str(path.relative_to(PACKAGE)): len(list(path.glob("*.py")))
@@ -154,6 +221,10 @@ def report() -> dict[str, Any]:
         "folders": folders,
         "top_level_modules": top_level,
         "circles_between_folders": circles_between_folders(),
+        "circles": strongly_connected(import_graph()),
+        "engine_files_lines": folder_lines("engine"),
+        "server_imports_of_engine": imports_between("server", "engine"),
+        "sampling": sampling(),
         "largest_classes": [f"{n} {name}" for n, name in sizes[:5]],
         "escapes": escapes(),
         "deep_imports_in_docs": deep_imports_in_docs(),
@@ -179,6 +250,25 @@ def main() -> None:
     print(f"import circles between folders: {len(circles)}")
     for group in circles:
         print(f"  {len(group)} files: {', '.join(group)}")
+    print(f"import circles, any: {len(figures['circles'])}")
+    for group in figures["circles"]:
+        print(f"  {', '.join(group)}")
+    files, lines = figures["engine_files_lines"]
+    print(f"engine/: {files} files, {lines} lines")
+    server_engine = figures["server_imports_of_engine"]
+    print(f"imports of engine/ from server/: {len(server_engine)}")
+    for line in server_engine:
+        print(f"  {line}")
+    sampling_figures = figures["sampling"]
+    print(
+        f"sample* definitions: {sampling_figures['sample_definitions']} in "
+        f"{sampling_figures['sample_definition_files']} files; protocols that sample: "
+        + ", ".join(sampling_figures["sampling_protocols"])
+    )
+    print(
+        f"branches on an engine's name: {sampling_figures['engine_name_branches']} in "
+        + ", ".join(sampling_figures["engine_name_branch_files"])
+    )
     print("largest classes (lines): " + "; ".join(figures["largest_classes"]))
     print("type escapes: " + ", ".join(f"{k} {v}" for k, v in figures["escapes"].items()))
     print(f"deep imports in README, docs/ and recipes/: {len(figures['deep_imports_in_docs'])}")
