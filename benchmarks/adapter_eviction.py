@@ -10,7 +10,7 @@ everything a spill writes is there. Reported per round, median over `--rounds`:
 - `spill`: `residency.spill` (a checkpoint with the optimizer, and the gradients), to disk;
 - `restore`: `residency.restore` into a client already built;
 - `build`: a fresh client of the same LoRA settings (`create_training_client`) on the base
-  model the clients share, as the server builds them (`engine.shared_base`): the adapter, not
+  model the clients share, as the server builds them (`models.shared_base`): the adapter, not
   the model;
 - `round trip`: `Residency` evicting one client for another and bringing it back, as the
   server does (spill of the other, build, restore), one direction.
@@ -34,11 +34,11 @@ from host import host_line
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.engine.compute_thread import ComputeThread
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.engine.shared_base import SharedBases
-from posttrain.engine.threads import ComputeThread
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.engine.worker import Worker
+from posttrain.models.shared_base import SharedBases
+from posttrain.models.tiny import tiny_model_path
 from posttrain.server.residency import Residency, restore, spill
 from posttrain.types import AdamParams, Datum, ModelInput
 

@@ -25,8 +25,8 @@ from host import host_line
 
 import posttrain
 from posttrain.data.trajectories import TrajectoryGroup
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.jobs.pipeline import rl_steps
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import SamplingParams
 
 WORDS = ["abc", "hello", "world", "xyz", "posttrain", "engine", "tokens", "reward"]

@@ -1,5 +1,5 @@
 """SDPA forward + backward on the CPU: float32, bfloat16, and bfloat16 upcast to float32 inside
-(what `posttrain.engine.attention` does when training a bf16 model).
+(what `posttrain.models.attention` does when training a bf16 model).
 
 Shapes are (batch, query heads, KV heads, tokens, head dim), grouped-query attention as in
 Qwen2; causal. The three ways alternate call by call, `--rounds` times; each figure is the

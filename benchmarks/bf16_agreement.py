@@ -18,7 +18,7 @@ from host import host_line
 from posttrain import Datum, ModelInput
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import SamplingParams
 
 

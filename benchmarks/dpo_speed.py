@@ -29,7 +29,7 @@ from host import host_line
 import posttrain
 from posttrain.backends.local import LocalBackend
 from posttrain.data.preferences import PreferencePair
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 
 
 def make_pairs(count: int, prompt: int, completion: int) -> list[PreferencePair]:

@@ -42,9 +42,9 @@ from host import host_line
 
 import posttrain
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.inference.session import EngineSession
 from posttrain.inference.weights import WeightExporter
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import SamplingParams
 
 WORKLOADS = {"64x1x64": (64, 1, 64), "8x8x16": (8, 8, 16)}

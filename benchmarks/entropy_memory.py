@@ -4,7 +4,7 @@ Variants, each on the same hidden states [tokens, H] and lm_head weight [V, H], 
 (a sampler's entropies are data, not part of the loss):
   unchunked  logits = h @ W^T for all tokens at once, then the textbook
              -(softmax * log_softmax).sum(-1) over the whole [tokens, V]
-  chunked    `chunk` tokens' logits at a time through `engine.entropy.sampling_entropies`,
+  chunked    `chunk` tokens' logits at a time through `engine.decode.entropy.sampling_entropies`,
              the function the sampler runs on each decode step's logits
 
 Memory is peak resident set size (ru_maxrss), not tracemalloc (which does not see torch's
@@ -36,7 +36,7 @@ from typing import Literal, get_args
 import torch
 from host import host_line
 
-from posttrain.engine.entropy import sampling_entropies
+from posttrain.engine.decode.entropy import sampling_entropies
 
 Variant = Literal["unchunked", "chunked"]
 

@@ -44,10 +44,10 @@ from posttrain import Datum, ModelInput
 from posttrain.algo.losses import LossConfig
 from posttrain.engine import batching
 from posttrain.engine import worker as worker_module
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
 from posttrain.engine.shared_prefix import MicroBatch, PrefixGroup, plan_micro_batches
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.engine.worker import Worker, WorkerConfig
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model
+from posttrain.models.tiny import tiny_model_path
 
 try:
     from cpu_peak import KINDS, MatmulKind, Peaks

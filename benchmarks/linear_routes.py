@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from posttrain.engine.tiny import build_config
+from posttrain.models.tiny import build_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_peak import Peaks

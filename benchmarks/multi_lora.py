@@ -1,4 +1,4 @@
-"""Batching across adapters (`engine.multi_lora`): several LoRA clients of one base model in one
+"""Batching across adapters (`engine.decode.multi_lora`): several LoRA clients of one base model in one
 pass, against the same work one adapter at a time, on the tiny model or the Qwen2.5-0.5B
 architecture (`--size qwen2.5-0.5b`, random weights, built locally).
 
@@ -35,10 +35,10 @@ import torch
 from host import host_line
 from torch import nn
 
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, load_tokenizer
-from posttrain.engine.multi_lora import MultiLora
-from posttrain.engine.sampler import Sampler, SampleRequest
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.engine.decode.multi_lora import MultiLora
+from posttrain.engine.decode.sampler import Sampler, SampleRequest
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model, load_tokenizer
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import SamplingParams
 
 

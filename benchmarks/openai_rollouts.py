@@ -33,9 +33,10 @@ from typing import Any
 from host import host_line
 
 import posttrain as art
+from posttrain.cli.thread_report import thread_report
 from posttrain.data.trajectories import TokenSegment
-from posttrain.engine.threads import configure_torch_threads, thread_report
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.engine.threads import configure_torch_threads
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import SamplingParams
 
 

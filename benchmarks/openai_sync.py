@@ -26,10 +26,10 @@ import tempfile
 from pathlib import Path
 
 from posttrain.clients.create import create_training_client
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.openai_engine import VLLM_LORA_RANKS
 from posttrain.inference.session import EngineSession
+from posttrain.models.tiny import tiny_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from host import host_line

@@ -32,7 +32,7 @@ from host import host_line
 import posttrain
 from posttrain.backends.local import LocalBackend
 from posttrain.data.trajectories import TokenSegment, Trajectory
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 
 
 def make_trajectories(count: int, shortest: int, spread: float, vocab: int) -> list[Trajectory]:

@@ -27,8 +27,8 @@ from host import host_line
 
 import posttrain
 from posttrain.data.trajectories import POLICY_VERSION, TrajectoryGroup
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.inference.faults import FaultyEngine
+from posttrain.models.tiny import tiny_model_path
 from posttrain.trainer.parity import PARITY_METRIC
 from posttrain.types import SamplingParams
 

@@ -108,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from vs_trl import BenchConfig, PosttrainSide, make_problems
 
-    from posttrain.engine.tiny import tiny_model_path
+    from posttrain.models.tiny import tiny_model_path
 
     config = BenchConfig(
         model_size=args.model_size,

@@ -28,7 +28,7 @@ from posttrain.clients.local import LocalTrainingClient
 from posttrain.clients.ray import RayTrainingClient
 from posttrain.engine.ray.executor import RayConfig
 from posttrain.engine.ray.session import ray_session
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import AdamParams, Datum, ModelInput, SamplingParams
 
 

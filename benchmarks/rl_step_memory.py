@@ -28,7 +28,7 @@ from host import host_line
 
 from posttrain import Datum, ModelInput
 from posttrain.clients.create import create_training_client
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import AdamParams, SampleResponse, SamplingParams
 
 R = TypeVar("R")

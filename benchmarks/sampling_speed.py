@@ -17,8 +17,8 @@ import torch
 from host import host_line
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from posttrain.engine.sampler import Sampler
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.engine.decode.sampler import Sampler
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import SamplingParams
 
 

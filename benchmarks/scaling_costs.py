@@ -17,7 +17,7 @@ PPO datum, with and without gradient checkpointing. Measured:
   per-layer figure is printed beside `Shape.layer_activations`, the formula the derivation uses.
 
 Attention runs as on a GPU (transformers' SDPA in the model's dtype), not with posttrain's
-float32 upcast for bf16 training on the CPU (`engine.attention`), which only the CPU takes.
+float32 upcast for bf16 training on the CPU (`models.attention`), which only the CPU takes.
 Byte counts do not depend on the machine's load. The logprob head's [chunk, vocab] logits are
 transient and not saved (see docs/scaling.md for their size).
 
@@ -54,8 +54,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 
 from posttrain import Datum, ModelInput
 from posttrain.algo.losses import LossConfig
-from posttrain.engine.models import LoraSettings, apply_lora
 from posttrain.engine.worker import Worker, WorkerConfig
+from posttrain.models.load import LoraSettings, apply_lora
 from posttrain.types import AdamParams
 
 VOCAB = 1024  # the layers' costs do not depend on it; the real unembedding is counted apart

@@ -26,7 +26,7 @@ from host import host_line
 from serve_process import KEY, serve_process
 from tinker import types
 
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 
 MIB = 1 << 20
 

@@ -53,7 +53,7 @@ from serve_threads import Sampler, first_requests, rate, sft_batch
 from tinker import types
 
 from posttrain.engine.threads import usable_cores
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 
 OPS = ("forward_backward", "optim_step", "forward", "sample", "retrieve")
 

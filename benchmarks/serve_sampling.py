@@ -28,7 +28,7 @@ from serve_process import KEY, serve
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import ModelInput, SamplingParams
 
 

@@ -36,7 +36,7 @@ from serve_process import KEY, serve
 from tinker import types
 
 from posttrain.engine.threads import usable_cores
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 
 PROMPT = [10, *range(65, 65 + 23)]  # 24 tokens
 

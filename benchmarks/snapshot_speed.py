@@ -19,7 +19,7 @@ from pathlib import Path
 from host import host_line
 
 from posttrain.clients.create import create_training_client
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 
 
 def main() -> None:

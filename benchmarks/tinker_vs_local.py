@@ -30,7 +30,7 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.tinker import TinkerBackend
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import Datum, ModelInput
 
 

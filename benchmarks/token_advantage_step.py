@@ -29,7 +29,7 @@ from host import host_line
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 from posttrain.types import ModelInput, SamplingParams
 
 VARIANTS: dict[str, dict[str, object]] = {

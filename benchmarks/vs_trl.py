@@ -59,8 +59,8 @@ import posttrain
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.data.trajectories import TrajectoryGroup
-from posttrain.engine.models import LoraSettings
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.load import LoraSettings
+from posttrain.models.tiny import tiny_model_path
 from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.tasks.protocol import Problem
 from posttrain.tasks.reverse import ReverseTask
@@ -542,7 +542,7 @@ def describe(config: BenchConfig, params: tuple[int, int]) -> dict[str, object]:
     return {
         **asdict(config),
         "model": config.model_dir
-        or f"qwen2 {config.model_size} (posttrain.engine.tiny), built locally",
+        or f"qwen2 {config.model_size} (posttrain.models.tiny), built locally",
         "parameters": params[0],
         "trainable_parameters": params[1],
         "completions_per_step": config.prompts * config.group_size,

@@ -28,7 +28,7 @@ import torch
 from openai.types.chat import ChatCompletionToolParam
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 
 TOOL_TEMPLATE = (
     "{{- bos_token -}}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
 
-from posttrain.engine.tiny import CHAT_TEMPLATE, build_tokenizer
+from posttrain.models.tiny import CHAT_TEMPLATE, build_tokenizer
 
 CONTENT = "message['content'] + eos_token -}}"
 assert CONTENT in CHAT_TEMPLATE  # else the variants below would silently be the tiny one

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from serve_helpers import ServerProcess, start_server  # pyright: ignore[reportMissingImports]

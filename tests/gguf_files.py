@@ -1,5 +1,5 @@
 """GGUF files written by the tests themselves with the `gguf` package, from posttrain's tiny
-llama model (`posttrain.engine.tiny_gguf`), and other small files the GGUF and packaged-model
+llama model (`posttrain.models.tiny_gguf`), and other small files the GGUF and packaged-model
 tests need. Nothing is downloaded."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import gguf
 import numpy as np
 import torch
 
-from posttrain.engine.models import load_hf_model
-from posttrain.engine.tiny import make_tiny_model
-from posttrain.engine.tiny_gguf import write_gguf
+from posttrain.models.load import load_hf_model
+from posttrain.models.tiny import make_tiny_model
+from posttrain.models.tiny_gguf import write_gguf
 
 
 def write_tiny_gguf(path: Path, *, seed: int = 0, half: bool = False, tied: bool = False) -> Path:
-    """Write the tiny llama model of `seed` as GGUF file `path` (`engine.tiny_gguf`, as
+    """Write the tiny llama model of `seed` as GGUF file `path` (`models.tiny_gguf`, as
     `posttrain make-tiny-model --gguf` does); return the model directory it came from (beside
     `path`). `half` and `tied` are `write_gguf`'s."""
     source = make_tiny_model(path.with_suffix(".hf"), arch="llama", seed=seed)

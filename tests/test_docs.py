@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 from script_runner import ScriptRunner
 from shown_output import mismatch
 

@@ -49,7 +49,7 @@ def test_no_tracked_file_names_this_machines_paths():
 # Rollouts (tasks, environments, evaluation, ...) sit beside the trainer, never inside it.
 LAYERS: list[set[str]] = [
     {"types", "data", "logging_sinks", "tokenizer", "finder", "run_records"},
-    {"algo"},
+    {"algo", "models"},
     {"engine"},
     {"clients"},
     {"inference", "trainer", "rollouts", "tasks", "environments", "blocks"},
@@ -181,7 +181,7 @@ def test_src_keeps_its_type_escapes_few():
 
 
 def test_weights_are_written_through_file_modes():
-    # safetensors' save_file leaves its file 0600 (engine/file_modes.py says why): every writer
+    # safetensors' save_file leaves its file 0600 (models/file_modes.py says why): every writer
     # of weights calls file_modes.save_tensors, which gives it the umask's mode.
     writers = [
         str(path.relative_to(ROOT))

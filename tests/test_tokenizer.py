@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from posttrain.engine.models import load_hf_model, load_tokenizer
-from posttrain.engine.sampler import Sampler
-from posttrain.engine.tiny import CHAT_TEMPLATE, build_tokenizer
+from posttrain.engine.decode.sampler import Sampler
+from posttrain.models.load import load_hf_model, load_tokenizer
+from posttrain.models.tiny import CHAT_TEMPLATE, build_tokenizer
 from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.server.openai_schema import eos_texts
 from posttrain.tokenizer import (
@@ -85,7 +85,7 @@ def test_a_tokenizer_with_only_the_protocol_drives_a_rollout():
 def test_hf_tokenizers_pass_the_check_and_give_their_eos(tiny_model_dir: Path):
     for tok in (build_tokenizer(), load_tokenizer(tiny_model_dir)):
         assert as_tokenizer(tok) is tok
-        # posttrain's tiny tokenizer: specials at 256..259, `<|eos|>` is 257 (engine/tiny.py)
+        # posttrain's tiny tokenizer: specials at 256..259, `<|eos|>` is 257 (models/tiny.py)
         assert (eos_token(tok), eos_token_id(tok)) == ("<|eos|>", 257)
     assert (eos_token(LetterTokenizer()), eos_token_id(LetterTokenizer())) == (None, None)
 

@@ -53,7 +53,7 @@ _EXPORTS = {
     "evaluate": "posttrain.rollouts.evaluation",
     # building blocks
     "create_training_client": "posttrain.clients.create",
-    "make_tiny_model": "posttrain.engine.tiny",
+    "make_tiny_model": "posttrain.models.tiny",
 }
 
 if TYPE_CHECKING:
@@ -71,11 +71,11 @@ if TYPE_CHECKING:
     from posttrain.data.preferences import PreferencePair as PreferencePair
     from posttrain.data.trajectories import Trajectory as Trajectory
     from posttrain.data.trajectories import TrajectoryGroup as TrajectoryGroup
-    from posttrain.engine.tiny import make_tiny_model as make_tiny_model
     from posttrain.environments.protocol import Environment as Environment
     from posttrain.environments.runner import run_episodes as run_episodes
     from posttrain.inference.config import InferenceConfig as InferenceConfig
     from posttrain.jobs.pipeline import rl_steps as rl_steps
+    from posttrain.models.tiny import make_tiny_model as make_tiny_model
     from posttrain.rollouts.builder import TrajectoryBuilder as TrajectoryBuilder
     from posttrain.rollouts.dpo_data import preference_pair_from_chat as preference_pair_from_chat
     from posttrain.rollouts.evaluation import evaluate as evaluate

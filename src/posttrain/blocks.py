@@ -27,11 +27,11 @@ from transformers import PreTrainedModel
 from posttrain.algo.logprobs import token_logprobs
 from posttrain.clients.create import create_training_client
 from posttrain.clients.scheduled import ScheduledTrainingClient
-from posttrain.engine import models
 from posttrain.engine.devices import AUTO, resolve_device
-from posttrain.engine.models import parse_dtype
 from posttrain.engine.optim import Decay, lr_multiplier
 from posttrain.engine.optim import create_adamw_optimizer as _adamw
+from posttrain.models import load as models
+from posttrain.models.load import parse_dtype
 from posttrain.types import AdamParams
 
 __all__ = [
@@ -68,7 +68,7 @@ def load_hf_model(
     dtype: str | torch.dtype = "float32",
     device: str | DeviceMap | None = "cpu",
 ) -> PreTrainedModel:
-    """`engine.models.load_hf_model` (dropout off, eval mode, SDPA), also taking the device map
+    """`models.load.load_hf_model` (dropout off, eval mode, SDPA), also taking the device map
     `compute_device_map_single_gpu` gives: {"": rank} is that GPU, None the CPU."""
     if device is None:
         device = "cpu"

@@ -16,8 +16,8 @@ from typing import Any
 
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
-from posttrain.backends.sampling import ModelSampler
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.types import TrainResult
 
 

@@ -32,8 +32,8 @@ from posttrain.clients.create import create_training_client
 from posttrain.clients.local_sampling import LocalSamplingClient
 from posttrain.clients.teacher import Teacher
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.models import load_hf_model
-from posttrain.engine.tiny import build_tokenizer, make_tiny_model
+from posttrain.models.load import load_hf_model
+from posttrain.models.tiny import build_tokenizer, make_tiny_model
 from posttrain.trainer.config import RLConfig
 from posttrain.trainer.distill import score_groups
 from posttrain.types import SampledSequence, SamplingParams

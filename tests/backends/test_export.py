@@ -23,7 +23,7 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.cli.main import main
 from posttrain.engine.checkpoint import save_checkpoint
-from posttrain.engine.models import load_hf_model
+from posttrain.models.load import load_hf_model
 
 TOKENS = torch.tensor([[5, 17, 99, 3, 42, 7, 250, 1]])
 # fp32: the export holds W0 + s B A summed once; the worker computes W0 x + s B (A x). The two
@@ -257,9 +257,9 @@ async def test_a_ray_fsdp2_run_exports_its_gathered_weights(
     ray_started, tiny_model_dir: Path, tmp_path: Path
 ):
     from posttrain.backends.ray import RayBackend
-    from posttrain.engine.lora import LoraSettings
-    from posttrain.engine.models import apply_lora
     from posttrain.engine.ray.executor import RayConfig
+    from posttrain.models.load import apply_lora
+    from posttrain.models.lora import LoraSettings
 
     config = RayConfig(collective_timeout_s=30.0, startup_timeout_s=180.0)
     backend = RayBackend(tmp_path / "ray", num_workers=2, ray_config=config, sharding="fsdp2")

@@ -13,7 +13,7 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.preflight import PreflightError
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.models import load_hf_model
+from posttrain.models.load import load_hf_model
 from posttrain.trainer.config import RLConfig, from_options
 
 

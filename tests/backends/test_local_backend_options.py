@@ -18,7 +18,7 @@ from local_groups import synthetic_groups, weights_of
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.models import load_hf_model
+from posttrain.models.load import load_hf_model
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.rl import train_rl_step
 from posttrain.trainer.tensor_plots import TensorRecorder

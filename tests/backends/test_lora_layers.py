@@ -11,7 +11,7 @@ import pytest
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.tinker import wire_train_unembed
-from posttrain.engine.lora import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
+from posttrain.models.lora import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
 
 
 def adapted(names) -> set[str]:
@@ -46,7 +46,7 @@ async def test_local_backend_adapts_the_chosen_layers(tiny_model_dir, tmp_path):
 
 async def test_a_tied_unembedding_is_adapted_only_when_asked(tied_model_dir, tmp_path):
     """train_unembed None (the default) leaves a tied model's shared matrix alone; True adapts
-    it, through the embedding's adapter that lm_head shares (`engine.models.apply_lora`)."""
+    it, through the embedding's adapter that lm_head shares (`models.load.apply_lora`)."""
     for flags, expected in [({}, {"attn", "mlp"}), ({"train_unembed": True}, {"attn", "mlp"})]:
         backend = LocalBackend(tmp_path / str(len(flags)))
         m = model(tied_model_dir, **flags)

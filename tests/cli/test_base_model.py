@@ -20,8 +20,9 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.cli.main import main
 from posttrain.clients.create import create_training_client
-from posttrain.engine.gguf_import import cached_gguf
-from posttrain.engine.model_source import HubUnreachableError, check_base_model, is_path_like
+from posttrain.models.cache import HubUnreachableError
+from posttrain.models.gguf import cached_gguf
+from posttrain.models.source import check_base_model, is_path_like
 
 HUB_ID = "posttrain-tests/no-such-model"
 
@@ -140,7 +141,7 @@ async def test_register_refuses_a_hub_id_with_no_local_copy(tmp_path):
     await backend.close()
 
 
-# A .gguf file or a packaged model (`engine.gguf_import`, `engine.packaged_models`): checked up
+# A .gguf file or a packaged model (`models.gguf`, `models.packaged`): checked up
 # front too, and `explain` and `doctor` say whether it is converted yet.
 
 

@@ -17,10 +17,10 @@ from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.cli.explain_cmd import PLAN_NOTES, explain
 from posttrain.cli.main import main
-from posttrain.engine.tiny import build_tokenizer
 from posttrain.inference import InferenceConfig
 from posttrain.jobs.backend import JobProblem
 from posttrain.jobs.config import JobConfig, ModelConfig, RunConfig, load_config
+from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts.task_rollouts import derive_seed
 from posttrain.tasks import get_task
 

@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.cli.main import main
 from posttrain.clients.create import create_training_client
-from posttrain.engine.gguf_import import cached_gguf
+from posttrain.models.gguf import cached_gguf
 from posttrain.types import ModelInput
 
 pytestmark = pytest.mark.usefixtures("posttrain_cache")
@@ -64,7 +64,7 @@ def test_create_training_client_takes_a_gguf_file(tiny_gguf):
     prompt = ModelInput.from_ints([256, 259, 104, 105, 10, 257])
     ours = create_training_client(gguf_path, lora_rank=None).compute_logprobs(prompt).result()
     theirs = create_training_client(original, lora_rank=None).compute_logprobs(prompt).result()
-    assert ours == theirs  # the same float32 weights (tests/engine/test_gguf_import.py)
+    assert ours == theirs  # the same float32 weights (tests/models/test_gguf_import.py)
 
 
 @pytest.mark.slow  # a server subprocess imports torch and converts the file at startup

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from posttrain.cli.main import main
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 
 
 def test_make_tiny_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,7 +45,7 @@ def test_size_choices_are_the_engine_sizes() -> None:
     from typing import get_args
 
     from posttrain.cli.tiny_cmd import SIZES
-    from posttrain.engine.tiny import Size
+    from posttrain.models.tiny import Size
 
     assert get_args(Size) == SIZES
 

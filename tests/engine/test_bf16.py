@@ -12,7 +12,7 @@ from posttrain.algo.losses import LossConfig
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.preflight import precision_mismatch
 from posttrain.clients.create import create_training_client
-from posttrain.engine.tiny import tiny_model_path
+from posttrain.models.tiny import tiny_model_path
 from posttrain.trainer.config import RLConfig
 
 # bf16 keeps 8 significant bits: one rounding of a value x is off by at most 2^-9 |x|, and by

@@ -25,8 +25,8 @@ from posttrain.engine.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
 from posttrain.engine.optim import create_adamw_optimizer
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model
 
 # Every target kind, the unembedding included (the test model's own, untied).
 LORA = LoraSettings(rank=4, alpha=8, train_attn=True, train_mlp=True, train_unembed=True)

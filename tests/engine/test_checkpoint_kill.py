@@ -37,9 +37,9 @@ from posttrain.engine.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
 from posttrain.engine.optim import create_adamw_optimizer
 from posttrain.engine.resume_state import rng_state, set_rng_state
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model
 
 pytestmark = [
     pytest.mark.slow,

@@ -30,8 +30,8 @@ from posttrain.engine.executor import (
     TensorKind,
 )
 from posttrain.engine.placement import StateGroup
-from posttrain.engine.tiny import build_tokenizer
 from posttrain.engine.worker import PassResult
+from posttrain.models.tiny import build_tokenizer
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
     AdamParams,

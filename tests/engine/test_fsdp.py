@@ -19,11 +19,10 @@ from torch.distributed.tensor import DTensor
 from posttrain.algo.losses import LossConfig
 from posttrain.clients.create import WorkerSpec
 from posttrain.engine.executor import LoadRequest, PassShard, SaveRequest
-from posttrain.engine.logprob_pass import causal_lm
-from posttrain.engine.models import LoraSettings
 from posttrain.engine.ray.actor import WorkerHost, store_directory
 from posttrain.engine.ray.fsdp import ShardedWorker
 from posttrain.engine.worker import WorkerConfig
+from posttrain.models.load import LoraSettings, causal_lm
 from posttrain.types import AdamParams, Datum, ModelInput
 
 

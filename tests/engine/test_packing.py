@@ -10,9 +10,9 @@ import torch
 from test_shared_prefix import lora_model, rel
 
 from posttrain.algo.losses import LossConfig
-from posttrain.engine.models import load_hf_model
 from posttrain.engine.packing import PackedRows, pack_datums, plan_packed
 from posttrain.engine.worker import PassResult, Worker, WorkerConfig
+from posttrain.models.load import load_hf_model
 from posttrain.types import Datum, ModelInput
 
 # fp32 tolerance: packed, each matrix product sees other rows and the attention other (masked)

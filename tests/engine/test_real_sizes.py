@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain import Datum, ModelInput
 from posttrain.clients.create import create_training_client
-from posttrain.engine.tiny import build_config, build_tokenizer, make_tiny_model
+from posttrain.models.tiny import build_config, build_tokenizer, make_tiny_model
 from posttrain.types import AdamParams
 
 # Fields of the published config.json files (Qwen/Qwen2.5-0.5B-Instruct, meta-llama/Llama-3.2-1B).

@@ -12,10 +12,10 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain.algo.losses import LossConfig
 from posttrain.engine import recompute
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
 from posttrain.engine.recompute import enable_gradient_checkpointing
 from posttrain.engine.shared_prefix import plan_micro_batches
 from posttrain.engine.worker import Worker, WorkerConfig
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model
 from posttrain.types import Datum, ModelInput
 
 

@@ -13,8 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.algo.losses import LossConfig
 from posttrain.engine.batching import pad_datums, padded_tokens, split_by_token_budget
-from posttrain.engine.logprob_pass import adapters_disabled, causal_lm, target_logprobs
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
+from posttrain.engine.logprob_pass import adapters_disabled, target_logprobs
 from posttrain.engine.shared_prefix import (
     PrefixGroup,
     common_prefix_length,
@@ -23,6 +22,7 @@ from posttrain.engine.shared_prefix import (
     plan_micro_batches,
 )
 from posttrain.engine.worker import Worker, WorkerConfig
+from posttrain.models.load import LoraSettings, apply_lora, causal_lm, load_hf_model
 from posttrain.types import Datum, ModelInput
 
 # fp32 tolerance: the shared pass computes the same sums in another order (attention over a

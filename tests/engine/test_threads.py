@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.cli.thread_report import ThreadReport, thread_report
 from posttrain.clients.futures import OrderedRunner
+from posttrain.engine.compute_thread import ComputeThread
 from posttrain.engine.threads import (
-    ComputeThread,
-    ThreadReport,
     cgroup_cpu_quota,
     chosen_threads,
     configure_torch_threads,
     requested_threads,
-    thread_report,
     usable_cores,
 )
 

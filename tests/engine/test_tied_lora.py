@@ -17,7 +17,7 @@ from torch.func import functional_call
 from posttrain import AdamParams, Datum
 from posttrain.clients.create import create_training_client
 from posttrain.engine.logprob_pass import target_logprobs
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, ties_embeddings
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model, ties_embeddings
 
 RANK, ALPHA = 4, 8.0
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posttrain.engine import logprob_pass
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model
 
 
 def run(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -14,8 +14,8 @@ import torch
 from posttrain.algo.losses import LossConfig
 from posttrain.engine import datum_checks
 from posttrain.engine import worker as worker_module
-from posttrain.engine.models import load_hf_model
 from posttrain.engine.worker import Worker, WorkerConfig
+from posttrain.models.load import load_hf_model
 from posttrain.types import AdamParams, Datum, ModelInput
 
 CE = LossConfig()

@@ -12,7 +12,6 @@ from typing import ClassVar
 import pytest
 
 from chat_templates import tools_tokenizer
-from posttrain.engine.tiny import build_tokenizer
 from posttrain.environments import (
     CalculatorEnv,
     EpisodeError,
@@ -22,6 +21,7 @@ from posttrain.environments import (
     evaluate_environment,
     run_episodes,
 )
+from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts.sft_data import conversation_to_trajectory
 from posttrain.tokenizer import render_chat
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
@@ -32,6 +32,8 @@ PARAMS = SamplingParams(max_tokens=96, temperature=1.0, seed=5)
 class ScriptedSampler:
     """Answers turn t with `turns[t]` (one text for every episode, or one per episode still
     going); a text ending in "|len" was cut by max_tokens (no EOS)."""
+
+    policy_version: int | None = None  # no trainer behind it
 
     def __init__(self, tokenizer, turns: list[str | list[str]]) -> None:
         self.tokenizer = tokenizer

@@ -9,9 +9,9 @@ import torch
 from peft import PeftModel
 
 from posttrain.clients.create import create_training_client
-from posttrain.engine.models import load_hf_model
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.inference.adapters import split_adapter, write_adapter
+from posttrain.models.load import load_hf_model
+from posttrain.models.tiny import tiny_model_path
 
 
 def _trained(train_unembed: bool) -> tuple[Path, dict[str, torch.Tensor]]:

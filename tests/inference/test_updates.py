@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from posttrain.clients.create import create_training_client
-from posttrain.engine.tiny import tiny_model_path
 from posttrain.inference.adapters import split_adapter
 from posttrain.inference.pytorch_runner import PytorchRunner
 from posttrain.inference.updates import BaseWeights, UpdateExporter, resolve_update
 from posttrain.inference.weights import base_weights_for_merge, merge_trainable
+from posttrain.models.tiny import tiny_model_path
 
 
 def _trained(lora_rank: int, train_unembed: bool = True) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ from tests.inference.engine_helpers import train_one_step, worst_logprob_gap
 from tests.inference.vllm_python import require_vllm
 
 import posttrain
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.models.tiny import make_tiny_model
 from posttrain.types import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -14,12 +14,12 @@ from tests.inference.engine_helpers import train_one_step, worst_logprob_gap
 from tests.inference.vllm_python import require_vllm
 
 import posttrain
-from posttrain.engine.models import load_hf_model
 from posttrain.inference.adapters import split_adapter
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.process import ProcessEngine
 from posttrain.inference.session import _start_process
 from posttrain.inference.updates import UpdateExporter
+from posttrain.models.load import load_hf_model
 from posttrain.types import SampleResponse, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_vllm_engines")]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, ties_embeddings
 from posttrain.inference.weights import WeightExporter, merge_trainable
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model, ties_embeddings
 
 
 def test_merge_by_hand():

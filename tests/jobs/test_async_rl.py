@@ -20,8 +20,8 @@ import torch
 from posttrain.backends.local import LocalBackend
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.protocol import TrainableBackend
-from posttrain.backends.sampling import ModelSampler
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.jobs.config import JobConfig, parse_config
 from posttrain.jobs.pipeline import TrainedStep, drop_stale, rl_steps
 from posttrain.jobs.train_job import run_job

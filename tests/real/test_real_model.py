@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from posttrain import Datum, ModelInput, create_training_client
-from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.models import load_hf_model, load_tokenizer
-from posttrain.engine.sampler import Sampler
+from posttrain.engine.decode.sampler import Sampler
+from posttrain.inference.model_sampler import ModelSampler
+from posttrain.models.load import load_hf_model, load_tokenizer
 from posttrain.rollouts.task_rollouts import sample_groups
 from posttrain.tasks import Problem
 from posttrain.tokenizer import assistant_closing, end_of_turn_id, render_chat
@@ -42,7 +42,7 @@ QUESTIONS = (
 MAX_TOKENS = 48
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 # Sampler (KV cache, left-padded batch) and trainer (one unpadded pass) sum the same fp32
-# products in another order. tests/engine/test_sampler.py allows 1e-5 where |logits| <= 4; that
+# products in another order. tests/engine/decode/test_sampler.py allows 1e-5 where |logits| <= 4; that
 # rounding grows with the logits, here up to 44, so 1e-4, which tests/engine/test_real_sizes.py
 # allows for the 0.5B architecture's fp32 passes. Measured: max 1.1e-5, mean <= 2.7e-6, on
 # logprobs down to -2.7. A wrong position, mask or weight moves them by >= 1e-2.

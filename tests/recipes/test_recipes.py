@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import posttrain
 from posttrain.clients.create import create_training_client
-from posttrain.engine.models import load_hf_model, load_tokenizer
+from posttrain.models.load import load_hf_model, load_tokenizer
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 

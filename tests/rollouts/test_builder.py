@@ -9,8 +9,8 @@ import pytest
 from chat_templates import TEMPLATES, Template, tools_tokenizer
 from chat_templates import template as chat_template
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.models import load_tokenizer
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.load import load_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.rollouts.gather import gather_groups
 from posttrain.tokenizer import TurnClosing, assistant_closing, render_chat

@@ -10,7 +10,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from posttrain.engine.tiny import build_tokenizer  # noqa: E402
+from posttrain.models.tiny import build_tokenizer  # noqa: E402
 from posttrain.rollouts.dpo_data import load_preference_pairs  # noqa: E402
 
 ROWS = [

@@ -8,7 +8,7 @@ import pytest
 
 from chat_templates import TEMPLATES
 from chat_templates import template as chat_template
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts.sft_data import conversation_to_trajectory, load_sft_dataset
 
 

@@ -11,7 +11,7 @@ datasets = pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from posttrain.engine.tiny import build_tokenizer  # noqa: E402
+from posttrain.models.tiny import build_tokenizer  # noqa: E402
 from posttrain.rollouts.sft_data import SFTFields, load_sft_dataset  # noqa: E402
 
 CHATS = [

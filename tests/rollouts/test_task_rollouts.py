@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chat_templates import template as chat_template
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts.evaluation import evaluate
 from posttrain.rollouts.task_rollouts import completion_text, derive_seed, sample_groups
 from posttrain.tasks import Problem, ReverseTask
@@ -20,6 +20,8 @@ def tokenizer():
 
 class ScriptedSampler:
     """Answers each prompt with the given completions (texts; "|len" marks a cut one)."""
+
+    policy_version: int | None = None  # no trainer behind it
 
     def __init__(self, tokenizer, script: list[list[str]]) -> None:
         self.tokenizer = tokenizer

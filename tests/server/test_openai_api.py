@@ -17,9 +17,9 @@ from fastapi import FastAPI, Request
 from openai.types.chat import ChatCompletionMessageParam
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.server.local_openai import LoopbackServer
 from posttrain.server.openai_api import create_openai_router
 from posttrain.server.sources import UnknownModelError

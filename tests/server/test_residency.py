@@ -14,8 +14,8 @@ from serve_helpers import assert_bit_equal, in_process_config
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.engine.compute_thread import ComputeThread
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import Worker
 from posttrain.server.app import create_app
 from posttrain.server.residency import NoRoomError, Residency, Unloaded

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts.evaluation import evaluate
 from posttrain.tasks import DatasetTask, Problem
 from posttrain.tasks.dataset import held_out_by_hash, split_key
@@ -29,6 +29,8 @@ def _write(path, records) -> str:
 class Scripted:
     """Answers the i-th prompt with the i-th list of texts ("|len": cut by max_tokens), and
     records the prompts it was given, decoded."""
+
+    policy_version: int | None = None  # no trainer behind it
 
     def __init__(self, tokenizer, script: list[list[str]]) -> None:
         self.tokenizer, self.script, self.prompts = tokenizer, script, []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts.task_rollouts import sample_groups
 from posttrain.tasks import DatasetTask, Judge, JudgeError, Problem, reward_step
 from posttrain.tasks.judge_prompts import parse_group, parse_pointwise

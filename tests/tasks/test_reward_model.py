@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.tasks import DatasetTask, Problem, RewardModel
 from posttrain.tasks.rewards import score_group
 

@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.clients.teacher import Teacher, vocabulary_difference
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.trainer.config import RLConfig, from_options
 from posttrain.trainer.distill import score_groups
 from posttrain.trainer.rl import prepare_batch

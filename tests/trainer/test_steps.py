@@ -12,7 +12,7 @@ from posttrain.clients.protocol import ReferenceScorer, TrainingClient
 from posttrain.clients.teacher import Teacher, VocabularyMismatch
 from posttrain.data.preferences import PreferencePair
 from posttrain.data.trajectories import TokenSegment, Trajectory, TrajectoryGroup
-from posttrain.engine.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig, from_options
 from posttrain.trainer.dpo import train_dpo
 from posttrain.trainer.metrics import StepMetrics

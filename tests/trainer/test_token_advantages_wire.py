@@ -27,7 +27,7 @@ from test_token_invariance import datums_for, per_sequence_means
 
 from posttrain.clients.create import create_training_client
 from posttrain.clients.tinker import TinkerTrainingClient
-from posttrain.engine.models import load_tokenizer
+from posttrain.models.load import load_tokenizer
 from posttrain.types import AdamParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))

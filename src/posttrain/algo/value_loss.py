@@ -99,7 +99,7 @@ def _check_clip(clip_eps: float | torch.Tensor | None, counted_BT: torch.Tensor)
 
 def value(batch: LossBatch, config: LossConfig) -> LossOutput:
     """The registered loss "value": the critic's clipped value loss on a `LossBatch` whose
-    `logp_BT` holds the critic's values (`engine.value_head`), from loss_fn_inputs `returns`,
+    `logp_BT` holds the critic's values (`models.value_head`), from loss_fn_inputs `returns`,
     and for clipping `old_values` with `value_clip` (both or neither); weights and mask as for
     every loss. Diagnostics: `values` and `value_clipped` per token.
     """

@@ -151,6 +151,6 @@ LOCAL = Capabilities(
     supports_kl_reference=True,
     supports_sampling=True,
     device_kinds=("cpu", "cuda"),
-    provides_token_entropies=True,  # engine.sampler computes them per decode step
+    provides_token_entropies=True,  # engine.decode.sampler computes them per decode step
     supports_critic=True,
 )

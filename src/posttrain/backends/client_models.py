@@ -34,13 +34,13 @@ from posttrain.backends.preflight import (
     preflight_sft,
 )
 from posttrain.backends.protocol import TrainableBackend
-from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.protocol import ReferenceScorer
 from posttrain.clients.teacher import VocabularyMismatch
 from posttrain.data.preferences import PreferencePair
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.engine.checkpoint import delete_checkpoint, list_checkpoints
 from posttrain.inference.config import InferenceConfig
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.inference.session import EngineSession
 from posttrain.trainer.config import DPOConfig, RLConfig, SFTConfig
 from posttrain.trainer.dpo import train_dpo

@@ -45,8 +45,6 @@ from posttrain.engine.checkpoint import (
     checkpoint_problem,
     step_directories,
 )
-from posttrain.engine.file_modes import apply_umask, save_tensors
-from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.adapters import PEFT_PREFIX, split_adapter
 from posttrain.inference.weights import (
     base_weights_for_merge,
@@ -54,6 +52,8 @@ from posttrain.inference.weights import (
     ties_word_embeddings,
     write_model_directory,
 )
+from posttrain.models.file_modes import apply_umask, save_tensors
+from posttrain.models.source import resolve_model_source
 
 ExportMode = Literal["merge", "adapter"]
 ExportDtype = Literal["float32", "bfloat16"]
@@ -344,7 +344,7 @@ def _adapter_tensors(checkpoint: Path, tied: bool) -> dict[str, torch.Tensor]:
     tensors = load_file(str(checkpoint / ADAPTER_WEIGHTS))
     if tied and any(".lora_embedding_" in name for name in tensors):
         # A LoRA on a tied model's shared matrix: PEFT saves the output projection's factors
-        # too, as transposed copies of the embedding's (`engine.models._share_tied_factors`);
+        # too, as transposed copies of the embedding's (`models.load._share_tied_factors`);
         # the embedding's pair is merged once, and both uses read it.
         tensors = {k: v for k, v in tensors.items() if ".lm_head.lora_" not in k}
     return tensors

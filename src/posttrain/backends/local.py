@@ -24,13 +24,13 @@ from posttrain.backends.options import (
 )
 from posttrain.backends.register_checks import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
-from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import Head, create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.data.preferences import PreferencePair
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.engine.devices import AUTO, resolve_device
 from posttrain.inference.config import InferenceConfig
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.types import TrainResult
 
 BACKEND = "LocalBackend"

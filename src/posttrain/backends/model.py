@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
 
 from posttrain.data.trajectories import TrajectoryGroup
-from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
+from posttrain.models.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.logging_sinks import (
     Sink,
     SinkName,

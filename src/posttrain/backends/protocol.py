@@ -11,7 +11,7 @@ from posttrain.types import TrainResult
 
 if TYPE_CHECKING:
     from posttrain.backends.model import TrainableModel
-    from posttrain.backends.sampling import ModelSampler
+    from posttrain.inference.model_sampler import ModelSampler
 
 
 @runtime_checkable

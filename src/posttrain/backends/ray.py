@@ -36,7 +36,6 @@ from posttrain.backends.options import (
 )
 from posttrain.backends.register_checks import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
-from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import Head, create_training_client
 from posttrain.clients.ray import RayTrainingClient
 from posttrain.data.preferences import PreferencePair
@@ -45,6 +44,7 @@ from posttrain.engine.devices import AUTO, resolve_worker_device
 from posttrain.engine.ray.actor import Sharding
 from posttrain.engine.ray.executor import RayConfig, WorkerGroupError
 from posttrain.inference.config import InferenceConfig
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.types import TrainResult
 
 BACKEND = "RayBackend"
@@ -80,7 +80,7 @@ RAY = Capabilities(
     supports_kl_reference=True,
     supports_sampling=True,
     device_kinds=("cpu", "cuda"),
-    provides_token_entropies=True,  # its actors run engine.sampler, as LocalBackend
+    provides_token_entropies=True,  # its actors run engine.decode.sampler, as LocalBackend
     supports_critic=True,  # a second actor group, sharded like the policy's
 )
 

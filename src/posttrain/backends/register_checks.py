@@ -8,7 +8,8 @@ import asyncio
 from posttrain.backends.capabilities import Capabilities
 from posttrain.backends.model import TrainableModel
 from posttrain.backends.preflight import PreflightProblem, backends_with
-from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
+from posttrain.models.cache import HubUnreachableError, ModelSourceError
+from posttrain.models.source import check_base_model
 
 
 def model_problems(
@@ -32,7 +33,7 @@ def model_problems(
 
 async def preflight_register(backend: str, model: TrainableModel) -> None:
     """Raise unless the model's base model is an existing directory or a hub id that is cached
-    or that the hub confirms (`engine.model_source`): before any model loads or service call."""
+    or that the hub confirms (`models.source`): before any model loads or service call."""
     try:
         await asyncio.to_thread(check_base_model, model.base_model)
     except (FileNotFoundError, HubUnreachableError, ModelSourceError) as exc:

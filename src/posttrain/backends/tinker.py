@@ -37,12 +37,12 @@ from posttrain.backends.options import (
     resolve_sft,
 )
 from posttrain.backends.register_checks import model_problems, preflight_register
-from posttrain.backends.sampling import ModelSampler
 from posttrain.backends.tinker_index import JsonlCheckpoints
 from posttrain.clients.tinker import TinkerTrainingClient, import_tinker, unload_model
 from posttrain.data.preferences import PreferencePair
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
-from posttrain.engine.model_source import resolve_model_source
+from posttrain.inference.model_sampler import ModelSampler
+from posttrain.models.source import resolve_model_source
 from posttrain.tokenizer import Tokenizer
 from posttrain.trainer.config import (
     LossName,

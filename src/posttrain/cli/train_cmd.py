@@ -135,9 +135,9 @@ def _job_errors() -> tuple[type[Exception], ...]:
     failing the parity check, the hub, an OpenAI server or an engine process that fails. Each
     message names the cause and the fix (an engine process's has its log's tail), so it is one
     line and exit code 2; anything else is a bug and keeps its traceback."""
-    from posttrain.engine.model_source import HubUnreachableError
     from posttrain.inference.openai_engine import OpenAIServerError
     from posttrain.inference.process import EngineProcessError
+    from posttrain.models.cache import HubUnreachableError
     from posttrain.trainer.parity import ParityError
 
     return (

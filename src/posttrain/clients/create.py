@@ -17,22 +17,22 @@ from typing import TYPE_CHECKING, Literal, overload
 import torch
 
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.engine.compute_thread import ComputeThread
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.engine.dispatch import Dispatch
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
-from posttrain.engine.models import (
+from posttrain.engine.placement import parks_for_sampling
+from posttrain.engine.worker import Worker, WorkerConfig
+from posttrain.models.load import (
     apply_lora,
     check_trainable_dtype,
     load_hf_model,
     load_tokenizer,
     parse_dtype,
 )
-from posttrain.engine.placement import parks_for_sampling
-from posttrain.engine.shared_base import SharedBases
-from posttrain.engine.threads import ComputeThread
-from posttrain.engine.value_head import VALUE_HEAD_MODULE, to_value_model
-from posttrain.engine.worker import Worker, WorkerConfig
+from posttrain.models.lora import DEFAULT_LORA_RANK, LoraSettings
+from posttrain.models.shared_base import SharedBases
+from posttrain.models.value_head import VALUE_HEAD_MODULE, to_value_model
 
 if TYPE_CHECKING:
     from posttrain.clients.ray import RayTrainingClient
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 ExecutorKind = Literal["local", "ray"]
 # "policy": the causal LM; "value": a critic, the same model with a scalar head
-# (`engine.value_head`), whose passes give per-token values instead of logprobs; "reference":
+# (`models.value_head`), whose passes give per-token values instead of logprobs; "reference":
 # the base model whole and never trained, whose `reference_logprobs` are its own (the frozen
 # KL / DPO reference of a fully fine-tuned policy, in workers of its own).
 Head = Literal["policy", "value", "reference"]
@@ -184,7 +184,7 @@ def create_training_client(
     `lora_rank` is LoRA's rank, by default Tinker's 32 (`DEFAULT_LORA_RANK`, as
     `create_lora_training_client`); `lora_rank=None` (or 0) trains all weights, in float32 only; `dtype="bfloat16"` is for LoRA on a
     bf16 base (float32 adapters). `train_unembed=None` adapts the unembedding unless the model
-    ties it to the input embedding; True adapts a tied one too (`engine.lora.LoraSettings`).
+    ties it to the input embedding; True adapts a tied one too (`models.lora.LoraSettings`).
     `gradient_checkpointing=True` recomputes each decoder layer in backward: less memory, about
     a third more compute, the same gradients. Replicas start bit-identical. `device="auto"` is
     CUDA where this machine has it, else the CPU; an explicit "cuda" without CUDA is an error.
@@ -194,9 +194,9 @@ def create_training_client(
     "auto" is CUDA when each worker gets a GPU share. `compute_thread` (local only) runs the
     client's calls on that thread, shared with other clients, instead of a thread of its own.
     `shared_base` (local only) takes the base's weights from there, shared with the other
-    clients built from it (`engine.shared_base`): a LoRA policy or a reference model only,
+    clients built from it (`models.shared_base`): a LoRA policy or a reference model only,
     since full fine-tuning would write the weights the others read.
-    `head="value"` makes a critic (`engine.value_head`): its passes return per-token values.
+    `head="value"` makes a critic (`models.value_head`): its passes return per-token values.
     `head="reference"` makes a frozen base model (no LoRA) that scores `reference_logprobs`.
     `park_for_sampling` moves gradients and AdamW moments off the device while sampling, to
     give the KV cache their room; None decides by size (`placement.parks_for_sampling`: on a

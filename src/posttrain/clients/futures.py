@@ -7,7 +7,7 @@ import concurrent.futures
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from posttrain.engine.threads import ComputeThread
+from posttrain.engine.compute_thread import ComputeThread
 
 T = TypeVar("T")
 U = TypeVar("U")

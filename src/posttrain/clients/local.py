@@ -36,10 +36,10 @@ from posttrain.clients.protocol import (
     SaveWeightsResponse,
     as_loss_config,
 )
+from posttrain.engine.compute_thread import ComputeThread
+from posttrain.engine.decode.sampler import Sampler
 from posttrain.engine.dispatch import Dispatch
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.engine.sampler import Sampler
-from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import PassResult, Worker
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import (
@@ -243,7 +243,7 @@ class LocalTrainingClient:
     def sampling_worker(self) -> Worker | None:
         """The one worker of a single-worker client in this process, its state placed for
         sampling (None otherwise): for a caller that runs several clients' models in one
-        batch (`engine.multi_lora`). Call it where this client's calls run (its compute
+        batch (`engine.decode.multi_lora`). Call it where this client's calls run (its compute
         thread), not concurrently with them."""
         worker = self._in_process_worker()
         if worker is None or self.dispatch.num_workers != 1:

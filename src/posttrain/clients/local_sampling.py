@@ -22,7 +22,7 @@ import torch
 
 from posttrain.clients.futures import APIFuture, OrderedRunner
 from posttrain.engine import checkpoint
-from posttrain.engine.sampler import Sampler
+from posttrain.engine.decode.sampler import Sampler
 from posttrain.engine.worker import Worker
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import ModelInput, SampleResponse, SamplingParams

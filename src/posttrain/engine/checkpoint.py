@@ -35,13 +35,13 @@ from transformers import PreTrainedModel
 
 from posttrain.engine import atomic_replace
 from posttrain.engine.atomic_replace import name_lock
-from posttrain.engine.file_modes import apply_umask, apply_umask_to_weights
 from posttrain.engine.resume_state import (
     optimizer_state_by_index,
     optimizer_state_by_name,
     rng_state,
     set_rng_state,
 )
+from posttrain.models.file_modes import apply_umask, apply_umask_to_weights
 
 JSONValue: TypeAlias = str | int | float | bool | list["JSONValue"] | dict[str, "JSONValue"] | None
 CheckpointKind = Literal["lora", "full"]

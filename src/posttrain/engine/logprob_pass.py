@@ -10,37 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from posttrain.algo.logprobs import LowRank, token_logprobs_from_hidden
 from posttrain.engine.shared_prefix import PrefixGroup, decoder_hidden
-from posttrain.engine.value_head import is_value_model
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers causal LM inside a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    base = get_base() if callable(get_base) else model
-    if not isinstance(base, nn.Module):
-        raise TypeError(
-            f"expected a torch module inside {type(model).__name__}, got {type(base).__name__}"
-        )
-    return base
-
-
-def lm_part(
-    lm: nn.Module, accessor: Literal["get_decoder", "get_input_embeddings", "get_output_embeddings"]
-) -> nn.Module:
-    """`lm.get_decoder()` and its kin: transformers' accessors, which nn.Module's stubs lack."""
-    part = getattr(lm, accessor)()
-    if not isinstance(part, nn.Module):
-        raise TypeError(
-            f"{type(lm).__name__}.{accessor}() returned {type(part).__name__}, not a torch module"
-        )
-    return part
+from posttrain.models.load import causal_lm, lm_part
+from posttrain.models.value_head import is_value_model
 
 
 def unembedding_weight(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -95,7 +73,7 @@ def target_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target_t | tokens <= t) for every position, and optionally the entropy.
 
-    For a critic (`engine.value_head`) the first tensor is instead V(tokens <= t), the value of
+    For a critic (`models.value_head`) the first tensor is instead V(tokens <= t), the value of
     the state each target is chosen in, and the entropy is None.
     `prefix_groups` (rows sharing leading tokens, `engine.shared_prefix`) run those tokens once.
     """

@@ -6,7 +6,7 @@ call's longest datum (first-fit, longest first), each datum's position ids start
 and the decoder is called with those position ids and no attention mask: transformers then
 derives a block-diagonal causal mask from where the positions restart
 (`masking_utils.find_packed_sequence_indices`), for `sdpa` and for `posttrain_sdpa` alike
-(`engine.attention` registers transformers' `sdpa_mask` for it). The row's padding tail starts
+(`models.attention` registers transformers' `sdpa_mask` for it). The row's padding tail starts
 again at 0 too, so it is a document of its own that no real token sees.
 
 Rows are as wide as the longest datum, not as the whole token budget: attention costs rows x

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from posttrain.engine.kv_cache import cache_keyword
+from posttrain.engine.decode.kv_cache import cache_keyword
 from posttrain.engine.packing import PackedRows
 
 

@@ -35,9 +35,9 @@ from posttrain.algo.losses import LossBatch, LossConfig, get_loss
 from posttrain.engine import checkpoint, datum_checks, placement
 from posttrain.engine.batching import pad_datums
 from posttrain.engine.checkpoint import JSONValue
+from posttrain.engine.decode.sampler import Sampler
 from posttrain.engine.logprob_pass import (
     adapters_disabled,
-    causal_lm,
     packed_target_logprobs,
     target_logprobs,
 )
@@ -45,8 +45,8 @@ from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.packing import PackedRows, pack_datums, plan_packed
 from posttrain.engine.placement import Parking, StateGroup
 from posttrain.engine.recompute import enable_gradient_checkpointing
-from posttrain.engine.sampler import Sampler
 from posttrain.engine.shared_prefix import MicroBatch, PrefixGroup, plan_micro_batches
+from posttrain.models.load import causal_lm
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
 

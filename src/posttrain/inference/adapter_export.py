@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from posttrain.engine.lora import LoraSettings
 from posttrain.inference.adapters import (
     AdapterSplit,
     lora_sync_problem,
@@ -23,6 +22,7 @@ from posttrain.inference.adapters import (
     write_adapter,
 )
 from posttrain.inference.protocol import WeightSnapshot
+from posttrain.models.lora import LoraSettings
 
 
 class AdapterExporter:

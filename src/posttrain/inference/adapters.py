@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.engine.file_modes import save_tensors
-from posttrain.engine.lora import LoraSettings
+from posttrain.models.file_modes import save_tensors
+from posttrain.models.lora import LoraSettings
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

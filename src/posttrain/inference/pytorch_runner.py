@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from posttrain.engine.models import load_hf_model, load_tokenizer
-from posttrain.engine.sampler import Sampler
+from posttrain.engine.decode.sampler import Sampler
 from posttrain.inference.updates import BaseWeights, resolve_update
+from posttrain.models.load import load_hf_model, load_tokenizer
 from posttrain.types import SamplingParams
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
-from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.adapter_export import AdapterExporter, check_carried
 from posttrain.inference.adapters import lora_sync_problem, split_adapter
 from posttrain.inference.config import InferenceConfig, vllm_head_problem
@@ -26,6 +25,7 @@ from posttrain.inference.process import ProcessEngine
 from posttrain.inference.protocol import EngineCapabilities, SamplingEngine
 from posttrain.inference.updates import UpdateExporter
 from posttrain.inference.weights import WeightExporter
+from posttrain.models.source import resolve_model_source
 
 VLLM = EngineCapabilities(
     returns_token_ids=True,

@@ -23,8 +23,6 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
-from posttrain.engine.file_modes import save_tensors
-from posttrain.engine.lora import LoraSettings
 from posttrain.inference.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -38,6 +36,8 @@ from posttrain.inference.weights import (
     new_version_directory,
     publish_version,
 )
+from posttrain.models.file_modes import save_tensors
+from posttrain.models.lora import LoraSettings
 
 TENSORS = "tensors.safetensors"
 # How a LoRA run's adapter reaches the engine: loaded as a LoRA ("adapter"), or merged into

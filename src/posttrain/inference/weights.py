@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from posttrain.engine.file_modes import save_tensors
-from posttrain.engine.lora import LoraSettings
-from posttrain.engine.model_source import resolve_model_source
 from posttrain.inference.protocol import WeightSnapshot
+from posttrain.models.file_modes import save_tensors
+from posttrain.models.lora import LoraSettings
+from posttrain.models.source import resolve_model_source
 
 _PEFT_PREFIX = "base_model.model."
 # In memory a factor's name holds its adapter's name (`.lora_A.default.weight`); PEFT's saved

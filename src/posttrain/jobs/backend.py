@@ -34,7 +34,6 @@ from posttrain.backends.protocol import TrainableBackend
 from posttrain.backends.register_checks import model_problems
 from posttrain.clients.custom_loss import custom_loss
 from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
-from posttrain.engine.model_source import HubUnreachableError, ModelSourceError, check_base_model
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.finder import DOTTED_PATH, did_you_mean
 from posttrain.inference.adapters import lora_sync_problem, planned_layers
@@ -43,6 +42,8 @@ from posttrain.jobs.config import JobConfig, TeacherConfig
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
 from posttrain.jobs.tables import REDACTED, is_secret
 from posttrain.jobs.teacher import is_checkpoint, planned_teacher
+from posttrain.models.cache import HubUnreachableError, ModelSourceError
+from posttrain.models.source import check_base_model
 from posttrain.tasks.resolve import ResolvedTask
 from posttrain.trainer.config import RLConfig, SFTConfig, check_value, option_values, with_options
 
@@ -370,14 +371,14 @@ def base_model_config(spec: str) -> dict[str, object] | None:
     """The base model's transformers config as a dict: built for a `tiny:` spec, read from a
     directory or the local cache otherwise; None when that needs a download or conversion."""
     if spec.startswith("tiny:"):
-        from posttrain.engine.tiny import build_config
         from posttrain.jobs.tables import parse_tiny_spec
+        from posttrain.models.tiny import build_config
 
         arch, size, _ = parse_tiny_spec(spec)
         return build_config(arch, size).to_dict()  # pyright: ignore[reportArgumentType]  # checked by the parse
     from transformers import AutoConfig
 
-    from posttrain.engine.model_source import cached_model_source
+    from posttrain.models.source import cached_model_source
 
     try:
         source = cached_model_source(spec)

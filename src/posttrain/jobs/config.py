@@ -33,10 +33,7 @@ from typing import Literal, get_type_hints
 from posttrain.algo.config_fields import option, option_defaults, option_help
 from posttrain.backends.plugins.registry import resolve as resolve_backend
 from posttrain.data.rows import resolve_spec
-from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
-from posttrain.engine.model_source import PACKAGED_PREFIX
 from posttrain.engine.optim import lr_multiplier
-from posttrain.engine.packaged_models import known_model
 from posttrain.environments.resolve import (
     VERIFIERS_PREFIX,
     EnvironmentSpecError,
@@ -56,6 +53,9 @@ from posttrain.jobs.tables import (
     table_of,
     with_overrides,
 )
+from posttrain.models.lora import DEFAULT_LORA_RANK, LoraSettings
+from posttrain.models.packaged import known_model
+from posttrain.models.source import PACKAGED_PREFIX
 from posttrain.tasks.judge import JudgeConfig
 from posttrain.tasks.resolve import TaskError, task_kind
 from posttrain.tasks.reward_model import RewardModelConfig

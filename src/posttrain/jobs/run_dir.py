@@ -12,10 +12,10 @@ from posttrain.backends.tinker_index import INDEX as TINKER_INDEX
 from posttrain.backends.tinker_index import parse
 from posttrain.data.rows import open_rows
 from posttrain.engine.checkpoint import step_directories
-from posttrain.engine.tiny import make_tiny_model
 from posttrain.jobs.config import JobConfig
 from posttrain.jobs.job_task import file_digest
 from posttrain.jobs.tables import parse_tiny_spec, redact_secrets
+from posttrain.models.tiny import make_tiny_model
 from posttrain.trainer.config import option_values
 from posttrain.trainer.steps import RunState
 from posttrain.trainer.token_advantages import TRAINER_RUN_STATE_KEYS

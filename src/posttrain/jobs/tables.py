@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, TypeVar, get_args
 
 from posttrain.algo.config_fields import option
-from posttrain.engine.tiny import Arch, Size, resolve_arch
 from posttrain.finder import did_you_mean
+from posttrain.models.tiny import Arch, Size, resolve_arch
 from posttrain.tasks.judge import JudgeConfig
 from posttrain.tasks.reward_model import RewardModelConfig
 from posttrain.tasks.rewards import BUILTIN_REWARDS, JUDGE, MODEL_PREFIX

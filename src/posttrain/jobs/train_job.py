@@ -44,9 +44,9 @@ from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import RLOptions, SFTOptions
 from posttrain.backends.plugins.registry import BackendInfo
 from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
-from posttrain.backends.sampling import ModelSampler
 from posttrain.data.trajectories import Trajectory
 from posttrain.environments.resolve import ResolvedEnvironment
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.jobs.backend import (
     JobPreflightError,
     call_options,
@@ -66,7 +66,7 @@ from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.tables import DPOJobConfig
 from posttrain.jobs.teacher import build_teacher
-from posttrain.jobs.work import JobWork, job_work, policy_version
+from posttrain.jobs.work import JobWork, job_work
 from posttrain.rollouts.dpo_data import load_preference_pairs
 from posttrain.rollouts.sft_data import SFTFields, load_sft_dataset
 from posttrain.rollouts.task_rollouts import SampledStep
@@ -419,7 +419,7 @@ async def _train_step(
     }
     if staleness is not None:
         row.update(staleness)
-        version = policy_version(run.sampler)
+        version = run.sampler.policy_version
         if version is not None:
             row["policy_version"] = float(version)
     step_s = time.perf_counter() - began  # sampling, training and logging; not the checkpoint

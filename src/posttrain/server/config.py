@@ -41,7 +41,7 @@ class ServerConfig:
     lora_rank_max: int = 256
     seq_gap_timeout: float = 30.0  # a model waits this long for a missing seq_id
     poll_timeout: float = 25.0  # retrieve_future holds this long before try_again
-    # Sampling models kept loaded: each is an adapter on the shared base (engine.shared_base),
+    # Sampling models kept loaded: each is an adapter on the shared base (models.shared_base),
     # so a cache as large as the clients one serves costs little.
     sampler_cache_size: int = 16
     # LoRA training clients and sampling models in memory at most (`server.residency`); idle

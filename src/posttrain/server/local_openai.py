@@ -31,8 +31,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from posttrain.backends.model import OpenAIEndpoint, TrainableModel
-from posttrain.backends.sampling import ModelSampler
 from posttrain.data.checks import expect
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.server.sources import UnknownModelError
 from posttrain.tokenizer import Tokenizer
 

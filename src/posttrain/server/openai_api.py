@@ -8,7 +8,7 @@ exact tokens sampled, EOS or the tokens that completed a stop string included, s
 builds trajectories on them, never on re-tokenized text. Logprobs are the sampler's, aligned
 with `token_ids` (returned when asked, or with `return_token_ids`):
 log_softmax(logits / temperature) of each sampled token over the full vocabulary (see
-`posttrain.engine.sampler`). Stop strings end generation as OpenAI's do (besides EOS) and are
+`posttrain.engine.decode.sampler`). Stop strings end generation as OpenAI's do (besides EOS) and are
 cut from `text` / `message.content`, never from `token_ids`.
 
 Concurrent requests for a model are sampled together in batched calls
@@ -34,8 +34,8 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 from typing_extensions import TypeIs
 
-from posttrain.backends.sampling import ModelSampler
-from posttrain.engine.threads import as_tenant
+from posttrain.engine.compute_thread import as_tenant
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.rollouts.tool_calls import openai_tool_calls
 from posttrain.server.openai_batching import Batchers
 from posttrain.server.openai_schema import (
@@ -82,7 +82,7 @@ def create_openai_router(source: SamplerSource) -> APIRouter:
         return await _respond(_retrieve(source, name, _owner(request)))
 
     # Each caller (API key) is a tenant of the compute thread, as a Tinker session is
-    # (`engine.threads.ComputeThread`): the contextvar reaches the threads the request uses.
+    # (`engine.compute_thread.ComputeThread`): the contextvar reaches the threads the request uses.
     @router.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> JSONResponse:
         with as_tenant(f"owner:{_owner(request)}"):

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from posttrain.backends.sampling import ModelSampler
+from posttrain.inference.model_sampler import ModelSampler
 from posttrain.types import SampleResponse, SamplingParams
 
 # See SampleBatcher._let_arrivals_join: a lone request waits ARRIVAL_GAP_S more, a burst of

@@ -39,8 +39,8 @@ import torch
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine import atomic_replace
 from posttrain.engine.checkpoint import load_checkpoint, save_checkpoint
+from posttrain.engine.compute_thread import ComputeThread
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.engine.threads import ComputeThread
 from posttrain.engine.worker import Worker
 from posttrain.server.lanes import Job, Outcome, UserError
 from posttrain.server.sources import SourceBusyError

@@ -10,7 +10,7 @@ logprobs, checkpoint saves and loads, model loading, and the spills and reloads 
 beyond --max-resident-adapters, `server.residency`) runs there, one at a time. Whose turn it is
 is fair between tenants: a request's tenant is its Tinker session (a ServiceClient's training
 and sampling clients), else its owner (`tenant_of`); `run` makes the job's calls that tenant's
-(`engine.threads.as_tenant`), and among tenants with calls waiting the compute thread runs the
+(`engine.compute_thread.as_tenant`), and among tenants with calls waiting the compute thread runs the
 one that has used the least compute time; one tenant's calls keep their order. Two threads
 computing at once would each run an OpenMP pool as large as the usable
 cores and fight over them (see `posttrain.engine.threads`). The other threads only decide order
@@ -21,7 +21,7 @@ compute thread (`sampling` is the compute thread), so loading its sampler, sampl
 the prompt take one turn there, not three. What runs off the compute thread computes nothing
 with torch: SQLite writes, JSON and protobuf encoding, directory deletes (`files`).
 
-Memory. The base model's weights are in memory once (`engine.shared_base`): every LoRA
+Memory. The base model's weights are in memory once (`models.shared_base`): every LoRA
 training client and every sampler, the base model's own included, is a module tree of its own
 over those tensors, with its own adapter, optimizer state and generator. A client costs its
 adapter and AdamW moments; a sampler of saved weights costs its adapter.
@@ -41,13 +41,14 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from posttrain.backends.sampling import ModelSampler
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint
-from posttrain.engine.shared_base import SharedBases
-from posttrain.engine.threads import ComputeThread, as_tenant
+from posttrain.engine.compute_thread import ComputeThread, as_tenant
+from posttrain.inference.model_sampler import ModelSampler
+from posttrain.models.shared_base import SharedBases
 from posttrain.server.config import ServerConfig, model_config_int
+from posttrain.server.fair_queue import FairQueue
 from posttrain.server.lanes import Job, Lane, UserError, category_of
 from posttrain.server.residency import Residency, Unloaded
 from posttrain.server.sampler_cache import SamplerCache
@@ -71,7 +72,8 @@ class Runtime:
         self._events: dict[str, asyncio.Event] = {}
         # One copy of the base model's weights, which every client reads (module doc).
         self.bases = SharedBases()
-        self.compute = ComputeThread("compute")  # the only thread where torch computes
+        # The only thread where torch computes, shared fairly between tenants.
+        self.compute = ComputeThread("compute", queue=FairQueue())
         # The training clients, and which adapters are in memory (--max-resident-adapters).
         self.residency = Residency(
             config.max_resident_adapters, config.storage_dir / "spilled-adapters", self.compute

@@ -1,5 +1,5 @@
 """Concurrent Tinker sample requests, across samplers of the server's base model, sampled in
-one batched compute job with a per-row adapter (`engine.multi_lora`).
+one batched compute job with a per-row adapter (`engine.decode.multi_lora`).
 
 Tenants sampling at once (their LoRA snapshots, named sampler weights, the base model) would
 otherwise each take a whole decode on the compute thread, one after the other; batched, the
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.multi_lora import MultiLora, lora_layers
-from posttrain.engine.sampler import SampleRequest
+from posttrain.engine.decode.multi_lora import MultiLora, lora_layers
+from posttrain.engine.decode.sampler import SampleRequest
 from posttrain.engine.worker import Worker
 from posttrain.server.lanes import Job, Outcome
 from posttrain.server.proto import encode_sample_response, sample_response_to_json

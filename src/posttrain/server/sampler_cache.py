@@ -1,6 +1,6 @@
 """The server's sampling models: the base model or saved weights, loaded once and kept, the
 most recently used last, at most `size` of them (each an adapter on the base model's shared
-weights, `engine.shared_base`).
+weights, `models.shared_base`).
 
 `get` runs on the compute thread only (sampling jobs run there; `Runtime.sampler` sends it
 there), so the lock, held through a load, is never held by a thread waiting for compute.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from posttrain.backends.sampling import ModelSampler
+from posttrain.inference.model_sampler import ModelSampler
 
 
 class UnknownModelError(LookupError):

@@ -77,7 +77,7 @@ class SessionRef(Body):
 
 
 class LoraConfig(Body):
-    # DEFAULT_LORA_RANK (engine.models), written out so the schema imports no torch; a test pins it.
+    # DEFAULT_LORA_RANK (models.load), written out so the schema imports no torch; a test pins it.
     rank: int = Field(default=32, ge=1, le=65536)  # the server's --lora-rank-max applies too
     seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
     train_unembed: bool = True

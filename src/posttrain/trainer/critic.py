@@ -1,6 +1,6 @@
 """PPO with a learned critic: GAE advantages from a value model, and the critic's updates.
 
-The critic is a second training client (`engine.value_head`: the base model with a scalar
+The critic is a second training client (`models.value_head`: the base model with a scalar
 head) whose passes return one value per target token where the policy's return logprobs. A step
 with `advantage_estimator="gae"`:
 

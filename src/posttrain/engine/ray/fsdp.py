@@ -42,13 +42,12 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.engine.dispatch import merge_results
 from posttrain.engine.executor import PassShard, TensorKind
-from posttrain.engine.logprob_pass import causal_lm, lm_part
-from posttrain.engine.models import ties_embeddings
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.ray.fsdp_checkpoint import ShardedCheckpoints
 from posttrain.engine.ray.rank_calls import collective
 from posttrain.engine.shared_prefix import plan_micro_batches
 from posttrain.engine.worker import PassResult, Worker
+from posttrain.models.load import causal_lm, lm_part, ties_embeddings
 from posttrain.types import AdamParams
 
 

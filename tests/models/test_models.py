@@ -9,13 +9,13 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from posttrain.engine.lora import ATTN_MODULES, MLP_MODULES, LoraSettings
-from posttrain.engine.models import (
+from posttrain.models.load import (
     apply_lora,
     load_hf_model,
     load_tokenizer,
     parse_dtype,
 )
+from posttrain.models.lora import ATTN_MODULES, MLP_MODULES, LoraSettings
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_parse_dtype_rejects_with_choices(bad: str | torch.dtype) -> None:
 def test_load_hf_model(tiny_model_dir: Path) -> None:
     model = load_hf_model(tiny_model_dir)
     assert not model.training
-    assert model.config._attn_implementation == "posttrain_sdpa"  # SDPA (engine.attention)
+    assert model.config._attn_implementation == "posttrain_sdpa"  # SDPA (models.attention)
     assert next(model.parameters()).dtype == torch.float32
     assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
     assert model.config.attention_dropout == 0.0

@@ -21,9 +21,9 @@ from transformers import PreTrainedModel
 from posttrain.clients.create import create_training_client
 from posttrain.clients.tinker import to_tinker_sampling_params
 from posttrain.data.trajectories import TokenSegment
-from posttrain.engine.entropy import sampling_entropies
-from posttrain.engine.models import load_hf_model, load_tokenizer
-from posttrain.engine.sampler import Sampler
+from posttrain.engine.decode.entropy import sampling_entropies
+from posttrain.engine.decode.sampler import Sampler
+from posttrain.models.load import load_hf_model, load_tokenizer
 from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.types import ModelInput, SampledSequence, SamplingParams
 

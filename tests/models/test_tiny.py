@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from posttrain.engine import tiny as tiny_model
-from posttrain.engine.tiny import (
+from posttrain.models import tiny as tiny_model
+from posttrain.models.tiny import (
     VOCAB_SIZE,
     build_config,
     build_tokenizer,

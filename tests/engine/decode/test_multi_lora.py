@@ -1,4 +1,4 @@
-"""Per-row adapters in one forward (`engine.multi_lora`) and batched sampling across adapters
+"""Per-row adapters in one forward (`engine.decode.multi_lora`) and batched sampling across adapters
 (`Sampler.sample_batched`).
 
 Models: three LoRA clients of the tiny base (ranks 4, 8, 16, different seeds, each trained two
@@ -8,7 +8,7 @@ separately (equal base weights in separate storage, which the base check must ac
 Tolerance: everything is float32. A batched row and the same row alone differ only in the
 summation order of the matmuls (bmm over a zero-padded rank against PEFT's two linears; the
 batch's left padding and shape against the lone row's), so logprobs move by ~1e-6, as in
-tests/engine/test_sampler.py, whose ATOL (1e-5) is reused; a wrong adapter or row moves them
+tests/engine/decode/test_sampler.py, whose ATOL (1e-5) is reused; a wrong adapter or row moves them
 by >= 1e-3 here (asserted below: the adapters change the logits by more than that).
 """
 
@@ -28,11 +28,11 @@ from torch import nn
 from posttrain import Datum, ModelInput
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model
-from posttrain.engine.multi_lora import MultiLora, check_same_base
-from posttrain.engine.sampler import SampleRequest
-from posttrain.engine.tiny import make_tiny_model
+from posttrain.engine.decode.multi_lora import MultiLora, check_same_base
+from posttrain.engine.decode.sampler import SampleRequest
 from posttrain.engine.worker import Worker
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model
+from posttrain.models.tiny import make_tiny_model
 from posttrain.types import AdamParams, SamplingParams
 
 ATOL = 1e-5  # see the module docstring

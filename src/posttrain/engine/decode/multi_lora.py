@@ -25,7 +25,7 @@ Which models may share a batch (`MultiLora` refuses the others with a ValueError
 
 LoRA on the input embedding (the tinker SDK's `train_unembed=True` on a model that ties its
 unembedding, as Qwen2.5-0.5B and SmolLM2 do: one adapter on the shared matrix,
-`engine.models.apply_lora`) adds, for row b with slot s_b and token ids x_b,
+`models.load.apply_lora`) adds, for row b with slot s_b and token ids x_b,
 
     e_b = embedding(x_b) + scale_{s_b} * A_{s_b}^T[x_b] B_{s_b}^T
 
@@ -267,7 +267,7 @@ def _adapter(layer: LoraLinear | LoraEmbedding, name: str) -> _Adapter:
         A, B = layer.lora_embedding_A[key], layer.lora_embedding_B[key]
         return _Adapter(A, B, float(layer.scaling[key]))
     # A linear factor, or a view of the embedding adapter's (a tied unembedding's factors,
-    # `engine.models._TransposedFactor`): either has a 2-D `weight`.
+    # `models.load._TransposedFactor`): either has a 2-D `weight`.
     lora_A, lora_B = layer.lora_A[key], layer.lora_B[key]
     A, B = getattr(lora_A, "weight", None), getattr(lora_B, "weight", None)
     if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor) or A.dim() != 2:

@@ -1,4 +1,4 @@
-"""A tiny llama model (`engine.tiny`) written as a GGUF file, to try `.gguf` base models without a
+"""A tiny llama model (`models.tiny`) written as a GGUF file, to try `.gguf` base models without a
 download: `posttrain make-tiny-model DIR --gguf FILE`, `make_tiny_model(DIR, gguf=FILE)`.
 
 The file has the keys and tensor layout llama.cpp's convert_hf_to_gguf.py writes for a Llama

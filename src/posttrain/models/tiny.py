@@ -31,8 +31,8 @@ from transformers import (
     Qwen2Config,
 )
 
-from posttrain.engine.file_modes import apply_umask, apply_umask_to_weights
-from posttrain.engine.model_source import cache_root
+from posttrain.models.cache import cache_root
+from posttrain.models.file_modes import apply_umask, apply_umask_to_weights
 
 Arch = Literal["qwen2", "llama"]
 Size = Literal["tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b"]
@@ -261,7 +261,7 @@ def make_tiny_model(
     input embedding as real models do (one matrix: a tiny model's count drops by 64 x 260).
     The directory loads with `AutoModelForCausalLM.from_pretrained` and
     `AutoTokenizer.from_pretrained`. `gguf` also writes the model as that GGUF file
-    (`engine.tiny_gguf`): a llama model, the default `arch` then, of a test size.
+    (`models.tiny_gguf`): a llama model, the default `arch` then, of a test size.
     """
     if gguf is not None:
         arch = _gguf_arch(arch, size)
@@ -284,7 +284,7 @@ def make_tiny_model(
     apply_umask_to_weights(out)
     tokenizer.save_pretrained(out)
     if gguf is not None:
-        from posttrain.engine.tiny_gguf import write_gguf
+        from posttrain.models.tiny_gguf import write_gguf
 
         write_gguf(out, Path(gguf))
     return out
@@ -292,7 +292,7 @@ def make_tiny_model(
 
 def _gguf_arch(arch: Arch | None, size: Size) -> Arch:
     """The architecture of a tiny model written as GGUF too, refused before anything is built
-    when `engine.tiny_gguf` cannot write it."""
+    when `models.tiny_gguf` cannot write it."""
     if arch not in (None, "llama"):
         raise ValueError(f"a GGUF file is written of a llama model, not {arch}")
     if size in _PUBLIC:

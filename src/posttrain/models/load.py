@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -13,16 +13,38 @@ from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from posttrain.engine import attention
-from posttrain.engine.logprob_pass import lm_part
-from posttrain.engine.lora import LoraSettings
-from posttrain.engine.model_source import resolve_model_source
+from posttrain.models import attention
+from posttrain.models.lora import LoraSettings
+from posttrain.models.source import resolve_model_source
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    if not isinstance(base, nn.Module):
+        raise TypeError(
+            f"expected a torch module inside {type(model).__name__}, got {type(base).__name__}"
+        )
+    return base
+
+
+def lm_part(
+    lm: nn.Module, accessor: Literal["get_decoder", "get_input_embeddings", "get_output_embeddings"]
+) -> nn.Module:
+    """`lm.get_decoder()` and its kin: transformers' accessors, which nn.Module's stubs lack."""
+    part = getattr(lm, accessor)()
+    if not isinstance(part, nn.Module):
+        raise TypeError(
+            f"{type(lm).__name__}.{accessor}() returned {type(part).__name__}, not a torch module"
+        )
+    return part
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -71,7 +93,7 @@ def load_hf_model(
 
     Dropout is zeroed and the model is in eval mode. Attention is SDPA: on CPU it matches or beats
     eager attention on the 30M-parameter `small` tiny model and never materialises a [T, T] matrix.
-    A bf16/fp16 model trains its attention in float32 on the CPU (`engine.attention`: faster
+    A bf16/fp16 model trains its attention in float32 on the CPU (`models.attention`: faster
     there, and more accurate).
     """
     source = resolve_model_source(name_or_path)

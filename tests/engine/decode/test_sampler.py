@@ -23,10 +23,10 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.engine import kv_cache
-from posttrain.engine.models import LoraSettings, apply_lora, load_hf_model, load_tokenizer
-from posttrain.engine.sampler import Sampler
-from posttrain.engine.token_draw import choose_tokens, truncate_logits
+from posttrain.engine.decode import kv_cache
+from posttrain.engine.decode.sampler import Sampler
+from posttrain.engine.decode.token_draw import choose_tokens, truncate_logits
+from posttrain.models.load import LoraSettings, apply_lora, load_hf_model, load_tokenizer
 from posttrain.types import SampledSequence, SamplingParams
 
 ATOL = 1e-5  # see the module docstring

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.engine.models import load_hf_model, load_tokenizer, parse_dtype
+from posttrain.models.load import load_hf_model, load_tokenizer, parse_dtype
 
 
 class SharedBases:

@@ -11,7 +11,7 @@ values equal a teacher-forced forward pass at the same temperature.
 Entropies (`SamplingParams.entropies`). Each sampled token's Shannon entropy, in nats, of the
 same distribution as its logprob: softmax(logits / temperature) over the full vocabulary before
 truncation (softmax(logits) for greedy). Computed per decode step from that step's logits,
-a chunk of rows at a time (`engine.entropy`), so never a [tokens, vocab] tensor at once.
+a chunk of rows at a time (`engine.decode.entropy`), so never a [tokens, vocab] tensor at once.
 
 Seeds. Sequence j of prompt i draws from its own generator seeded by (seed, i, j), one uniform per
 step (inverse-CDF sampling), so a seeded sequence depends neither on the other prompts in the
@@ -38,11 +38,11 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from posttrain.engine.entropy import sampling_entropies
-from posttrain.engine.kv_cache import cache_keyword, preallocated_cache
+from posttrain.engine.decode.entropy import sampling_entropies
+from posttrain.engine.decode.kv_cache import cache_keyword, preallocated_cache
+from posttrain.engine.decode.multi_lora import MultiLora
+from posttrain.engine.decode.token_draw import draw_tokens, scaled_logits
 from posttrain.engine.logprob_pass import target_logprobs
-from posttrain.engine.multi_lora import MultiLora
-from posttrain.engine.token_draw import draw_tokens, scaled_logits
 from posttrain.tokenizer import end_of_turn_id
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
 

@@ -23,19 +23,26 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
-import sys
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from posttrain.engine.file_modes import apply_umask_to_weights
-from posttrain.engine.gguf_header import GGUFHeaderError, read_layout
-from posttrain.engine.model_source import ModelSourceError, cache_root
+from posttrain.models.cache import (
+    Echo,
+    ModelSourceError,
+    cache_root,
+    copy_model_dir,
+    exclusive,
+    new_dir,
+    publish_dir,
+    say,
+    sha256_file,
+    write_json,
+)
+from posttrain.models.file_modes import apply_umask_to_weights
+from posttrain.models.gguf_header import GGUFHeaderError, read_layout
 
 if TYPE_CHECKING:
     import torch
@@ -43,14 +50,7 @@ if TYPE_CHECKING:
 # Bump when the files a conversion writes change, so cached conversions are redone.
 FORMAT = 1
 RECORD = "posttrain-import.json"  # what was converted, from what, with which versions
-Echo = Callable[[str], None]
 _MAGIC = b"GGUF"
-_CHUNK = 1 << 20
-
-
-def say(message: str) -> None:
-    """Progress of a download or conversion, on stderr (stdout stays the command's output)."""
-    print(f"posttrain: {message}", file=sys.stderr, flush=True)
 
 
 def gguf_cache() -> Path:
@@ -198,7 +198,7 @@ def convert_gguf(path: Path, out: Path, *, sha256: str | None = None, echo: Echo
     if isinstance(context, int) and tokenizer.model_max_length > context:
         tokenizer.model_max_length = context  # the reader leaves transformers' 1e30 default
     tokenizer.save_pretrained(out)
-    _write_json(out / RECORD, _record(path, sha256 or file_sha256(path), dtype))
+    write_json(out / RECORD, _record(path, sha256 or file_sha256(path), dtype))
     echo(f"converted {path.name} in {time.perf_counter() - start:.0f} s")
 
 
@@ -261,74 +261,8 @@ def file_sha256(path: Path) -> str:
         pass  # none yet, or unreadable: hash the file
     digest = sha256_file(path)
     with contextlib.suppress(OSError):  # a read-only cache costs a hash per call, nothing else
-        _write_json(record, {**key, "sha256": digest})
+        write_json(record, {**key, "sha256": digest})
     return digest
-
-
-def sha256_file(path: Path) -> str:
-    """The sha256 of the file's bytes, as `sha256sum` prints it."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def new_dir(path: str | Path) -> Path:
-    """`path`, which must not exist or be an empty directory (an output is never merged)."""
-    out = Path(path).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; give a new directory")
-    return out
-
-
-def copy_model_dir(source: Path, out_dir: str | Path) -> Path:
-    """Copy the model directory `source` to `out_dir` (new or empty), whole or not at all."""
-    return publish_dir(
-        new_dir(out_dir), lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True)
-    )
-
-
-def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
-    """Run `build` on a fresh temporary directory beside `final`, then rename it to `final`:
-    `final` is whole or absent, whatever happens to this process. A `final` that another process
-    published meanwhile is kept, and ours dropped."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # mkdir, not mkdtemp: the directory gets the umask's permissions, not mkdtemp's 0700.
-    tmp = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
-        build(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final.is_dir() and any(final.iterdir())):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-@contextmanager
-def exclusive(lock: Path, doing: str, echo: Echo = say) -> Iterator[None]:
-    """Hold an exclusive lock on the file `lock` (POSIX); say so if another process holds it.
-
-    Where there is no `fcntl` (Windows) this only yields: the atomic rename in `publish_dir`
-    still keeps every entry whole, at the cost of converting twice in a race.
-    """
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with lock.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            echo(f"waiting for another process that is {doing}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
 
 
 def _record(path: Path, sha256: str, dtype: torch.dtype) -> dict[str, object]:
@@ -344,11 +278,3 @@ def _record(path: Path, sha256: str, dtype: torch.dtype) -> dict[str, object]:
         "transformers": transformers.__version__,
         "gguf": version("gguf"),
     }
-
-
-def _write_json(path: Path, value: dict[str, object]) -> None:
-    """Write `value` to `path` through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)

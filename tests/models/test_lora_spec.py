@@ -8,8 +8,8 @@ import inspect
 
 from posttrain.backends.model import TrainableModel
 from posttrain.clients.create import create_training_client
-from posttrain.engine.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.jobs.config import load_config, parse_config
+from posttrain.models.lora import DEFAULT_LORA_RANK, LoraSettings
 from posttrain.server.tinker_schema import LoraConfig
 
 

@@ -1,4 +1,4 @@
-"""Fair turns between tenants on one `ComputeThread` (`engine.threads.FairQueue`).
+"""Fair turns between tenants on one `ComputeThread` (`server.fair_queue.FairQueue`).
 
 The scheduler is tested alone first, with hand-set call durations (no clock, no threads), so
 the exact order and shares follow from the rule: the waiting tenant with the least charged
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.engine.threads import ComputeThread, FairQueue, as_tenant, current_tenant
+from posttrain.engine.compute_thread import ComputeThread, as_tenant, current_tenant
+from posttrain.server.fair_queue import FairQueue
 
 STEADY = ("a", "b", "c")
 
@@ -122,7 +123,8 @@ def test_a_flooding_tenant_gets_its_share_and_no_more() -> None:
     while f's calls last; the waiting threads wake in far less than the 30 ms that the other
     three tenants' turns take, so none misses its turn (the simulation above shows it would
     not lose one anyway). 20% is the issue's bound; the margin is for a loaded machine."""
-    compute = ComputeThread("test-fair")
+    queue = FairQueue()
+    compute = ComputeThread("test-fair", queue=queue)
     log: list[Any] = []
     stop = threading.Event()
 
@@ -136,7 +138,7 @@ def test_a_flooding_tenant_gets_its_share_and_no_more() -> None:
     threads = [threading.Thread(target=steady, args=(t,)) for t in STEADY]
     for thread in threads:
         thread.start()
-    while len(compute._queue.waiting) < 4:  # the setup only
+    while len(queue.waiting) < 4:  # the setup only
         time.sleep(0.001)
     gate.set()
     flood[-1].result()
@@ -154,7 +156,8 @@ def test_a_flooding_tenant_gets_its_share_and_no_more() -> None:
 
 
 def test_fifo_within_a_tenant_whoever_submits() -> None:
-    compute = ComputeThread("test-fair")
+    queue = FairQueue()
+    compute = ComputeThread("test-fair", queue=queue)
     gate = threading.Event()
     compute.submit(gate.wait)
     log: list[Any] = []
@@ -173,7 +176,8 @@ def test_fifo_within_a_tenant_whoever_submits() -> None:
 
 
 def test_calls_from_the_thread_itself_run_inline_in_the_callers_turn() -> None:
-    compute = ComputeThread("test-fair")
+    queue = FairQueue()
+    compute = ComputeThread("test-fair", queue=queue)
 
     def outer() -> list[str]:
         seen = ["outer"]
@@ -187,7 +191,8 @@ def test_calls_from_the_thread_itself_run_inline_in_the_callers_turn() -> None:
 
 
 def test_without_tenants_it_is_submission_order() -> None:
-    compute = ComputeThread("test-fair")
+    queue = FairQueue()
+    compute = ComputeThread("test-fair", queue=queue)
     gate = threading.Event()
     compute.submit(gate.wait)
     log: list[Any] = []
@@ -200,16 +205,18 @@ def test_without_tenants_it_is_submission_order() -> None:
 
 
 def test_close_waits_or_drops() -> None:
-    compute = ComputeThread("test-fair")
+    queue = FairQueue()
+    compute = ComputeThread("test-fair", queue=queue)
     log: list[Any] = []
     futures = [compute.submit(work, log, t, 0.01, i, tenant=t) for i in range(3) for t in "xy"]
     compute.close()  # waits: every call ran
     assert all(f.done() and not f.cancelled() for f in futures) and len(log) == 6
     with pytest.raises(RuntimeError):
         compute.submit(work, log, "x", 0.0)
-    assert not compute._queue.waiting
+    assert not queue.waiting
 
-    compute = ComputeThread("test-fair")
+    queue = FairQueue()
+    compute = ComputeThread("test-fair", queue=queue)
     gate = threading.Event()
     running = compute.submit(gate.wait, tenant="x")
     later = [compute.submit(work, log, t, 0.0, tenant=t) for t in "xyz"]
@@ -225,13 +232,14 @@ def test_a_submission_racing_close_is_refused_cleanly() -> None:
     # A call whose turn cannot be queued (the pool is shut down) is taken back, even when a
     # close(wait=False) drained it first; calls are told apart by identity, not by their args
     # (tensors have no truth value).
-    compute = ComputeThread("test-fair")
-    call = compute._queue.push("x", torch.add, torch.ones(3), torch.ones(3))
-    twin = compute._queue.push("x", torch.add, torch.ones(3), torch.ones(3))
-    compute._queue.remove("x", twin)
-    assert list(compute._queue.waiting["x"]) == [call]
+    queue = FairQueue()
+    compute = ComputeThread("test-fair", queue=queue)
+    call = queue.push("x", torch.add, torch.ones(3), torch.ones(3))
+    twin = queue.push("x", torch.add, torch.ones(3), torch.ones(3))
+    queue.remove("x", twin)
+    assert list(queue.waiting["x"]) == [call]
     compute.close(wait=False)  # drains `call`
-    compute._queue.remove("x", call)  # no error: it was gone already
+    queue.remove("x", call)  # no error: it was gone already
     with pytest.raises(RuntimeError):
         compute.submit(torch.add, torch.ones(3), torch.ones(3), tenant="x")
-    assert not compute._queue.waiting
+    assert not queue.waiting

@@ -1,5 +1,5 @@
 """The one LoRA spec (`LoraSettings`) and its default rank; no torch, so the records that hold
-one (`TrainableModel`, the job's `[model]`) import it cheaply. `engine.models` applies it."""
+one (`TrainableModel`, the job's `[model]`) import it cheaply. `models.load` applies it."""
 
 from __future__ import annotations
 

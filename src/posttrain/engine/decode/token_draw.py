@@ -1,6 +1,6 @@
 """Drawing the next token from a decode step's logits: temperature, top-k / top-p truncation,
 inverse-CDF draws from given uniforms, and each token's logprob under the untruncated
-distribution (`engine.sampler`'s module docstring says why untruncated)."""
+distribution (`engine.decode.sampler`'s module docstring says why untruncated)."""
 
 from __future__ import annotations
 

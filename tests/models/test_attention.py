@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from posttrain.engine import attention
-from posttrain.engine.models import load_hf_model
+from posttrain.models import attention
+from posttrain.models.load import load_hf_model
 
 
 def qkv(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.engine import file_modes
-from posttrain.engine.file_modes import save_tensors, umask
+from posttrain.models import file_modes
+from posttrain.models.file_modes import save_tensors, umask
 
 
 @pytest.mark.parametrize("proc", [True, False], ids=["proc", "os.umask"])

@@ -14,22 +14,18 @@ import torch
 
 from gguf_files import logits, write_tiny_gguf, write_wheel
 from posttrain.cli.models_cmd import KNOWN_NAMES
-from posttrain.engine import packaged_models
-from posttrain.engine.gguf_import import cache_entry, sha256_file
-from posttrain.engine.model_source import (
-    ModelSourceError,
-    cache_note,
-    check_base_model,
-    resolve_model_source,
-)
-from posttrain.engine.packaged_models import (
+from posttrain.jobs.config import ModelConfig
+from posttrain.models import packaged as packaged_models
+from posttrain.models.cache import ModelSourceError, sha256_file
+from posttrain.models.gguf import cache_entry
+from posttrain.models.packaged import (
     KNOWN_MODELS,
     PackagedModel,
     WheelPart,
     cached_packaged_model,
     fetch_model,
 )
-from posttrain.jobs.config import ModelConfig
+from posttrain.models.source import cache_note, check_base_model, resolve_model_source
 
 PACKAGE, VERSION, MEMBER = "tiny-gguf-test", "0.1.0", "tiny_gguf_test/tiny.gguf"
 IDS = [256, 259, 72, 105, 10, 257]

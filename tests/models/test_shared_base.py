@@ -1,4 +1,4 @@
-"""Clients of one base model share its weights (`engine.shared_base`): one copy in memory,
+"""Clients of one base model share its weights (`models.shared_base`): one copy in memory,
 and results bit-identical to clients that each loaded their own."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from posttrain import AdamParams, ModelInput, SamplingParams
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.executor import InProcessExecutor
-from posttrain.engine.models import load_hf_model
-from posttrain.engine.shared_base import SharedBases, shares_weights, sharing_copy
+from posttrain.models.load import load_hf_model
+from posttrain.models.shared_base import SharedBases, shares_weights, sharing_copy
 
 ADAM = AdamParams(learning_rate=1e-2)
 

@@ -1,5 +1,5 @@
 """Where a base model comes from: a local directory, a hub id, a `.gguf` file, or a packaged
-model (`packaged:NAME`, see `engine.packaged_models`). `resolve_model_source` is the one place a
+model (`packaged:NAME`, see `models.packaged`). `resolve_model_source` is the one place a
 spec becomes something transformers loads; `check_base_model` checks a spec before anything loads.
 
 A path that does not exist is an error naming it. A hub id is fine when the Hugging Face cache
@@ -15,6 +15,8 @@ import re
 import threading
 from pathlib import Path
 
+from posttrain.models.cache import HubUnreachableError
+
 # What the Hub accepts as a repository id: "name" or "org/name".
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 HUB_TIMEOUT_S = 5.0
@@ -28,22 +30,6 @@ GGUF_SUFFIX = ".gguf"
 PACKAGED_PREFIX = "packaged:"
 
 
-class HubUnreachableError(ConnectionError):
-    """A hub id that is not in the local cache, while the hub cannot be asked for it."""
-
-
-class ModelSourceError(ValueError):
-    """A base model that cannot be made into a model directory: a GGUF file that is corrupt or
-    that transformers cannot read, an unknown packaged model, a failed download, a missing
-    package. The message names the file or package and the fix."""
-
-
-def cache_root() -> Path:
-    """`$POSTTRAIN_CACHE`, else `~/.cache/posttrain`: where built and converted models live."""
-    root = os.environ.get("POSTTRAIN_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "posttrain"
-
-
 def is_gguf(spec: str | Path) -> bool:
     """Whether `spec` names a GGUF file (by its suffix: a hub id never ends in .gguf)."""
     return str(spec).lower().endswith(GGUF_SUFFIX)
@@ -53,16 +39,16 @@ def resolve_model_source(spec: str | Path) -> str:
     """What transformers loads for the base model `spec`: a model directory or a hub id.
 
     `packaged:NAME` is fetched and imported, a `.gguf` file converted, each once and then read
-    from the cache (`engine.gguf_import`); a directory must hold config.json; a hub id is passed
+    from the cache (`models.gguf`); a directory must hold config.json; a hub id is passed
     on for transformers to fetch (`check_base_model` checks it up front).
     """
     text = str(spec)
     if text.startswith(PACKAGED_PREFIX):
-        from posttrain.engine.packaged_models import fetch_model
+        from posttrain.models.packaged import fetch_model
 
         return str(fetch_model(text.removeprefix(PACKAGED_PREFIX)))
     if is_gguf(text):
-        from posttrain.engine.gguf_import import import_gguf
+        from posttrain.models.gguf import import_gguf
 
         return str(import_gguf(text))
     path = Path(text).expanduser()
@@ -79,11 +65,11 @@ def cached_model_source(spec: str | Path) -> str | None:
     None. A directory or hub id is returned as it is."""
     text = str(spec)
     if text.startswith(PACKAGED_PREFIX):
-        from posttrain.engine.packaged_models import cached_packaged_model
+        from posttrain.models.packaged import cached_packaged_model
 
         found = cached_packaged_model(text.removeprefix(PACKAGED_PREFIX))
     elif is_gguf(text):
-        from posttrain.engine.gguf_import import cached_gguf
+        from posttrain.models.gguf import cached_gguf
 
         found = cached_gguf(text)
     else:
@@ -139,12 +125,12 @@ def check_base_model(spec: str | Path, *, timeout_s: float = HUB_TIMEOUT_S) -> N
     """
     text = str(spec)
     if text.startswith(PACKAGED_PREFIX):
-        from posttrain.engine.packaged_models import check_packaged_model
+        from posttrain.models.packaged import check_packaged_model
 
         check_packaged_model(text.removeprefix(PACKAGED_PREFIX))
         return
     if is_gguf(text):
-        from posttrain.engine.gguf_import import check_gguf_file
+        from posttrain.models.gguf import check_gguf_file
 
         check_gguf_file(text)
         return

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from gguf_files import logits, write_gguf_of_architecture, write_tiny_gguf
-from posttrain.engine import gguf_import
-from posttrain.engine.gguf_header import read_layout
-from posttrain.engine.gguf_import import (
+from posttrain.models import gguf as gguf_import
+from posttrain.models.cache import ModelSourceError, sha256_file
+from posttrain.models.gguf import (
     RECORD,
     cache_entry,
     cached_gguf,
@@ -29,15 +29,10 @@ from posttrain.engine.gguf_import import (
     file_sha256,
     import_gguf,
     lossless_dtype,
-    sha256_file,
 )
-from posttrain.engine.model_source import (
-    ModelSourceError,
-    cache_note,
-    check_base_model,
-    resolve_model_source,
-)
-from posttrain.engine.models import load_hf_model, load_tokenizer
+from posttrain.models.gguf_header import read_layout
+from posttrain.models.load import load_hf_model, load_tokenizer
+from posttrain.models.source import cache_note, check_base_model, resolve_model_source
 
 # <|bos|> <|im_start|> "Hi\n" <|eos|> <|pad|> and bytes from both ends of the byte range.
 IDS = [256, 259, 72, 105, 10, 257, 258, 0, 1, 200, 255]
@@ -196,7 +191,7 @@ def test_a_failed_conversion_leaves_no_cache_entry(tiny_gguf, monkeypatch, postt
 KILLED = """
 import os, signal, sys
 import transformers
-from posttrain.engine.gguf_import import import_gguf
+from posttrain.models.gguf import import_gguf
 def killed(*args, **kwargs):  # saving the tokenizer: the weights are written by now
     os.kill(os.getpid(), signal.SIGKILL)
 transformers.PreTrainedTokenizerBase.save_pretrained = killed
