@@ -41,8 +41,8 @@ from typing import Literal
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.environments.protocol import SPLITS, Environment, Reset, Split, Step
 from posttrain.environments.protocol import missing_methods as missing_env_methods
+from posttrain.inference.protocol import Sampler
 from posttrain.rollouts.builder import TrajectoryBuilder
-from posttrain.rollouts.evaluation import PromptBatchSampler
 from posttrain.tokenizer import ChatMessage, Tokenizer, TurnClosing, as_tokenizer, assistant_closing
 from posttrain.types import SampledSequence, SamplingParams
 
@@ -99,7 +99,7 @@ class _Episode:
 
 
 async def run_episodes(
-    sampler: PromptBatchSampler,
+    sampler: Sampler,
     make_env: Callable[[], Environment],
     seeds: Sequence[int],
     params: SamplingParams,
@@ -325,7 +325,7 @@ class EnvironmentEvaluation:
 
 
 async def evaluate_environment(
-    sampler: PromptBatchSampler,
+    sampler: Sampler,
     make_env: Callable[[], Environment],
     seeds: Sequence[int],
     *,

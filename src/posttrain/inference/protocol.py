@@ -1,4 +1,5 @@
-"""The interface every sampling engine implements, and what each can do."""
+"""The two sampling interfaces: `Sampler`, what callers (rollouts, evaluation, jobs, the server)
+sample with, and `SamplingEngine`, what every sampling engine implements, with what each can do."""
 
 from __future__ import annotations
 
@@ -7,7 +8,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from posttrain.types import SampleResponse, SamplingParams
+from posttrain.tokenizer import Tokenizer
+from posttrain.types import ModelInput, SampleResponse, SamplingParams
+
+
+class Sampler(Protocol):
+    """What callers sample with: `backend.sampling_client(model)` returns one (`ModelSampler`),
+    and rollouts, evaluation, environments and the server take one."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def policy_version(self) -> int | None:
+        """The model step whose weights the next sample uses (None: not known)."""
+        ...
+
+    async def sample_many(
+        self,
+        prompts: Sequence[ModelInput | Sequence[int]],
+        num_samples: int,
+        params: SamplingParams,
+    ) -> list[SampleResponse]:
+        """`num_samples` completions of each prompt, in one batched call where it can."""
+        ...
+
 
 WeightSync = Literal["live", "full", "none"]
 

@@ -18,7 +18,7 @@ import inspect
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 from posttrain.data.checks import expect
 from posttrain.data.trajectories import SAMPLING_TEMPERATURE, Trajectory, TrajectoryGroup
@@ -32,8 +32,9 @@ from posttrain.environments.verifiers_adapter import (
     run_verifiers_episodes,
     verifiers_tasks,
 )
+from posttrain.inference.protocol import Sampler
 from posttrain.jobs.config import JobConfig
-from posttrain.rollouts.evaluation import PromptBatchSampler, evaluate
+from posttrain.rollouts.evaluation import evaluate
 from posttrain.rollouts.sft_data import conversation_to_trajectory
 from posttrain.rollouts.task_rollouts import (
     POLICY_VERSION,
@@ -80,26 +81,13 @@ class JobWork(Protocol):
 
     async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]: ...
 
-    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
         """RL step k's rewarded groups."""
         ...
 
-    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
         """Greedy accuracy on the held-out problems (or seeds)."""
         ...
-
-
-@runtime_checkable
-class Versioned(Protocol):
-    """A sampler that knows the policy version it samples (`ModelSampler`)."""
-
-    @property
-    def policy_version(self) -> int: ...
-
-
-def policy_version(sampler: PromptBatchSampler) -> int | None:
-    """The model step whose weights `sampler` samples next, where it says."""
-    return sampler.policy_version if isinstance(sampler, Versioned) else None
 
 
 def stamp_policy_version(
@@ -158,7 +146,7 @@ class TaskWork:
         problems = self.task.make_prompts(rng, self.config.sft.examples)
         return sft_examples(self.task, problems, tokenizer)
 
-    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
         rl = self.config.rl
         rng = random.Random(derive_seed(self.config.run.seed, "rl", k))
         with reward_step() as meter:  # what the step's rewards cost (a judge's requests)
@@ -172,7 +160,7 @@ class TaskWork:
             )
         return replace(step, metrics={**step.metrics, **meter.metrics()})
 
-    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
         with reward_step():  # an evaluation has a judge's per-step budget of its own
             result = await evaluate(
                 sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
@@ -237,10 +225,10 @@ class EnvironmentWork:
             if callable(close):
                 await _resolved(close())
 
-    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
         rl = self.config.rl
         seeds = [derive_seed(self.config.run.seed, "env", k, i) for i in range(rl.prompts_per_step)]
-        version = policy_version(sampler)  # before the first turn: a lower bound
+        version = sampler.policy_version  # before the first turn: a lower bound
         played = await run_episodes(
             sampler,
             self.environment.make,
@@ -255,7 +243,7 @@ class EnvironmentWork:
         stamp_policy_version(played.groups, version, rl.temperature)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
-    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
         seeds = [derive_seed(self.config.eval.seed, "held_out", i) for i in range(self.held_out)]
         result = await evaluate_environment(
             sampler,
@@ -323,13 +311,13 @@ class VerifiersWork:
     async def sft_examples(self, tokenizer: Tokenizer) -> list[Trajectory]:
         return []  # never asked: a verifiers environment has no demonstration() (job_task)
 
-    async def sample(self, sampler: PromptBatchSampler, k: int) -> SampledStep:
+    async def sample(self, sampler: Sampler, k: int) -> SampledStep:
         rl = self.config.rl
         rng = random.Random(derive_seed(self.config.run.seed, "rl", k))
         pool, n = self.train_tasks, rl.prompts_per_step
         tasks = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
         params = rl_params(self.config, k)
-        version = policy_version(sampler)  # the endpoint serves the same weights: a lower bound
+        version = sampler.policy_version  # the endpoint serves the same weights: a lower bound
         played = await run_verifiers_episodes(
             self.model,
             self.env,
@@ -347,7 +335,7 @@ class VerifiersWork:
         stamp_policy_version(played.groups, version, rl.temperature)
         return SampledStep(played.groups, len(played.errors), played.episodes)
 
-    async def evaluate(self, sampler: PromptBatchSampler) -> Evaluated:
+    async def evaluate(self, sampler: Sampler) -> Evaluated:
         result = await evaluate_verifiers(
             self.model, self.env, self.held_out_tasks, max_tokens=eval_max_tokens(self.config)
         )

@@ -18,27 +18,13 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
+from posttrain.inference.protocol import Sampler
 from posttrain.rollouts.builder import TrajectoryBuilder
 from posttrain.tasks.protocol import Problem, Task
 from posttrain.tasks.rewards import score_group
 from posttrain.tokenizer import Tokenizer, TurnClosing, as_tokenizer, assistant_closing
-from posttrain.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
-
-
-class PromptBatchSampler(Protocol):
-    """What `evaluate` samples with: `backend.sampling_client(model)` is one."""
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    async def sample_many(
-        self,
-        prompts: Sequence[ModelInput | Sequence[int]],
-        num_samples: int,
-        params: SamplingParams,
-    ) -> list[SampleResponse]: ...
+from posttrain.types import SampledSequence, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -83,7 +69,7 @@ def prompt_builders(
 
 
 async def evaluate(
-    sampler: PromptBatchSampler,
+    sampler: Sampler,
     task: Task,
     problems: Sequence[Problem] | None = None,
     *,

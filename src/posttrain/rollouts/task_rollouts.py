@@ -26,11 +26,8 @@ from posttrain.data.trajectories import (
 )
 from posttrain.environments.runner import EpisodeError
 from posttrain.inference.process import derive_seed
-from posttrain.rollouts.evaluation import (
-    PromptBatchSampler,
-    completion_text,
-    prompt_builders,
-)
+from posttrain.inference.protocol import Sampler
+from posttrain.rollouts.evaluation import completion_text, prompt_builders
 from posttrain.rollouts.sft_data import conversation_to_trajectory
 from posttrain.tasks import Problem, Task
 from posttrain.tasks.rewards import RewardError, score_group
@@ -70,7 +67,7 @@ class SampledStep:
 
 
 async def sample_groups(
-    sampler: PromptBatchSampler,
+    sampler: Sampler,
     task: Task,
     problems: Sequence[Problem],
     group_size: int,
