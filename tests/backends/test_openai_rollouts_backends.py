@@ -340,8 +340,8 @@ async def test_art_rollouts_on_tinker_backend_against_posttrain_serve(
 async def test_concurrent_requests_are_sampled_in_few_batched_calls(
     tiny_model_dir: Path, tmp_path: Path
 ):
-    """64 requests at once cost a few sampler calls, not 64 (see server/openai_batching)."""
-    from posttrain.server import openai_batching
+    """64 requests at once cost a few sampler calls, not 64 (see server/sample_batching)."""
+    from posttrain.server import sample_batching as openai_batching
 
     backend = art.LocalBackend(tmp_path)
     model = art.TrainableModel(

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.engine.compute_thread import ComputeThread, as_tenant, current_tenant
-from posttrain.server.fair_queue import FairQueue
+from posttrain.engine.compute_thread import ComputeThread
+from posttrain.server.fair_queue import FairQueue, as_tenant, current_tenant
 
 STEADY = ("a", "b", "c")
 

@@ -17,6 +17,7 @@ import torch
 
 from posttrain.algo.loss_metrics import summarize_values
 from posttrain.algo.losses import LossConfig
+from posttrain.clients import spill as on_disk
 from posttrain.clients.custom_loss import (
     CustomLossFn,
     custom_gradients,
@@ -243,13 +244,23 @@ class LocalTrainingClient:
     def sampling_worker(self) -> Worker | None:
         """The one worker of a single-worker client in this process, its state placed for
         sampling (None otherwise): for a caller that runs several clients' models in one
-        batch (`engine.decode.multi_lora`). Call it where this client's calls run (its compute
+        batch (`clients.shared_decode`). Call it where this client's calls run (its compute
         thread), not concurrently with them."""
         worker = self._in_process_worker()
         if worker is None or self.dispatch.num_workers != 1:
             return None
         self.dispatch.prepare("sample", "sample")
         return worker
+
+    def spill(self, path: Path) -> None:
+        """Write the whole state the next results depend on (adapter, AdamW state, accumulated
+        gradients) to `path`, atomically (`clients.spill`). Call it where this client's calls
+        run, not concurrently with them."""
+        on_disk.spill(self.dispatch, path)
+
+    def restore(self, path: Path) -> None:
+        """Load what `spill` wrote into this fresh client of the same LoRA settings."""
+        on_disk.restore(self.dispatch, path)
 
     def _factory(self) -> Callable[[], Worker]:
         if self.worker_factory is None:

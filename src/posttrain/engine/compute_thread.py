@@ -1,39 +1,20 @@
 """The thread torch computes on: one per device, running the calls given to it one at a time,
-and the tenant each call belongs to (`current_tenant`, `as_tenant`), for `posttrain serve` to
-share it fairly between sessions (`server.fair_queue`)."""
+in the order its queue picks (`CallQueue`: submission order, or `posttrain serve`'s fair turns
+between tenants, `server.fair_queue`)."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import contextlib
-import contextvars
 import itertools
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
-
-
-# The tenant on whose behalf the calling thread works (None: no tenant). `posttrain serve` sets it
-# around each request (`server.runtime.Runtime.run`), so the client calls that request makes
-# submit to the compute thread under its tenant without any parameter passed down.
-current_tenant: contextvars.ContextVar[Hashable] = contextvars.ContextVar(
-    "current_tenant", default=None
-)
-
-
-@contextlib.contextmanager
-def as_tenant(tenant: Hashable) -> Iterator[None]:
-    """Calls submitted by this thread inside the block are `tenant`'s (see `ComputeThread`)."""
-    token = current_tenant.set(tenant)
-    try:
-        yield
-    finally:
-        current_tenant.reset(token)
 
 
 @dataclass(eq=False)  # compared by identity: args may hold tensors
@@ -51,6 +32,11 @@ class CallQueue(Protocol):
 
     @property
     def used(self) -> dict[Hashable, float]: ...
+
+    def tenant_of(self, tenant: Hashable) -> Hashable:
+        """The tenant of a call submitted now, on the submitting thread, with `tenant` (None:
+        the queue's choice, such as the tenant the thread works for)."""
+        ...
 
     def push(self, tenant: Hashable, call_fn: Callable[..., Any], *args: object) -> Call: ...
 
@@ -71,6 +57,9 @@ class SubmissionOrder:
         self.waiting: collections.deque[tuple[Hashable, Call]] = collections.deque()
         self.used: dict[Hashable, float] = {}
         self._seq = itertools.count()
+
+    def tenant_of(self, tenant: Hashable) -> Hashable:
+        return tenant
 
     def push(self, tenant: Hashable, call_fn: Callable[..., Any], *args: object) -> Call:
         call = Call(call_fn, args, concurrent.futures.Future(), next(self._seq))
@@ -96,8 +85,9 @@ class SubmissionOrder:
 class ComputeThread:
     """One thread that runs the torch calls given to it one at a time, whoever submits them.
 
-    Order. Each call belongs to a tenant (`submit(..., tenant=)`, else the submitting thread's
-    `current_tenant`, else None) and is charged its wall time on this thread. `queue` picks the
+    Order. Each call belongs to a tenant (`submit(..., tenant=)`, else the queue's choice: the
+    submitting thread's tenant for a `FairQueue`, else None) and is charged its wall time on
+    this thread. `queue` picks the
     next call: submission order by default; `posttrain serve` passes its `FairQueue`, where one
     tenant's calls run in submission order and, between tenants with calls waiting, the one that
     has used the least compute time goes next, so a tenant that floods the queue gets its share
@@ -127,9 +117,9 @@ class ComputeThread:
         self, fn: Callable[..., T], *args: object, tenant: Hashable = None
     ) -> concurrent.futures.Future[T]:
         """`fn(*args)` on this thread, after `tenant`'s calls submitted before it (and when
-        fairness between tenants says). `tenant` None: the submitting thread's
-        `current_tenant` (None unless set with `as_tenant`). A tenant is any hashable key;
-        `posttrain serve` uses the request's session id (`Runtime.tenant_of`)."""
+        fairness between tenants says). `tenant` None: the queue's choice (`CallQueue.tenant_of`).
+        A tenant is any hashable key; `posttrain serve` uses the request's session id
+        (`Runtime.tenant_of`)."""
         if self.is_current():
             future: concurrent.futures.Future[T] = concurrent.futures.Future()
             try:
@@ -137,8 +127,7 @@ class ComputeThread:
             except BaseException as exc:  # the error belongs to whoever reads the future
                 future.set_exception(exc)
             return future
-        if tenant is None:
-            tenant = current_tenant.get()
+        tenant = self._queue.tenant_of(tenant)
         with self._lock:
             call = self._queue.push(tenant, fn, *args)
         try:

@@ -1,15 +1,35 @@
 """Fair turns between `posttrain serve`'s tenants on its one compute thread: the queue its
-`ComputeThread` takes calls from."""
+`ComputeThread` takes calls from, and the tenant each call belongs to (`current_tenant`,
+`as_tenant`)."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
+import contextvars
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from posttrain.engine.compute_thread import Call
+
+# The tenant on whose behalf the calling thread works (None: no tenant). `posttrain serve` sets it
+# around each request (`server.runtime.Runtime.run`), so the client calls that request makes
+# submit to the compute thread under its tenant without any parameter passed down.
+current_tenant: contextvars.ContextVar[Hashable] = contextvars.ContextVar(
+    "current_tenant", default=None
+)
+
+
+@contextlib.contextmanager
+def as_tenant(tenant: Hashable) -> Iterator[None]:
+    """Calls submitted by this thread inside the block are `tenant`'s (see `FairQueue`)."""
+    token = current_tenant.set(tenant)
+    try:
+        yield
+    finally:
+        current_tenant.reset(token)
 
 _IDLE = object()  # `FairQueue.running` when no call runs (None is a tenant)
 
@@ -31,6 +51,10 @@ class FairQueue:
         self.vtime = 0.0
         self.running: Hashable = _IDLE
         self._seq = itertools.count()
+
+    def tenant_of(self, tenant: Hashable) -> Hashable:
+        """`tenant`, else the submitting thread's (`as_tenant`; None when it set none)."""
+        return current_tenant.get() if tenant is None else tenant
 
     def push(self, tenant: Hashable, call_fn: Callable[..., Any], *args: object) -> Call:
         call = Call(call_fn, args, concurrent.futures.Future(), next(self._seq))

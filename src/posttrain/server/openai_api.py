@@ -12,7 +12,7 @@ log_softmax(logits / temperature) of each sampled token over the full vocabulary
 cut from `text` / `message.content`, never from `token_ids`.
 
 Concurrent requests for a model are sampled together in batched calls
-(`posttrain.server.openai_batching`). With `tools`, Hermes-style tool calls in the text become
+(`posttrain.server.sample_batching`). With `tools`, Hermes-style tool calls in the text become
 the message's `tool_calls` (`posttrain.server.tool_calls`). Nothing blocks the event loop: `SamplerSource.sampler` may load a checkpoint, so it runs in a
 worker thread (sources are thread-safe), and `ModelSampler` calls return futures completed by
 the training client's own worker thread, which the handlers await.
@@ -34,10 +34,9 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 from typing_extensions import TypeIs
 
-from posttrain.engine.compute_thread import as_tenant
 from posttrain.inference.model_sampler import ModelSampler
 from posttrain.rollouts.tool_calls import openai_tool_calls
-from posttrain.server.openai_batching import Batchers
+from posttrain.server.fair_queue import as_tenant
 from posttrain.server.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -51,6 +50,7 @@ from posttrain.server.openai_schema import (
     usage,
     user_stops,
 )
+from posttrain.server.sample_batching import Batchers
 from posttrain.server.sources import SamplerSource, SourceBusyError, UnknownModelError
 from posttrain.tokenizer import Tokenizer, as_tokenizer
 from posttrain.types import SampleResponse, SamplingParams
@@ -82,7 +82,7 @@ def create_openai_router(source: SamplerSource) -> APIRouter:
         return await _respond(_retrieve(source, name, _owner(request)))
 
     # Each caller (API key) is a tenant of the compute thread, as a Tinker session is
-    # (`engine.compute_thread.ComputeThread`): the contextvar reaches the threads the request uses.
+    # (`server.fair_queue`): the contextvar reaches the threads the request uses.
     @router.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> JSONResponse:
         with as_tenant(f"owner:{_owner(request)}"):

@@ -2,9 +2,9 @@
 
 At most `limit` adapters are resident: LoRA training clients (adapter, AdamW state, gradients)
 and LoRA sampling models together. To make room, the least recently used idle one leaves: a
-training client is spilled to disk (`spill`) and rebuilt from there on its next request,
-bit-exact; a sampling model is dropped, as its weights are on disk already. `limit=None` keeps
-everything (and spills nothing): the server's behaviour without the flag.
+training client is spilled to disk (`LocalTrainingClient.spill`) and rebuilt from there on its
+next request, bit-exact; a sampling model is dropped, as its weights are on disk already.
+`limit=None` keeps everything (and spills nothing): the server's behaviour without the flag.
 
 A training client is busy while a request of its own runs (`pinned`; a model's lane runs one
 at a time). A busy client is never evicted. Sampling models run their requests whole on the
@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -34,21 +33,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from posttrain.clients.local import LocalTrainingClient
-from posttrain.engine import atomic_replace
-from posttrain.engine.checkpoint import load_checkpoint, save_checkpoint
 from posttrain.engine.compute_thread import ComputeThread
-from posttrain.engine.executor import InProcessExecutor
-from posttrain.engine.worker import Worker
 from posttrain.server.lanes import Job, Outcome, UserError
 from posttrain.server.sources import SourceBusyError
 
 log = logging.getLogger(__name__)
-
-STATE = "state"  # the adapter and AdamW state, a checkpoint (`engine.checkpoint`)
-GRADS = "grads.pt"  # each worker's accumulated gradients, by parameter name
 
 Build = Callable[[], LocalTrainingClient]
 
@@ -203,7 +193,7 @@ class Residency:
         try:
             path = self._spill_path(model_id)
             if path.exists():
-                restore(client, path)
+                client.restore(path)
                 shutil.rmtree(path)  # the memory copy is the state now
                 self.reloads += 1
                 log.info("adapter %s reloaded from disk", model_id)
@@ -297,7 +287,7 @@ class Residency:
             client = item.client
             assert client is not None
             try:
-                spill(client, self._spill_path(key))
+                client.spill(self._spill_path(key))
             except BaseException:
                 with self._lock:  # the rest stay resident, as least recently used
                     for k, kept in reversed(victims[index:]):
@@ -345,52 +335,3 @@ class Residency:
 
 def _busy(item: _Trainer | _Sampler) -> bool:
     return isinstance(item, _Trainer) and item.pins > 0
-
-
-def _workers(client: LocalTrainingClient) -> list[Worker]:
-    executor = client.dispatch.executor
-    if not isinstance(executor, InProcessExecutor):
-        raise TypeError("only clients whose workers run in this process can be spilled")
-    return executor.workers
-
-
-def spill(client: LocalTrainingClient, path: Path) -> None:
-    """Write what the client's next results depend on to `path`, atomically: adapter weights
-    and AdamW state (moments, step, hyperparameters) as a checkpoint, and every worker's
-    accumulated gradients, so a spill between forward_backward and optim_step loses nothing.
-
-    Not the RNG state `save_state` keeps: the server's global generators are shared by all its
-    clients, so no client owns them (and none draws from them: LoRA starts from a forked
-    generator, sampling from seeded ones, and the server's LoRA has no dropout).
-    """
-    workers = _workers(client)
-    client.dispatch.prepare("optim_step")  # parked gradients and moments back on their params
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        first = workers[0]  # replicas hold the same weights and optimizer state
-        save_checkpoint(
-            tmp / STATE, model=first.model, optimizer=first.optimizer, include_rng=False
-        )
-        grads = [{n: p.grad for n, p in w.trainable_parameters().items()} for w in workers]
-        torch.save(grads, tmp / GRADS)
-        with atomic_replace.name_lock(path):
-            atomic_replace.publish(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def restore(client: LocalTrainingClient, path: Path) -> None:
-    """Load what `spill` wrote into a fresh client of the same LoRA settings."""
-    workers = _workers(client)
-    grads = torch.load(path / GRADS, weights_only=True)
-    if len(grads) != len(workers):
-        raise ValueError(
-            f"{path} holds {len(grads)} workers' gradients, the client has {len(workers)}"
-        )
-    for worker, worker_grads in zip(workers, grads, strict=True):
-        load_checkpoint(
-            path / STATE, model=worker.model, optimizer=worker.optimizer, restore_rng=False
-        )
-        worker.set_grads(worker_grads)

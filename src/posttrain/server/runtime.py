@@ -10,7 +10,7 @@ logprobs, checkpoint saves and loads, model loading, and the spills and reloads 
 beyond --max-resident-adapters, `server.residency`) runs there, one at a time. Whose turn it is
 is fair between tenants: a request's tenant is its Tinker session (a ServiceClient's training
 and sampling clients), else its owner (`tenant_of`); `run` makes the job's calls that tenant's
-(`engine.compute_thread.as_tenant`), and among tenants with calls waiting the compute thread runs the
+(`server.fair_queue.as_tenant`), and among tenants with calls waiting the compute thread runs the
 one that has used the least compute time; one tenant's calls keep their order. Two threads
 computing at once would each run an OpenMP pool as large as the usable
 cores and fight over them (see `posttrain.engine.threads`). The other threads only decide order
@@ -44,11 +44,11 @@ from pathlib import Path
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
 from posttrain.engine.checkpoint import is_complete_checkpoint
-from posttrain.engine.compute_thread import ComputeThread, as_tenant
+from posttrain.engine.compute_thread import ComputeThread
 from posttrain.inference.model_sampler import ModelSampler
 from posttrain.models.shared_base import SharedBases
 from posttrain.server.config import ServerConfig, model_config_int
-from posttrain.server.fair_queue import FairQueue
+from posttrain.server.fair_queue import FairQueue, as_tenant
 from posttrain.server.lanes import Job, Lane, UserError, category_of
 from posttrain.server.residency import Residency, Unloaded
 from posttrain.server.sampler_cache import SamplerCache
