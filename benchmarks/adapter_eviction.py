@@ -7,8 +7,8 @@ Qwen2.5-0.5B architecture (`--size qwen2.5-0.5b`, random weights, built locally)
 
 The client has taken one optimizer step and holds the gradients of a second forward_backward:
 everything a spill writes is there. Reported per round, median over `--rounds`:
-- `spill`: `residency.spill` (a checkpoint with the optimizer, and the gradients), to disk;
-- `restore`: `residency.restore` into a client already built;
+- `spill`: `LocalTrainingClient.spill` (a checkpoint with the optimizer, and the gradients), to disk;
+- `restore`: `LocalTrainingClient.restore` into a client already built;
 - `build`: a fresh client of the same LoRA settings (`create_training_client`) on the base
   model the clients share, as the server builds them (`models.shared_base`): the adapter, not
   the model;
@@ -39,7 +39,7 @@ from posttrain.engine.executor import InProcessExecutor
 from posttrain.engine.worker import Worker
 from posttrain.models.shared_base import SharedBases
 from posttrain.models.tiny import tiny_model_path
-from posttrain.server.residency import Residency, restore, spill
+from posttrain.server.residency import Residency
 from posttrain.types import AdamParams, Datum, ModelInput
 
 T = TypeVar("T")
@@ -125,11 +125,11 @@ def main() -> None:
         rows: dict[str, list[float]] = {"spill": [], "restore": [], "build": [], "round trip": []}
         size = 0
         for _ in range(args.rounds):
-            rows["spill"].append(compute.call(timed, spill, client, path)[0])
+            rows["spill"].append(compute.call(timed, client.spill, path)[0])
             size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
             seconds, fresh = compute.call(timed, build)
             rows["build"].append(seconds)
-            rows["restore"].append(compute.call(timed, restore, fresh, path)[0])
+            rows["restore"].append(compute.call(timed, fresh.restore, path)[0])
             assert same(tensors(fresh), before), "the restored client differs"
             fresh.close()
             shutil.rmtree(path)
