@@ -17,9 +17,9 @@ import pytest
 from posttrain.cli.engine_table import ENGINE_MODES, mode_of
 from posttrain.cli.main import main
 from posttrain.inference import InferenceConfig
+from posttrain.inference.engines import SPLIT_PYTORCH, VLLM
 from posttrain.inference.live import LIVE
 from posttrain.inference.openai_engine import OpenAIEngine
-from posttrain.inference.session import SPLIT_PYTORCH, VLLM
 
 PLUGINS = Path(__file__).parents[1] / "backends"
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "backends.schema.json").read_text())

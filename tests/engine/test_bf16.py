@@ -81,10 +81,10 @@ def test_precision_mismatch_asks_for_tis() -> None:
     tis = RLConfig(
         precalculate_logprobs=True, loss_fn_config=LossConfig(truncated_importance_sampling=2.0)
     )
-    assert precision_mismatch("float32", "float32", "pytorch", plain) is None
-    # The pytorch engine samples on the training weights: the sampler's dtype is the model's.
-    assert precision_mismatch("float32", "bfloat16", "pytorch", plain) is None
-    message = precision_mismatch("bfloat16", "float32", "pytorch", plain)
+    assert precision_mismatch("float32", "float32", plain) is None
+    # None: the engine samples on the training weights, so the sampler's dtype is the model's.
+    assert precision_mismatch("float32", None, plain) is None
+    message = precision_mismatch("bfloat16", None, plain)
     assert message is not None and "truncated_importance_sampling" in message
-    assert precision_mismatch("float32", "bfloat16", "vllm", plain) is not None
-    assert precision_mismatch("bfloat16", "bfloat16", "vllm", tis) is None
+    assert precision_mismatch("float32", "bfloat16", plain) is not None
+    assert precision_mismatch("bfloat16", "bfloat16", tis) is None

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from posttrain.inference import session
+from posttrain.inference.engines import EngineSpec
 from posttrain.inference.process import ProcessEngine
 from posttrain.inference.protocol import WeightSnapshot
 
@@ -33,17 +34,17 @@ class SharedEngines:
         self.engines: dict[str, list[ProcessEngine]] = {}  # by start options
         self.in_use: set[int] = set()  # id() of the engines handed out
 
-    def start(self, kind: str, *, options: dict[str, Any], version: int, **kwargs: Any):
-        """`ProcessEngine(kind, options=..., version=..., ...)`, or an idle one like it."""
-        if kind != "vllm":
-            return ProcessEngine(kind, options=options, version=version, **kwargs)  # pyright: ignore[reportArgumentType]
+    def start(self, spec: EngineSpec, *, options: dict[str, Any], version: int, **kwargs: Any):
+        """`ProcessEngine(spec, options=..., version=..., ...)`, or an idle one like it."""
+        if spec.name != "vllm":
+            return ProcessEngine(spec, options=options, version=version, **kwargs)
         pool = self.engines.setdefault(_key(options, kwargs["python"]), [])
         for dead in [e for e in pool if e.process.poll() is not None]:
             pool.remove(dead)
             dead.close_now()
         engine = next((e for e in pool if id(e) not in self.in_use), None)
         if engine is None:
-            engine = ProcessEngine(kind, options=options, version=version, **kwargs)
+            engine = ProcessEngine(spec, options=options, version=version, **kwargs)
             pool.append(engine)
         else:
             base = WeightSnapshot(Path(options["model_dir"]), version=version, kind="model")

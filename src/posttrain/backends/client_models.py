@@ -194,9 +194,9 @@ class ModelClients(Generic[ClientT]):
         groups = group_list(trajectory_groups, f"{self.backend}.train()")  # read once, here
         preflight_rl(self.backend, self.capabilities, config, groups)
         record = self.record(model)
-        mismatch = precision_mismatch(
-            model.dtype, self.inference.dtype, self.inference.engine, config
-        )
+        inference = self.inference
+        sample_dtype = None if inference.placement == "here" else inference.dtype
+        mismatch = precision_mismatch(model.dtype, sample_dtype, config)
         if mismatch is not None and not record.warned_precision:
             record.warned_precision = True
             log.warning("%s: %s", model.name, mismatch)

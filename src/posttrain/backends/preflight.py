@@ -411,17 +411,16 @@ def preflight_rl(
         raise PreflightError(backend, problems)
 
 
-def precision_mismatch(
-    train_dtype: str, sample_dtype: str, engine: str, config: RLConfig
-) -> str | None:
+def precision_mismatch(train_dtype: str, sample_dtype: str | None, config: RLConfig) -> str | None:
     """Why this RL step should correct for sampler/trainer mismatch with TIS, or None.
 
     In half precision the sampler's cached decode and the trainer's full pass round
     differently: on the 30M `small` model in bf16 their logprobs of the same tokens differ by
     up to 1.5e-2 (mean 3e-3), against 1.4e-6 in fp32, and by 3.1e-2 at 0.5B (benchmarks.md).
-    An engine sampling in another dtype than the trainer's differs by as much.
+    An engine sampling in another dtype than the trainer's differs by as much. `sample_dtype`
+    None: the engine samples the training weights themselves, in the trainer's dtype.
     """
-    sampled_by = train_dtype if engine == "pytorch" else sample_dtype
+    sampled_by = sample_dtype or train_dtype
     if train_dtype == sampled_by == "float32":
         return None
     if (

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from posttrain.inference.engines import ENGINES, EngineSpec
+
 if TYPE_CHECKING:
     from posttrain.inference import InferenceConfig
     from posttrain.jobs.backend import JobBackend
@@ -32,8 +34,7 @@ if TYPE_CHECKING:
 Status = Literal["pass", "warn", "fail"]
 MIN_FREE_GB = 5.0
 DEFAULT_STORAGE = ".posttrain"
-VLLM_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"  # what the install hint makes
-VLLM_IMPORT_TIMEOUT_S = 60.0  # importing vLLM takes ~5-10 s
+ENGINE_IMPORT_TIMEOUT_S = 60.0  # importing vLLM takes ~5-10 s
 
 
 @dataclass(frozen=True)
@@ -300,86 +301,77 @@ def check_task(config: JobConfig) -> Check:
     return Check("task", "pass", f"{resolved.spec} ({resolved.kind}: {resolved.target}{counts})")
 
 
-def vllm_interpreter(inference: InferenceConfig) -> tuple[str, str, bool]:
-    """The interpreter to look for vLLM in, where it came from, and whether the `vllm` engine
-    runs it as configured: [inference] python, else $POSTTRAIN_VLLM_PYTHON, else this
-    interpreter when it has vLLM, else ./.venv-vllm (found, but used only once named)."""
-    from posttrain.inference.session import VLLM_PYTHON_ENV
-
-    if inference.python:
-        return inference.python, "[inference] python", True
-    if os.environ.get(VLLM_PYTHON_ENV):
-        return os.environ[VLLM_PYTHON_ENV], f"${VLLM_PYTHON_ENV}", True
-    if importlib.util.find_spec("vllm") is None and VLLM_VENV_PYTHON.exists():
-        return str(VLLM_VENV_PYTHON), "./.venv-vllm", False
-    return sys.executable, "this interpreter", True
+def engine_interpreter(spec: EngineSpec, inference: InferenceConfig) -> tuple[str, str, bool]:
+    """The interpreter to look for the engine's module in, where it came from, and whether the
+    engine runs it as configured: [inference] python, else its ${python_env}, else this
+    interpreter when it has the module, else ./.venv-<module> (found, but used only once named)."""
+    python, source = spec.python(inference.python)
+    venv = Path(f".venv-{spec.module}") / "bin" / "python"  # what the install hint makes
+    missing = spec.module is not None and importlib.util.find_spec(spec.module) is None
+    if source == "this interpreter" and missing and venv.exists():
+        return str(venv), f"./.venv-{spec.module}", False
+    return python, source, True
 
 
-def check_vllm(inference: InferenceConfig, required: bool) -> Check:
-    """`import vllm` in a subprocess of the interpreter the engine would run; a problem fails
-    when the config samples with vLLM (`required`), else warns."""
-    from posttrain.inference.vllm_install import install_hint
-
-    python, source, used = vllm_interpreter(inference)
-    name, problem = "sampling engine: vllm", "fail" if required else "warn"
-    code = "import vllm; print('\\nPOSTTRAIN_VLLM_VERSION=' + vllm.__version__)"
+def check_engine_python(spec: EngineSpec, inference: InferenceConfig, required: bool) -> Check:
+    """`import MODULE` in a subprocess of the interpreter the engine would run; a problem fails
+    when the config samples with this engine (`required`), else warns."""
+    module = spec.module or "posttrain"
+    hint = spec.install_hint() if spec.install_hint else f"install {module}"
+    python, source, used = engine_interpreter(spec, inference)
+    name, problem = f"sampling engine: {spec.name}", "fail" if required else "warn"
+    code = f"import {module}; print('\\nPOSTTRAIN_ENGINE_VERSION=' + {module}.__version__)"
     try:
         done = subprocess.run(
-            [python, "-c", code], capture_output=True, text=True, timeout=VLLM_IMPORT_TIMEOUT_S
+            [python, "-c", code], capture_output=True, text=True, timeout=ENGINE_IMPORT_TIMEOUT_S
         )
     except OSError as exc:
-        hint = install_hint()
         return Check(name, problem, f"{python} ({source}): {exc.strerror or exc}; {hint}")
     except subprocess.TimeoutExpired:
         return Check(
-            name, problem, f"import vllm took over {VLLM_IMPORT_TIMEOUT_S:.0f} s in {python}"
+            name, problem, f"import {module} took over {ENGINE_IMPORT_TIMEOUT_S:.0f} s in {python}"
         )
     versions = [
         line.partition("=")[2]
         for line in done.stdout.splitlines()
-        if line.startswith("POSTTRAIN_VLLM_VERSION=")
+        if line.startswith("POSTTRAIN_ENGINE_VERSION=")
     ]
     if done.returncode != 0 or not versions:
         error = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        hint = install_hint()
         return Check(name, problem, f"not importable in {python} ({source}): {error}; {hint}")
-    found = f"vllm {versions[-1]} in {python} ({source})"
+    found = f"{module} {versions[-1]} in {python} ({source})"
     if used:
         return Check(name, "pass", found)
-    use = (
-        f"set POSTTRAIN_VLLM_PYTHON={python} (or [inference] python) for engine = 'vllm' to use it"
-    )
+    use = f"set {spec.python_env}={python} (or [inference] python) for engine = {spec.name!r} to use it"
     return Check(name, problem, f"{found}; {use}")
 
 
-def check_engines(config: JobConfig | None) -> list[Check]:
-    """The sampling engines: pytorch is always there, vllm needs an interpreter with vLLM, the
-    openai engine needs httpx (and a server, probed when a job starts)."""
+def check_engine(spec: EngineSpec, config: JobConfig | None) -> Check:
+    """One sampling engine: what it imports, in its own interpreter where it has one, and
+    whether the job's base model suits it."""
     from posttrain.inference import InferenceConfig
     from posttrain.jobs.backend import engine_model_problem
 
     inference: InferenceConfig = getattr(config, "inference", None) or InferenceConfig()
-    engine = inference.engine if config is not None else None
-    openai = Check(
-        "sampling engine: openai",
-        "pass",
-        "any OpenAI-compatible server by [inference] url (capabilities probed at start)",
-    )
-    if importlib.util.find_spec("httpx") is None:
-        missing = "needs httpx: pip install 'posttrain[openai-engine]'"
-        openai = Check(openai.name, "fail" if engine == "openai" else "warn", missing)
-    vllm = check_vllm(inference, required=engine == "vllm")
-    if config is not None and (problem := engine_model_problem(config)) is not None:
-        vllm = Check(vllm.name, "fail", f"{vllm.detail}; but {config.model.base_model}: {problem}")
-    return [
-        Check(
-            "sampling engine: pytorch",
-            "pass",
-            "in-process on the training weights (the default); split with [inference] devices",
-        ),
-        vllm,
-        openai,
-    ]
+    required = config is not None and inference.engine == spec.name
+    name = f"sampling engine: {spec.name}"
+    if spec.python_env is not None:
+        check = check_engine_python(spec, inference, required)
+    elif spec.module is not None and importlib.util.find_spec(spec.module) is None:
+        needs = f"needs {spec.module}: {spec.install_hint() if spec.install_hint else ''}"
+        check = Check(name, "fail" if required else "warn", needs)
+    else:
+        check = Check(name, "pass", spec.summary)
+    if required and config is not None and (problem := engine_model_problem(config)) is not None:
+        check = Check(name, "fail", f"{check.detail}; but {config.model.base_model}: {problem}")
+    return check
+
+
+def check_engines(config: JobConfig | None) -> list[Check]:
+    """The sampling engines (`inference/engines.py`): pytorch is always there, vllm needs an
+    interpreter with vLLM, the openai engine needs httpx (and a server, probed when a job
+    starts)."""
+    return [check_engine(spec, config) for spec in ENGINES.values()]
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:

@@ -3,31 +3,20 @@ and what it can do (`posttrain backends`, `explain`), and which backends take `i
 
 from __future__ import annotations
 
-import os
-import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 from posttrain.backends.plugins.registry import BackendInfo, import_target
 from posttrain.backends.plugins.schema import constructor_parameters
 from posttrain.inference import EngineCapabilities, InferenceConfig
-from posttrain.inference.config import EngineName
-from posttrain.inference.live import LIVE
-from posttrain.inference.session import SPLIT_PYTORCH, VLLM, VLLM_PYTHON_ENV
+from posttrain.inference.engines import ENGINES, EngineName, Placement
 
 Runs = Literal["in-process", "worker process", "server"]
-
-# What an OpenAI-compatible server must return: its probe at start refuses a server without
-# token ids, and one without logprobs unless allow_training_without_logprobs. Its weights
-# follow training (whole weights after each step) unless sync = 'none' fixes them.
-OPENAI_RELOAD = EngineCapabilities(
-    returns_token_ids=True,
-    returns_logprobs=True,
-    weight_sync="full",
-    own_process=True,
-    provides_token_entropies=False,
-)
-OPENAI_FIXED = replace(OPENAI_RELOAD, weight_sync="none")
+RUNS: dict[Placement, Runs] = {
+    "here": "in-process",
+    "process": "worker process",
+    "server": "server",
+}
 
 WEIGHT_SYNC = {
     "live": "none needed: it samples the training weights themselves",
@@ -63,35 +52,27 @@ class EngineMode:
         }
 
 
-ENGINE_MODES: tuple[EngineMode, ...] = (
-    EngineMode("pytorch", "engine = 'pytorch' (the default)", "in-process", LIVE),
-    EngineMode(
-        "pytorch",
-        "engine = 'pytorch', devices = 'SAMPLER,TRAINER'",
-        "worker process",
-        SPLIT_PYTORCH,
-    ),
-    EngineMode("vllm", "engine = 'vllm'", "worker process", VLLM),
-    EngineMode("openai", "engine = 'openai' (sync 'auto'/'reload')", "server", OPENAI_RELOAD, True),
-    EngineMode("openai", "engine = 'openai', sync = 'none'", "server", OPENAI_FIXED, True),
+ENGINE_MODES: tuple[EngineMode, ...] = tuple(
+    EngineMode(spec.name, mode.selected_by, RUNS[mode.placement], mode.capabilities, mode.probed)
+    for spec in ENGINES.values()
+    for mode in spec.modes
 )
 
 
 def mode_of(config: InferenceConfig) -> EngineMode:
     """The row of ENGINE_MODES that `config` selects."""
-    if config.engine == "pytorch":
-        return ENGINE_MODES[0 if config.devices is None else 1]
-    if config.engine == "vllm":
-        return ENGINE_MODES[2]
-    return ENGINE_MODES[4 if config.fixed_policy else 3]
+    mode = config.mode
+    return next(
+        m for m in ENGINE_MODES if (m.engine, m.selected_by) == (config.engine, mode.selected_by)
+    )
 
 
 def sync_route(config: InferenceConfig, lora_rank: int, train_unembed: bool | None) -> str:
     """What each optimizer step moves to `config`'s engine, for a job with `lora_rank`
     (0: full fine-tuning) and `train_unembed` (None: posttrain's default, trained)."""
-    if config.engine == "pytorch" and config.devices is None:
+    if config.placement == "here":
         return "live (the engine samples the training weights: nothing moves)"
-    if config.engine == "openai":
+    if config.placement == "server":
         adapter = "adapter (loaded as a LoRA, <model>-posttrain-v<step>)"
         if config.fixed_policy:
             return "none (the server's fixed weights)"
@@ -111,28 +92,18 @@ def sync_route(config: InferenceConfig, lora_rank: int, train_unembed: bool | No
     return f"adapter (loaded as a LoRA, posttrain-v<step>{unembed})"
 
 
-def vllm_python(config: InferenceConfig) -> tuple[str, str]:
-    """The interpreter the vllm engine's worker runs, and where it came from (as the engine
-    session chooses it)."""
-    if config.python:
-        return config.python, "[inference] python"
-    if os.environ.get(VLLM_PYTHON_ENV):
-        return os.environ[VLLM_PYTHON_ENV], f"${VLLM_PYTHON_ENV}"
-    return sys.executable, "this interpreter"
-
-
 def where(config: InferenceConfig) -> str:
     """Where `config`'s engine samples."""
-    if config.engine == "openai":
+    if config.placement == "server":
         model = config.model or "the first model it lists"
         return f"the server at {config.url} (model: {model})"
-    threads = f", {config.threads} thread(s)" if config.threads else ""
-    if config.engine == "vllm":
-        python, source = vllm_python(config)
-        return f"a worker process running {python} ({source}), dtype {config.dtype}{threads}"
-    devices = config.split_devices()
-    if devices is None:
+    if config.placement == "here":
         return "in this process, on the training weights"
+    threads = f", {config.threads} thread(s)" if config.threads else ""
+    if config.spec.python_env is not None:  # an engine with an interpreter of its own
+        python, source = config.spec.python(config.python)
+        return f"a worker process running {python} ({source}), dtype {config.dtype}{threads}"
+    devices = config.split_devices() or ("cpu", "cpu")
     return f"a worker process on {devices[0]} (training on {devices[1]}){threads}"
 
 

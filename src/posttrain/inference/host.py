@@ -1,4 +1,4 @@
-"""The engine worker process: `python -m posttrain.inference.host ADDRESS KIND`.
+"""The engine worker process: `python -m posttrain.inference.host ADDRESS MODULE:CLASS`.
 
 It connects back to its parent on a Unix socket (`multiprocessing.connection`, authenticated
 with the key in $POSTTRAIN_ENGINE_KEY) and answers requests one at a time, each a dict with an
@@ -13,6 +13,7 @@ that builds it. This process takes its own thread budget (`threads`) before torc
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
@@ -36,20 +37,14 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _make_runner(kind: str, options: dict[str, Any]) -> _Runner:
+def _make_runner(runner: str, options: dict[str, Any]) -> _Runner:
+    """The engine's runner (`EngineSpec.runner`), imported once this process has its threads."""
     _set_threads(int(options["threads"]))
-    if kind == "vllm":
-        from posttrain.inference.vllm_runner import VLLMRunner
-
-        return VLLMRunner(options)
-    if kind == "pytorch":
-        from posttrain.inference.pytorch_runner import PytorchRunner
-
-        return PytorchRunner(options)
-    raise ValueError(f"unknown engine kind {kind!r}")
+    module, _, name = runner.partition(":")
+    return getattr(importlib.import_module(module), name)(options)
 
 
-def serve(address: str, kind: str) -> None:
+def serve(address: str, runner_name: str) -> None:
     key = bytes.fromhex(os.environ.pop("POSTTRAIN_ENGINE_KEY"))
     with Client(address, family="AF_UNIX", authkey=key) as conn:
         runner: _Runner | None = None
@@ -61,7 +56,7 @@ def serve(address: str, kind: str) -> None:
             op = request.get("op")
             try:
                 if op == "start":
-                    runner = _make_runner(kind, request["options"])
+                    runner = _make_runner(runner_name, request["options"])
                     result: object = None
                 elif op == "close":
                     conn.send({"ok": True, "result": None})

@@ -11,16 +11,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from posttrain.clients.protocol import BatchSampler, TrainingClient
-from posttrain.inference.protocol import EngineCapabilities, WeightSnapshot
+from posttrain.inference.engines import LIVE
+from posttrain.inference.protocol import WeightSnapshot
 from posttrain.types import ModelInput, SampleResponse, SamplingParams
-
-LIVE = EngineCapabilities(
-    returns_token_ids=True,
-    returns_logprobs=True,
-    weight_sync="live",
-    own_process=False,
-    provides_token_entropies=True,
-)
 
 
 class LiveEngine:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from posttrain.inference.adapter_export import discard
 from posttrain.inference.config import InferenceConfig
+from posttrain.inference.engines import DISTRIBUTION_FIELDS, ENGINES
 from posttrain.inference.process import prompt_seed
 from posttrain.inference.protocol import EngineCapabilities, WeightSnapshot
 from posttrain.inference.served_adapters import ServedAdapters
@@ -244,12 +245,13 @@ class OpenAIEngine:
             "n": n,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
-            "top_p": 1.0,
-            "top_k": -1,
+            # Every field that shapes the distribution, at the value asked (neutral unless
+            # the engine honours it), so that no server default changes it.
             "min_p": 0.0,
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
+            **{name: getattr(params, name) for name in DISTRIBUTION_FIELDS},
             "seed": seed,
             "logprobs": self._logprobs_field,
             "return_token_ids": True,
@@ -369,17 +371,9 @@ def _adapter_rank(path: Path) -> int:
 
 def _check_params(params: SamplingParams) -> None:
     """What the engine cannot sample as posttrain's sampler would is refused."""
-    if params.top_k != -1 or params.top_p != 1.0:
-        raise ValueError(
-            "the openai engine samples with top_k = -1 and top_p = 1 only: with truncation, a "
-            "server's logprobs no longer equal the trainer's log_softmax(logits / T); use "
-            "engine = 'pytorch' for top-k / top-p sampling"
-        )
-    if params.entropies:
-        raise ValueError(
-            "the openai engine does not return token entropies (SamplingParams.entropies); "
-            "use engine = 'pytorch', or uncertainty_kind = 'surprisal'"
-        )
+    refused = ENGINES["openai"].refused_sampling(params)
+    if refused is not None:
+        raise ValueError(refused)
     if params.max_tokens is None:
         raise ValueError(
             "the openai engine needs SamplingParams.max_tokens: OpenAI-compatible servers "

@@ -19,12 +19,11 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
+from posttrain.inference.engines import DISTRIBUTION_FIELDS, EngineSpec
 from posttrain.inference.protocol import EngineCapabilities, WeightSnapshot
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
-
-Kind = Literal["vllm", "pytorch"]
 
 
 class EngineProcessError(RuntimeError):
@@ -36,7 +35,7 @@ class ProcessEngine:
 
     def __init__(
         self,
-        kind: Kind,
+        spec: EngineSpec,
         *,
         python: str,
         options: dict[str, Any],
@@ -46,8 +45,10 @@ class ProcessEngine:
         log_path: Path,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.name = kind
-        self.kind = kind
+        if spec.runner is None:
+            raise ValueError(f"the {spec.name} engine has no worker process to run")
+        self.spec = spec
+        self.name = spec.name
         self.capabilities = capabilities
         self._version = version
         self.adapters: list[str] = []  # the LoRA adapters the engine holds, newest last
@@ -62,7 +63,7 @@ class ProcessEngine:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - open while the process runs
         self.process = subprocess.Popen(
-            [python, "-m", "posttrain.inference.host", address, kind],
+            [python, "-m", "posttrain.inference.host", address, spec.runner],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
@@ -83,12 +84,17 @@ class ProcessEngine:
     async def sample_many(
         self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
     ) -> list[SampleResponse]:
-        request = {"op": "sample", "prompts": [list(p) for p in prompts], "n": num_samples}
-        request.update(
-            _vllm_request(params, len(prompts))
-            if self.kind == "vllm"
-            else {"params": _params_dict(params)}
-        )
+        refused = self.spec.refused_sampling(params)
+        if refused is not None:
+            raise ValueError(refused)
+        request = {
+            "op": "sample",
+            "prompts": [list(p) for p in prompts],
+            "n": num_samples,
+            "params": params_dict(params),
+            # Each prompt's own seed, for an engine that seeds per request (vLLM).
+            "seeds": [prompt_seed(params.seed, i) for i in range(len(prompts))],
+        }
         version = self._version
         rows = await asyncio.to_thread(self._call, request)
         return [
@@ -98,7 +104,7 @@ class ProcessEngine:
 
     async def update_weights(self, snapshot: WeightSnapshot | None, version: int) -> None:
         if snapshot is None:
-            raise ValueError(f"the {self.kind} engine holds its own weights: give it a snapshot")
+            raise ValueError(f"the {self.name} engine holds its own weights: give it a snapshot")
         if snapshot.kind == "model":
             request: dict[str, Any] = {"op": "load", "path": str(snapshot.path)}
         else:
@@ -158,14 +164,14 @@ class ProcessEngine:
             reply = self._conn.recv()
         if not reply["ok"]:
             raise EngineProcessError(
-                f"the {self.kind} engine failed {request['op']!r}: {reply['error']}\n{reply['trace']}"
+                f"the {self.name} engine failed {request['op']!r}: {reply['error']}\n{reply['trace']}"
             )
         return reply["result"]
 
     def _died(self, when: str) -> str:
         code = self.process.poll()
         state = f"exited with code {code}" if code is not None else "is stuck"
-        return f"the {self.kind} engine process {state} {when}; its log ({self.log_path}) ends:\n{_tail(self.log_path)}"
+        return f"the {self.name} engine process {state} {when}; its log ({self.log_path}) ends:\n{_tail(self.log_path)}"
 
     def _kill(self) -> None:
         if self.process.poll() is None:
@@ -192,15 +198,15 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
-def _params_dict(params: SamplingParams) -> dict[str, Any]:
+def params_dict(params: SamplingParams) -> dict[str, Any]:
+    """`params` as plain data for the worker, which rebuilds them with `SamplingParams(**d)`."""
     stop = params.stop
     return {
         "max_tokens": params.max_tokens,
         "seed": params.seed,
         "stop": list(stop) if isinstance(stop, tuple | list) else stop,
         "temperature": params.temperature,
-        "top_k": params.top_k,
-        "top_p": params.top_p,
+        **{name: getattr(params, name) for name in DISTRIBUTION_FIELDS},
         "entropies": params.entropies,
     }
 
@@ -215,26 +221,3 @@ def prompt_seed(seed: int | None, index: int) -> int | None:
     """A seed for prompt `index` of a batch, so a prompt samples the same tokens whatever
     else is in the batch (vLLM seeds per request)."""
     return None if seed is None else derive_seed(seed, index)
-
-
-def _vllm_request(params: SamplingParams, count: int) -> dict[str, Any]:
-    """posttrain's SamplingParams in vLLM's terms; what vLLM cannot match is refused."""
-    if params.top_k != -1 or params.top_p != 1.0:
-        raise ValueError(
-            "the vllm engine samples with top_k = -1 and top_p = 1 only: with truncation, vLLM's "
-            "logprobs fold it in and no longer equal the trainer's log_softmax(logits / T); "
-            "use engine = 'pytorch' for top-k / top-p sampling"
-        )
-    if params.entropies:
-        raise ValueError(
-            "the vllm engine does not return token entropies (SamplingParams.entropies); "
-            "use engine = 'pytorch', or uncertainty_kind = 'surprisal'"
-        )
-    return {
-        "seeds": [prompt_seed(params.seed, i) for i in range(count)],
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "ignore_eos": params.stop is not None,  # an explicit stop replaces EOS, as in posttrain
-        "stop_token_ids": list(params.stop_tokens()),
-        "stop_strings": list(params.stop_strings()),
-    }

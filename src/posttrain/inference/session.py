@@ -8,7 +8,6 @@ import functools
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,29 +18,13 @@ import torch
 from posttrain.clients.protocol import ExportsWeights, TrainingClient
 from posttrain.inference.adapter_export import AdapterExporter, check_carried
 from posttrain.inference.adapters import lora_sync_problem, split_adapter
-from posttrain.inference.config import InferenceConfig, vllm_head_problem
+from posttrain.inference.config import InferenceConfig, head_problem
 from posttrain.inference.live import LiveEngine
 from posttrain.inference.process import ProcessEngine
-from posttrain.inference.protocol import EngineCapabilities, SamplingEngine
+from posttrain.inference.protocol import SamplingEngine
 from posttrain.inference.updates import UpdateExporter
 from posttrain.inference.weights import WeightExporter
 from posttrain.models.source import resolve_model_source
-
-VLLM = EngineCapabilities(
-    returns_token_ids=True,
-    returns_logprobs=True,
-    weight_sync="full",
-    own_process=True,
-    provides_token_entropies=False,
-)
-SPLIT_PYTORCH = EngineCapabilities(
-    returns_token_ids=True,
-    returns_logprobs=True,
-    weight_sync="full",
-    own_process=True,
-    provides_token_entropies=True,
-)
-VLLM_PYTHON_ENV = "POSTTRAIN_VLLM_PYTHON"
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +62,9 @@ class EngineSession:
         takes, at each sync, only what training changes (`updates.py`), keeping the newest
         `config.versions_kept()` versions (an engine may serve an older one)."""
         keep = config.versions_kept()
-        if config.engine == "pytorch" and config.devices is None:
+        if config.placement == "here":
             return cls(LiveEngine(client, version=version))
-        if config.engine == "openai":
+        if config.placement == "server":
             exporter = functools.partial(_exporter, base_model, lora_rank, lora_alpha)
             lora = (base_model, lora_rank, lora_alpha)
             return await _open_server(config, client, exporter, version, lora)
@@ -273,14 +256,14 @@ def _start_process(
     version: int,
     log_dir: Path,
 ) -> ProcessEngine:
-    """The vLLM or split-pytorch worker process, on the base model in `base_dir`."""
-    problem = vllm_head_problem(config, json.loads((base_dir / "config.json").read_text()))
+    """The engine's worker process (vLLM, or pytorch split), on the base model in `base_dir`."""
+    problem = head_problem(config, json.loads((base_dir / "config.json").read_text()))
     if problem is not None:  # else vLLM starts (10-30 s) and fails at the first sample
         raise ValueError(f"[inference] {problem}")
+    spec = config.spec
     devices = config.split_devices()
     device = devices[0] if devices else "cpu"
-    vllm = config.engine == "vllm"
-    adapter = vllm and bool(lora_rank) and config.lora_route() == "adapter"
+    adapter = bool(lora_rank) and config.lora_route() == "adapter"
     options = {
         "model_dir": str(base_dir),
         "dtype": config.dtype,
@@ -291,18 +274,15 @@ def _start_process(
         "lora_slots": max(keep, 1) if adapter else 0,
         "lora_rank": lora_rank or 0,
     }
-    python = sys.executable
-    if vllm:
-        python = config.python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
     return ProcessEngine(
-        "vllm" if vllm else "pytorch",
-        python=python,
+        spec,
+        python=spec.python(config.python)[0],
         options=options,
-        capabilities=VLLM if vllm else SPLIT_PYTORCH,
+        capabilities=config.mode.capabilities,
         version=version,
         start_timeout_s=config.start_timeout_s,
-        log_path=log_dir / f"{'vllm' if vllm else 'pytorch'}-engine.log",
-        env=_visible_gpu(device) if vllm else None,
+        log_path=log_dir / f"{spec.name}-engine.log",
+        env=_visible_gpu(device) if spec.sees_one_gpu else None,
     )
 
 

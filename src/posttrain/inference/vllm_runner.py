@@ -4,7 +4,7 @@ The offline `LLM` runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on 
 it starts in about 2 s and samples 1.3-2.2x as fast as vLLM's multiprocess layout (measured in
 shared/reference/vllm-cpu-notes.md). Logprobs follow posttrain's convention,
 log_softmax(logits / temperature) over the full vocabulary (`processed_logprobs`), which holds
-only with top-k and top-p off; the parent refuses them.
+only with top-k, top-p, min-p and penalties off; the parent refuses them (`engines.py`).
 
 It starts on the base model and takes each sync's update (`updates.py`) without a reload: a
 LoRA adapter is added under a new name, `posttrain-v<N>` with a new id (vLLM keys its prefix
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from posttrain.inference.updates import BaseWeights, resolve_update
+from posttrain.types import SamplingParams
 
 # The ranks vLLM's LoRA manager accepts as max_lora_rank.
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -70,10 +71,14 @@ class VLLMRunner:
         self._held: dict[str, torch.Tensor] = {}  # fused layers' parts, see _write_in_place
 
     def sample(self, request: dict[str, Any]) -> list[list[dict[str, Any]]]:
-        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]
+        """posttrain's SamplingParams (`params`, refused by the parent where vLLM cannot
+        match them) in vLLM's terms, each prompt seeded by its own `seeds` entry."""
+        from vllm import SamplingParams as VLLMParams  # pyright: ignore[reportMissingImports]
 
         prompts: list[list[int]] = request["prompts"]
         seeds: list[int | None] = request["seeds"]
+        asked = SamplingParams(**request["params"])
+        stop_strings, stop_tokens = list(asked.stop_strings()), list(asked.stop_tokens())
         params = []
         for prompt, seed in zip(prompts, seeds, strict=True):
             room = self.max_model_len - len(prompt)
@@ -82,18 +87,18 @@ class VLLMRunner:
                     f"a prompt of {len(prompt)} tokens leaves no room in max_model_len "
                     f"{self.max_model_len}"
                 )
-            max_tokens = request["max_tokens"]
+            max_tokens = asked.max_tokens
             params.append(
-                SamplingParams(
+                VLLMParams(
                     n=request["n"],
-                    temperature=request["temperature"],
+                    temperature=asked.temperature,
                     max_tokens=room if max_tokens is None else min(max_tokens, room),
                     logprobs=0,  # the sampled token's own logprob only
-                    detokenize=bool(request["stop_strings"]),
+                    detokenize=bool(stop_strings),
                     seed=seed,
-                    ignore_eos=request["ignore_eos"],
-                    stop_token_ids=request["stop_token_ids"] or None,
-                    stop=request["stop_strings"] or None,
+                    ignore_eos=asked.stop is not None,  # an explicit stop replaces EOS
+                    stop_token_ids=stop_tokens or None,
+                    stop=stop_strings or None,
                     include_stop_str_in_output=True,
                 )
             )

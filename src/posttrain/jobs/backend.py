@@ -37,7 +37,7 @@ from posttrain.engine.devices import AUTO, resolve_device, resolve_worker_device
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.finder import DOTTED_PATH, did_you_mean
 from posttrain.inference.adapters import lora_sync_problem, planned_layers
-from posttrain.inference.config import InferenceConfig, vllm_head_problem
+from posttrain.inference.config import InferenceConfig, head_problem
 from posttrain.jobs.config import JobConfig, TeacherConfig
 from posttrain.jobs.job_task import JobTaskError, resolve_job_environment, resolve_job_task
 from posttrain.jobs.tables import REDACTED, is_secret
@@ -348,12 +348,12 @@ def _inference_problems(
 
 
 def engine_model_problem(config: JobConfig) -> str | None:
-    """Why the job's sampling engine cannot run its base model (`vllm_head_problem`), when the
+    """Why the job's sampling engine cannot run its base model (`head_problem`), when the
     model's config can be read here without a download; else None (register checks again)."""
-    if config.inference.engine != "vllm":
+    if config.inference.spec.cpu_head_sizes is None:
         return None
     found = base_model_config(config.model.base_model)
-    return vllm_head_problem(config.inference, found) if found is not None else None
+    return head_problem(config.inference, found) if found is not None else None
 
 
 def sync_problem(config: JobConfig) -> str | None:
@@ -361,7 +361,7 @@ def sync_problem(config: JobConfig) -> str | None:
     as register asks it), when the base model's config can be read here without a download;
     else None (register checks again). Every other sync is the server's to take at register."""
     inference, lora = config.inference, config.model.lora
-    if inference.engine != "openai" or inference.sync != "lora":
+    if inference.sync != "lora":  # only a server's engine has a sync
         return None
     found = base_model_config(config.model.base_model) if lora is not None else {}
     return lora_sync_problem(planned_layers(lora, found)) if found is not None else None

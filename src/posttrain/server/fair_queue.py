@@ -31,6 +31,7 @@ def as_tenant(tenant: Hashable) -> Iterator[None]:
     finally:
         current_tenant.reset(token)
 
+
 _IDLE = object()  # `FairQueue.running` when no call runs (None is a tenant)
 
 
