@@ -236,9 +236,15 @@ class Datum:
 class SamplingParams:
     """How to sample. `stop=None` stops at EOS; `stop=[]` never stops early.
 
-    The fields mirror the tinker SDK's SamplingParams, plus `entropies` (posttrain's extension,
-    which the Tinker protocol cannot carry): return each sampled token's entropy
-    (`SampledSequence.entropies`); samplers that cannot compute it refuse the request.
+    The fields mirror the tinker SDK's SamplingParams, plus vLLM's and OpenAI's `min_p` (drop
+    tokens below min_p times the likeliest one's probability), `repetition_penalty` (every
+    token already in the prompt or the output: a positive logit divided by it, a negative one
+    multiplied), `presence_penalty` and `frequency_penalty` (subtracted from the logit of each
+    token in the output, once or once per occurrence), and `entropies` (posttrain's: return
+    each sampled token's entropy, `SampledSequence.entropies`). Logprobs and entropies stay
+    those of log_softmax(logits / temperature), before truncation and penalties, as a
+    teacher-forced pass computes them. An engine that cannot honour a field refuses it by name
+    (`inference/engines.py`).
     """
 
     max_tokens: int | None = None
@@ -247,6 +253,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     entropies: bool = False
 
     def __post_init__(self) -> None:
@@ -260,6 +270,17 @@ class SamplingParams:
             lambda v: 0.0 <= v < math.inf,
         )
         _check_range("SamplingParams.top_p", self.top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        _check_range("SamplingParams.min_p", self.min_p, "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        _check_range(
+            "SamplingParams.repetition_penalty",
+            self.repetition_penalty,
+            "a finite number > 0 (1: off)",
+            lambda v: 0.0 < v < math.inf,
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_range(
+                f"SamplingParams.{name}", getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2
+            )
         if not is_instance(self.entropies, bool):
             raise ValueError(
                 f"SamplingParams.entropies must be true or false, got {self.entropies!r}"

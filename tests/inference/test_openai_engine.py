@@ -144,6 +144,10 @@ async def test_http_errors_name_the_url_status_and_message(server: ServerProcess
         (SamplingParams(max_tokens=4, top_k=5), "top_k = -1 and top_p = 1 only"),
         (SamplingParams(max_tokens=4, top_p=0.9), "top_k = -1 and top_p = 1 only"),
         (SamplingParams(max_tokens=4, entropies=True), "does not return token entropies"),
+        (SamplingParams(max_tokens=4, min_p=0.1), r"asked: min_p = 0\.1\)"),
+        (SamplingParams(max_tokens=4, repetition_penalty=1.2), "asked: repetition_penalty = 1.2"),
+        (SamplingParams(max_tokens=4, presence_penalty=0.5), "asked: presence_penalty = 0.5"),
+        (SamplingParams(max_tokens=4, frequency_penalty=-1), "asked: frequency_penalty = -1"),
         (SamplingParams(), "needs SamplingParams.max_tokens"),
     ],
 )

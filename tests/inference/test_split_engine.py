@@ -15,7 +15,10 @@ from posttrain.inference.config import InferenceConfig
 from posttrain.inference.process import EngineProcessError
 from posttrain.types import SamplingParams
 
-PARAMS = SamplingParams(max_tokens=6, seed=11, stop=[])
+# min_p and the penalties too: they cross to the worker process with the other fields.
+PARAMS = SamplingParams(
+    max_tokens=6, seed=11, stop=[], min_p=0.02, repetition_penalty=1.2, presence_penalty=0.3
+)
 
 
 async def _train_steps(

@@ -7,6 +7,7 @@ Every sampled result is compared with in-process sampling through the same clien
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,6 +123,36 @@ async def test_completion_equals_in_process_sampling(
         assert choice.finish_reason == "length" == sequence.stop_reason  # 6 tokens, no EOS
     assert out.usage is not None
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(PROMPT), 18)
+
+
+async def test_penalties_and_min_p_are_honoured_as_in_process(
+    oai: openai.AsyncOpenAI, client: LocalTrainingClient
+) -> None:
+    """OpenAI's presence/frequency penalties and vLLM's min_p/repetition_penalty reach the
+    sampler: the tokens are in-process sampling's with the same settings, not without them."""
+    extension = {"min_p": 0.05, "repetition_penalty": 1.5}
+    out = await oai.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        n=2,
+        seed=7,
+        max_tokens=12,
+        presence_penalty=1.2,
+        frequency_penalty=0.6,
+        extra_body=extension,
+    )
+    got = [c.model_extra["token_ids"] for c in out.choices]  # pyright: ignore[reportOptionalSubscript]
+    base = SamplingParams(max_tokens=12, seed=7)
+    expected = await in_process(client).sample(
+        PROMPT,
+        2,
+        dataclasses.replace(base, presence_penalty=1.2, frequency_penalty=0.6, **extension),
+    )
+    plain = await in_process(client).sample(PROMPT, 2, base)
+    assert got == [s.tokens for s in expected.sequences] != [s.tokens for s in plain.sequences]
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.completions.create(model="tiny", prompt=PROMPT, extra_body={"min_p": 2.0})
+    assert "SamplingParams.min_p must be in [0, 1], got 2.0" in err.value.message
 
 
 async def test_logprobs_equal_teacher_forced_logprobs(

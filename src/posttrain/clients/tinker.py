@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -152,14 +153,23 @@ def to_tinker_sampling_params(params: SamplingParams) -> Any:
     stop: Any = (
         params.stop if params.stop is None or isinstance(params.stop, str) else list(params.stop)
     )
-    return tinker.SamplingParams(
-        max_tokens=params.max_tokens,
-        seed=params.seed,
-        stop=stop,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-    )
+    # Each field asked for (not at its default) that the SDK's SamplingParams has is sent; one
+    # it lacks (min_p and the penalties in SDK 0.38) would be dropped, so it is refused.
+    sdk_fields = tinker.SamplingParams.model_fields
+    asked = {
+        f.name: getattr(params, f.name)
+        for f in dataclasses.fields(params)
+        if f.name not in ("stop", "entropies") and getattr(params, f.name) != f.default
+    }
+    lacking = [name for name in asked if name not in sdk_fields]
+    if lacking:
+        named = ", ".join(f"{name}={asked[name]!r}" for name in lacking)
+        raise ValueError(
+            f"SamplingParams {named}: the tinker SDK's SamplingParams has no such field, so a "
+            "Tinker-protocol sampler cannot honour it (the SDK drops unknown fields); sample "
+            "on LocalBackend or RayBackend, or through posttrain serve's OpenAI /v1 endpoint"
+        )
+    return tinker.SamplingParams(**asked, stop=stop)
 
 
 def from_tinker_sample(response: Any) -> SampleResponse:

@@ -3,8 +3,9 @@ keys are its own, which sampling fields it honours, how a LoRA run's adapter rea
 what it can do. Config checks, the engine session, the worker process, `posttrain backends`,
 `explain` and `doctor` read this table; none of them asks an engine's name.
 
-Adding an engine is a row here (and its runner or client); adding a sampling field is a word
-in the `sampling` of each engine that honours it, and every other engine refuses it by name.
+Adding an engine is a row here (and its runner or client). A new SamplingParams field is
+honoured by the engines whose `sampling` names it (pytorch: every field) and refused by name by
+every other engine.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
 from posttrain.inference.protocol import EngineCapabilities
-
-if TYPE_CHECKING:
-    from posttrain.types import SamplingParams
+from posttrain.types import SamplingParams
 
 EngineName = Literal["pytorch", "vllm", "openai"]
 # "here": this process, on the training weights; "process": a worker process of its own (on
@@ -26,13 +25,13 @@ EngineName = Literal["pytorch", "vllm", "openai"]
 Placement = Literal["here", "process", "server"]
 LoraRoute = Literal["adapter", "merge"]
 
-# The SamplingParams fields every engine honours; the others are in `EngineSpec.sampling`.
+# The SamplingParams fields every engine honours; the others, each at its neutral value (its
+# default, which leaves the distribution alone), are honoured by the engines whose
+# `EngineSpec.sampling` names them and refused by name by the rest. A new SamplingParams
+# field joins these by itself.
 BASE_SAMPLING = ("max_tokens", "seed", "stop", "temperature")
-# Each optional field at its neutral value (the one that leaves the distribution alone).
 OPTIONAL_SAMPLING: Mapping[str, object] = {
-    "top_k": -1,
-    "top_p": 1.0,
-    "entropies": False,
+    f.name: f.default for f in fields(SamplingParams) if f.name not in BASE_SAMPLING
 }
 # The fields that change which token is drawn (all but `entropies`, which only reports).
 DISTRIBUTION_FIELDS = tuple(f for f in OPTIONAL_SAMPLING if f != "entropies")
@@ -82,9 +81,10 @@ class EngineSpec:
         ]
         if asked:
             return (
-                f"the {self.name} engine samples with top_k = -1 and top_p = 1 only (asked: "
-                f"{', '.join(asked)}): {self.logprobs_from} fold truncation in and no longer "
-                "equal the trainer's log_softmax(logits / T); use engine = 'pytorch' for it"
+                f"the {self.name} engine samples with top_k = -1 and top_p = 1 only, without "
+                f"min_p or penalties (asked: {', '.join(asked)}): {self.logprobs_from} fold "
+                "them in and no longer equal the trainer's log_softmax(logits / T); use "
+                "engine = 'pytorch' for them"
             )
         if params.entropies and "entropies" not in self.sampling:
             return (

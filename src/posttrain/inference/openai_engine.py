@@ -247,10 +247,6 @@ class OpenAIEngine:
             "temperature": params.temperature,
             # Every field that shapes the distribution, at the value asked (neutral unless
             # the engine honours it), so that no server default changes it.
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
             **{name: getattr(params, name) for name in DISTRIBUTION_FIELDS},
             "seed": seed,
             "logprobs": self._logprobs_field,

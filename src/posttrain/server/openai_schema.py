@@ -13,6 +13,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from posttrain.inference.engines import DISTRIBUTION_FIELDS
 from posttrain.server.tinker_schema import (
     MAX_SAMPLE_TOKENS,
     TOKEN_ID_LIMIT,
@@ -63,14 +64,17 @@ class OpenAIError(Exception):
 class _SamplingFields(BaseModel):
     """Fields both endpoints share; unknown fields are ignored.
 
-    vLLM's extensions: `top_k`; `return_token_ids` (token ids are always returned; asking for
+    vLLM's extensions: `top_k`, `min_p`, `repetition_penalty`; `return_token_ids` (token ids are always returned; asking for
     them also turns on the sampled tokens' logprobs unless `logprobs` is given, as ART's
     server does: a trajectory needs both); `return_tokens_as_token_ids` (logprob tokens as
     "token_id:<id>"); `include_stop_str_in_output` (keep the stop string in the text, so the
     text re-renders to the sampled tokens).
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Extra fields are kept: those of SamplingParams that shape the distribution (OpenAI's
+    # presence_penalty and frequency_penalty, vLLM's min_p and repetition_penalty, and any
+    # added later) are read from them; the rest are ignored.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -173,8 +177,6 @@ _INERT: dict[str, Callable[[object], bool]] = {
     "suffix": lambda v: v is None or v == "",
     "best_of": lambda v: v is None or v == 1,
     "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
     "functions": lambda v: not v,
     "response_format": lambda v: v is None or v == {"type": "text"},
 }
@@ -228,6 +230,8 @@ def sampling_params(
         if any(not s for s in user):
             raise OpenAIError(400, "invalid stop: stop strings must not be empty", param="stop")
         stop = (*user, *eos_texts)
+    extra = request.model_extra or {}
+    shaping = {k: extra[k] for k in DISTRIBUTION_FIELDS if extra.get(k) is not None}
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -236,6 +240,7 @@ def sampling_params(
             temperature=1.0 if request.temperature is None else request.temperature,
             top_k=-1 if request.top_k is None else request.top_k,
             top_p=1.0 if request.top_p is None else request.top_p,
+            **shaping,
         )
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None

@@ -19,7 +19,7 @@ from posttrain.server import tinker_schema as s
 from posttrain.server.sample_batching import PendingSample, SampleGatherer
 from posttrain.server.store import SamplerRow
 from posttrain.server.tinker_api import Api, in_client_terms, not_found, owner
-from posttrain.types import ModelInput, SamplingParams
+from posttrain.types import ModelInput
 
 
 class SamplingApi:
@@ -115,7 +115,7 @@ class SamplingApi:
         # Built here, not in the job: what they refuse is the caller's to fix (a 400 naming it).
         try:
             prompt = ModelInput.from_ints([t for c in body.prompt.chunks for t in c.tokens])
-            params = SamplingParams(**body.sampling_params.model_dump())
+            params = body.sampling_params.params()
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
         key = None if body.seq_id is None else f"{row.sampling_session_id}#sample{body.seq_id}"

@@ -13,6 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from posttrain.inference.engines import DISTRIBUTION_FIELDS
+from posttrain.types import SamplingParams
+
 INT64_MAX = 2**63 - 1
 # Token ids as the protobuf carries them (int32); every vocabulary is far smaller.
 TOKEN_ID_LIMIT = 2**31
@@ -183,7 +186,14 @@ class Prompt(Body):
 
 
 class SamplingParamsBody(Body):
-    """Types and integer bounds; the ranges are `posttrain.types.SamplingParams`'s."""
+    """Types and integer bounds; the ranges are `posttrain.types.SamplingParams`'s.
+
+    Beyond the SDK's fields, those of SamplingParams that shape the distribution (min_p,
+    repetition_penalty, presence_penalty, frequency_penalty, and any added later) are taken
+    from extra keys, posttrain serve's extension for clients that send them (the tinker SDK
+    0.38 has no such fields); other extra keys are ignored, as before."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
 
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_SAMPLE_TOKENS)
     seed: Seed | None = None
@@ -191,6 +201,13 @@ class SamplingParamsBody(Body):
     temperature: float = 1.0
     top_k: int = Field(default=-1, ge=-1, lt=TOKEN_ID_LIMIT)
     top_p: float = 1.0
+
+    def params(self) -> SamplingParams:
+        """posttrain's SamplingParams (ValueError naming a field out of its range)."""
+        extra = self.model_extra or {}
+        shaping = {k: extra[k] for k in DISTRIBUTION_FIELDS if extra.get(k) is not None}
+        declared = {name: getattr(self, name) for name in type(self).model_fields}
+        return SamplingParams(**declared, **shaping)
 
 
 class Sample(Body):

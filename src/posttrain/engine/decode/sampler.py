@@ -5,8 +5,9 @@ the current weights: adapters are never merged or unmerged, and nothing drifts.
 
 Logprobs. Each sampled token reports its logprob under the distribution it was drawn from before
 truncation, log_softmax(logits / temperature) over the full vocabulary (log_softmax(logits) for
-greedy, temperature 0). top-k / top-p truncation is not folded in, as in vLLM's default, so the
-values equal a teacher-forced forward pass at the same temperature.
+greedy, temperature 0). min-p / top-k / top-p truncation and the repetition, presence and
+frequency penalties are not folded in, as in vLLM's default, so the values equal a
+teacher-forced forward pass at the same temperature.
 
 Entropies (`SamplingParams.entropies`). Each sampled token's Shannon entropy, in nats, of the
 same distribution as its logprob: softmax(logits / temperature) over the full vocabulary before
@@ -41,7 +42,7 @@ from transformers.cache_utils import Cache
 from posttrain.engine.decode.entropy import sampling_entropies
 from posttrain.engine.decode.kv_cache import cache_keyword, preallocated_cache
 from posttrain.engine.decode.multi_lora import MultiLora
-from posttrain.engine.decode.token_draw import draw_tokens, scaled_logits
+from posttrain.engine.decode.token_draw import TokenCounts, draw_tokens, scaled_logits
 from posttrain.engine.logprob_pass import target_logprobs
 from posttrain.tokenizer import end_of_turn_id
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
@@ -213,10 +214,17 @@ class Sampler:
         batch, logits_AV, cache = self._prefill(rows, num_samples, limits, device)
         out = _Outputs.empty(batch.rows_A.numel(), max(limits), device, params.entropies)
         uniforms = _Uniforms(seeds, device) if params.temperature > 0 else None
+        counts = TokenCounts.build(rows, num_samples, logits_AV.shape[-1], params, device)
         for step in range(max(limits)):
             u_A = uniforms.at(step, batch.rows_A) if uniforms is not None else None
             scaled_AV = scaled_logits(logits_AV, params, u_A)
-            tokens_A, logp_A = draw_tokens(scaled_AV, params, u_A)
+            penalized_AV = None
+            if counts is not None:
+                penalized = counts.penalize(logits_AV, batch.rows_A, params)
+                penalized_AV = scaled_logits(penalized, params, u_A)
+            tokens_A, logp_A = draw_tokens(scaled_AV, params, u_A, penalized_AV)
+            if counts is not None:
+                counts.add(batch.rows_A, tokens_A)
             h_A = sampling_entropies(scaled_AV) if params.entropies else None
             out.write(batch.rows_A, step, tokens_A, logp_A, h_A)
             hit_A = stops.hit(tokens_A, out, batch.rows_A, step, self.tokenizer)

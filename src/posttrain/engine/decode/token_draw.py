@@ -1,8 +1,14 @@
-"""Drawing the next token from a decode step's logits: temperature, top-k / top-p truncation,
-inverse-CDF draws from given uniforms, and each token's logprob under the untruncated
-distribution (`engine.decode.sampler`'s module docstring says why untruncated)."""
+"""Drawing the next token from a decode step's logits: penalties, temperature, min-p / top-k /
+top-p truncation, inverse-CDF draws from given uniforms, and each token's logprob under the
+untruncated, unpenalized distribution (`engine.decode.sampler`'s module docstring says why).
+
+The order is vLLM's: repetition, frequency and presence penalties on the raw logits, then the
+temperature, then min-p, top-k and top-p."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,20 +42,33 @@ def scaled_logits(
 
 
 def draw_tokens(
-    scaled_AV: torch.Tensor, params: SamplingParams, u_A: torch.Tensor | None
+    scaled_AV: torch.Tensor,
+    params: SamplingParams,
+    u_A: torch.Tensor | None,
+    penalized_AV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens drawn from `scaled_logits` (truncated by top-k / top-p), and their logprobs
-    under the untruncated distribution."""
+    """Tokens drawn from `penalized_AV` (`scaled_logits` of the penalized logits; None: no
+    penalty, `scaled_AV`), truncated by min-p / top-k / top-p, and their logprobs under
+    `scaled_AV`, the untruncated, unpenalized distribution."""
+    drawn_AV = scaled_AV if penalized_AV is None else penalized_AV
     if u_A is None or params.temperature == 0:
-        tokens_A = scaled_AV.argmax(-1)
+        tokens_A = drawn_AV.argmax(-1)
     else:
-        tokens_A = _inverse_cdf(truncate_logits(scaled_AV, params.top_k, params.top_p), u_A)
+        kept_AV = truncate_logits(drawn_AV, params.top_k, params.top_p, params.min_p)
+        tokens_A = _inverse_cdf(kept_AV, u_A)
     chosen_A = scaled_AV.gather(1, tokens_A[:, None]).squeeze(1)
     return tokens_A, chosen_A - scaled_AV.logsumexp(-1)
 
 
-def truncate_logits(logits_AV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k, then outside the top-p nucleus, to -inf (top_k=-1, top_p=1: off)."""
+def truncate_logits(
+    logits_AV: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """Set logits below min_p times the likeliest token's probability, then outside the top-k,
+    then outside the top-p nucleus, to -inf (min_p=0, top_k=-1, top_p=1: off)."""
+    if min_p > 0.0:
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); the likeliest stays.
+        floor_A1 = logits_AV.amax(-1, keepdim=True) + torch.log(torch.tensor(min_p))
+        logits_AV = logits_AV.masked_fill(logits_AV < floor_A1, float("-inf"))
     if 0 < top_k < logits_AV.shape[-1]:
         kth_A1 = logits_AV.topk(top_k, dim=-1).values[:, -1:]
         logits_AV = logits_AV.masked_fill(logits_AV < kth_A1, float("-inf"))
@@ -71,3 +90,68 @@ def _inverse_cdf(logits_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:
     # x < total strictly, so the chosen token has positive probability (cdf rises there).
     x_A1 = torch.minimum(u_A[:, None] * total_A1, total_A1.nextafter(torch.zeros_like(total_A1)))
     return torch.searchsorted(cdf_AV, x_A1, right=True).squeeze(1)
+
+
+def penalized(params: SamplingParams) -> bool:
+    """Whether `params` asks for a penalty, so that drawing needs the tokens seen so far."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+@dataclass
+class TokenCounts:
+    """Each row's output so far as token counts [A, V], and the tokens its prompt holds [A, V]
+    (for the repetition penalty only): what the penalties read."""
+
+    output_AV: torch.Tensor
+    prompt_AV: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        num_samples: int,
+        vocab: int,
+        params: SamplingParams,
+        device: torch.device,
+    ) -> TokenCounts | None:
+        """Counts for `num_samples` rows per prompt, or None when `params` has no penalty."""
+        if not penalized(params):
+            return None
+        rows = len(prompts) * num_samples
+        output_AV = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        prompt_AV = None
+        if params.repetition_penalty != 1.0:
+            seen_PV = torch.zeros(len(prompts), vocab, dtype=torch.bool, device=device)
+            for i, prompt in enumerate(prompts):
+                seen_PV[i, torch.tensor(list(prompt), device=device)] = True
+            prompt_AV = seen_PV.repeat_interleave(num_samples, 0)
+        return cls(output_AV, prompt_AV)
+
+    def add(self, rows_A: torch.Tensor, tokens_A: torch.Tensor) -> None:
+        """Count the tokens just drawn for `rows_A` (each row once)."""
+        self.output_AV[rows_A, tokens_A] += 1.0
+
+    def penalize(
+        self, logits_AV: torch.Tensor, rows_A: torch.Tensor, params: SamplingParams
+    ) -> torch.Tensor:
+        """`logits_AV` of `rows_A` with the penalties: a token seen in the prompt or the
+        output has a positive logit divided by repetition_penalty and a negative one
+        multiplied; each output token's logit loses frequency_penalty per occurrence and
+        presence_penalty once."""
+        counts_AV = self.output_AV[rows_A]
+        if params.repetition_penalty != 1.0:
+            seen_AV = counts_AV > 0
+            if self.prompt_AV is not None:
+                seen_AV |= self.prompt_AV[rows_A]
+            r = params.repetition_penalty
+            scaled_AV = torch.where(logits_AV > 0, logits_AV / r, logits_AV * r)
+            logits_AV = torch.where(seen_AV, scaled_AV, logits_AV)
+        if params.frequency_penalty != 0.0:
+            logits_AV = logits_AV - params.frequency_penalty * counts_AV
+        if params.presence_penalty != 0.0:
+            logits_AV = logits_AV - params.presence_penalty * (counts_AV > 0).float()
+        return logits_AV
