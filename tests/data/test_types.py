@@ -223,8 +223,13 @@ def test_names_and_constructors_match_the_tinker_sdk():
         (SamplingParams, tinker_types.SamplingParams),
         (AdamParams, tinker_types.AdamParams),
     ):
-        # SamplingParams.entropies is posttrain's extension (the protocol cannot carry it).
-        extensions = {"entropies"} if ours_cls is SamplingParams else set()
+        # posttrain's extensions: entropies (the protocol cannot carry it), and vLLM's and
+        # OpenAI's min_p and penalties (SDK 0.38 has no fields for them; issue 36).
+        extensions = (
+            {"entropies", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+            if ours_cls is SamplingParams
+            else set()
+        )
         defaults = {
             f.name: f.default for f in dataclasses.fields(ours_cls) if f.name not in extensions
         }

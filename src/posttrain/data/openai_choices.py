@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from posttrain.data.checks import is_mapping, is_sequence
-from posttrain.data.trajectories import MessageOrChoice, TokenSegment
+from posttrain.data.segments import MessageOrChoice, TokenSegment
 
 TOKEN_IDS_HINT = (
     "sample through posttrain's endpoint (model.openai_client(), or `posttrain serve`), or a "

@@ -7,15 +7,15 @@ messages. It is built in one of two forms:
 - posttrain's: `Trajectory(segments, reward)`, from a sampler or a `TrajectoryBuilder`;
 - ART's: `Trajectory(messages_and_choices=[...], reward=...)`, chat messages (dicts) and the
   OpenAI choices sampled between them. Its tokens come from the choices' token ids
-  (`posttrain.data.openai_choices`), never from a chat template, and are derived when read: a
-  rollout may append to `messages_and_choices` after construction, as ART's rollouts do.
+  (`posttrain.data.openai_choices`), never from a chat template. A rollout may append to
+  `messages_and_choices` after construction, as ART's rollouts do, so until the rollout is
+  checked (`check_trajectory`, when its group runs) each read derives them afresh; the check
+  stores them, and from then on the trajectory holds one form, its segments.
 
 A trajectory's reward may be assigned later (`trajectory.reward = 1.0`); every assignment is
 checked to be a finite number. A `TrajectoryGroup` holds trajectories, or awaitables of them
 (rollouts still to run): awaiting the group, or gathering it with
 `posttrain.rollouts.builder.gather_trajectory_groups`, runs them.
-
-This module imports nothing from posttrain at import time (`types` re-exports it).
 """
 
 from __future__ import annotations
@@ -23,96 +23,48 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from collections.abc import (
-    Awaitable,
-    Callable,
-    Generator,
-    Iterable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeAlias, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from posttrain.data.checks import is_instance
+from posttrain.data.openai_choices import message_of, segments_from_messages_and_choices
+from posttrain.data.segments import (
+    JSONScalar,
+    MessageOrChoice,
+    Messages,
+    TokenSegment,
+)
 
-if TYPE_CHECKING:  # the openai SDK is optional: its types name what the messages are
-    from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+if TYPE_CHECKING:  # the openai SDK is optional: its types name what the tools are
+    from openai.types.chat import ChatCompletionToolParam
 
-JSONScalar: TypeAlias = str | int | float | bool | None
+
 # Trajectory metadata keys the trainer reads: the model step whose weights sampled it, and the
 # sampling temperature (the parity check, `trainer.parity`, compares only on-policy tokens).
 POLICY_VERSION = "policy_version"
 SAMPLING_TEMPERATURE = "sampling_temperature"
 
-
-class ChoiceLike(Protocol):
-    """An OpenAI choice (chat or text completion) as the `openai` SDK gives it; posttrain's and
-    vLLM's servers add `token_ids` and `prompt_token_ids` to it."""
-
-    @property
-    def index(self) -> int: ...
-
-
-# A chat message (a dict with a "role") or a choice; a choice may also be a plain dict (JSON).
-MessageOrChoice: TypeAlias = Mapping[str, object] | ChoiceLike
-
-OwnerT = TypeVar("OwnerT")
 GetT = TypeVar("GetT")
 SetT = TypeVar("SetT")
 
 
-class _Field(Generic[OwnerT, GetT, SetT]):
-    """A dataclass field read and written through functions: a value derived on each read stays
-    a field, so `dataclasses.replace`, `==` and `repr` see it."""
+class _Checked(Generic[GetT, SetT]):
+    """A dataclass field whose value passes its owner's `_put_<name>` on every assignment and
+    is read by its `_read_<name>`; `dataclasses.replace`, `==` and `repr` see it as a field."""
 
-    def __init__(self, get: Callable[[OwnerT], GetT], put: Callable[[OwnerT, SetT], None]) -> None:
-        self._get, self._put = get, put
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._read, self._put = f"_read_{name}", f"_put_{name}"
 
     @overload
-    def __get__(self, obj: None, owner: type[OwnerT]) -> _Field[OwnerT, GetT, SetT]: ...
+    def __get__(self, obj: None, owner: type) -> _Checked[GetT, SetT]: ...
     @overload
-    def __get__(self, obj: OwnerT, owner: type[OwnerT]) -> GetT: ...
-    def __get__(self, obj: OwnerT | None, owner: type[OwnerT]) -> GetT | _Field[OwnerT, GetT, SetT]:
-        return self if obj is None else self._get(obj)
+    def __get__(self, obj: object, owner: type) -> GetT: ...
+    def __get__(self, obj: object | None, owner: type) -> Any:
+        return self if obj is None else getattr(obj, self._read)()
 
-    def __set__(self, obj: OwnerT, value: SetT) -> None:
-        self._put(obj, value)
-
-
-@dataclass(frozen=True)
-class TokenSegment:
-    """A run of tokens in a trajectory. Sampled runs are trainable and carry sampler logprobs,
-    and, when sampled with entropies, each token's sampling-distribution entropy (nats; see
-    `SampledSequence.entropies`), which `uncertainty_kind='shannon_entropy'` reads."""
-
-    tokens: tuple[int, ...]
-    trainable: bool = False
-    logprobs: tuple[float, ...] | None = None
-    entropies: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
-        for name, one in (("logprobs", "logprob"), ("entropies", "entropy")):
-            given: Sequence[float] | None = getattr(self, name)
-            if given is None:
-                continue
-            values = tuple(float(x) for x in given)
-            object.__setattr__(self, name, values)
-            if len(values) != len(self.tokens):
-                raise ValueError(
-                    f"TokenSegment.{name} has {len(values)} values for "
-                    f"{len(self.tokens)} tokens; give one {one} per token"
-                )
-
-
-class Messages(tuple[Mapping[str, object], ...]):
-    """A trajectory's chat messages: a tuple, and callable as ART's `trajectory.messages()`,
-    which gives them as a list of dicts (to send as the next request's `messages`)."""
-
-    def __call__(self) -> list[ChatCompletionMessageParam]:
-        return [cast("ChatCompletionMessageParam", dict(m)) for m in self]
+    def __set__(self, obj: object, value: SetT) -> None:
+        getattr(obj, self._put)(value)
 
 
 def finite_reward(value: object) -> float:
@@ -131,41 +83,21 @@ def finite_reward(value: object) -> float:
     return number
 
 
-def _get_segments(trajectory: Trajectory) -> tuple[TokenSegment, ...]:
-    return trajectory.token_segments()
-
-
-def _set_segments(trajectory: Trajectory, segments: Sequence[TokenSegment] | None) -> None:
-    trajectory.set_token_segments(segments)
-
-
-def _get_messages(trajectory: Trajectory) -> Messages:
-    return trajectory.chat_messages()
-
-
-def _set_messages(trajectory: Trajectory, messages: Sequence[Mapping[str, object]]) -> None:
-    trajectory.set_chat_messages(messages)
-
-
 @dataclass(init=False, eq=True)
 class Trajectory:
     """One episode: token segments in order, a scalar reward, metrics, metadata and the chat
     messages (for display and the next request; never used to rebuild tokens).
 
-    `segments` and `messages` are given (posttrain's form), or derived on each read from
+    `segments` and `messages` are given (posttrain's form), or derived from
     `messages_and_choices` (ART's form; see the module docstring). Given ones win, so
     `dataclasses.replace(trajectory, segments=...)` keeps working on either form.
     """
 
-    segments: _Field[Trajectory, tuple[TokenSegment, ...], Sequence[TokenSegment] | None] = _Field(
-        _get_segments, _set_segments
-    )
-    reward: float
+    segments: _Checked[tuple[TokenSegment, ...], Sequence[TokenSegment] | None] = _Checked()
+    reward: _Checked[float, float] = _Checked()
     metrics: dict[str, float]
     metadata: dict[str, JSONScalar]
-    messages: _Field[Trajectory, Messages, Sequence[Mapping[str, object]]] = _Field(
-        _get_messages, _set_messages
-    )
+    messages: _Checked[Messages, Sequence[Mapping[str, object]]] = _Checked()
     messages_and_choices: list[MessageOrChoice] | None
     tools: list[ChatCompletionToolParam] | None
     logs: list[str]
@@ -193,9 +125,6 @@ class Trajectory:
                 f"Trajectory.messages_and_choices is a list of messages and choices, got a {kind}; "
                 "wrap it in a list"
             )
-        self._segments: tuple[TokenSegment, ...] | None = None
-        self._messages: Messages | None = None
-        self._derived: tuple[tuple[MessageOrChoice, ...], tuple[TokenSegment, ...]] | None = None
         self.messages_and_choices = (
             None if messages_and_choices is None else list(messages_and_choices)
         )
@@ -203,18 +132,15 @@ class Trajectory:
         self.reward = reward
         self.metrics = dict(metrics or {})
         self.metadata = dict(metadata or {})
+        self._messages: Messages | None = None
         if messages or messages_and_choices is None:
             self.messages = messages
         self.tools = None if tools is None else list(tools)
         self.logs = list(logs)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        # The reward may be assigned after the rollout; a NaN must never reach the advantages.
-        super().__setattr__(name, finite_reward(value) if name == "reward" else value)
-
-    def set_token_segments(self, segments: Sequence[TokenSegment] | None) -> None:
+    def _put_segments(self, segments: Sequence[TokenSegment] | None) -> None:
         if segments is None:
-            self._segments = None
+            self._segments: tuple[TokenSegment, ...] | None = None
             return
         if isinstance(segments, TokenSegment):
             raise ValueError("Trajectory.segments is a sequence of TokenSegments; wrap it in (...)")
@@ -229,39 +155,39 @@ class Trajectory:
                 )
         self._segments = segments
 
-    def token_segments(self) -> tuple[TokenSegment, ...]:
-        """The given segments, or those of the choices in `messages_and_choices` (cached until
-        the list changes); ValueError naming the choice if they cannot give exact tokens."""
+    def _read_segments(self) -> tuple[TokenSegment, ...]:
+        """The given (or checked) segments, else those of the choices in
+        `messages_and_choices` as they are now; ValueError naming the choice if they cannot
+        give exact tokens."""
         if self._segments is not None:
             return self._segments
-        items = tuple(self.messages_and_choices or ())
-        cached = self._derived
-        # The cache holds the items themselves, so `is` never mistakes a new object for one
-        # freed since (as an id could).
-        if (
-            cached is None
-            or len(cached[0]) != len(items)
-            or any(a is not b for a, b in zip(cached[0], items, strict=True))
-        ):
-            from posttrain.data.openai_choices import segments_from_messages_and_choices
+        return segments_from_messages_and_choices(tuple(self.messages_and_choices or ()))
 
-            cached = (items, segments_from_messages_and_choices(items))
-            self._derived = cached
-        return cached[1]
+    def _put_reward(self, value: object) -> None:
+        # The reward may be assigned after the rollout; a NaN must never reach the advantages.
+        self._reward = finite_reward(value)
 
-    def set_chat_messages(self, messages: Sequence[Mapping[str, object]]) -> None:
+    def _read_reward(self) -> float:
+        return self._reward
+
+    def _put_messages(self, messages: Sequence[Mapping[str, object]]) -> None:
         if isinstance(messages, str | Mapping):
             raise ValueError("Trajectory.messages is a sequence of message dicts; wrap it in (...)")
         self._messages = Messages(messages)
 
-    def chat_messages(self) -> Messages:
+    def _read_messages(self) -> Messages:
         """The given messages, or those of `messages_and_choices`, each choice as the assistant
         message it carries."""
         if self._messages is not None or self.messages_and_choices is None:
             return self._messages or Messages()
-        from posttrain.data.openai_choices import message_of
-
         return Messages(message_of(item) for item in self.messages_and_choices)
+
+    def check(self) -> None:
+        """Derive an ART-form trajectory's segments once and keep them: its one form from now
+        on (a rollout's end; `check_trajectory`). ValueError naming a choice that cannot give
+        exact tokens."""
+        if self._segments is None:
+            self.segments = self._read_segments()
 
     @property
     def tokens(self) -> list[int]:
@@ -276,14 +202,6 @@ class Trajectory:
         self.logs.append(message)
 
 
-def _get_trajectories(group: TrajectoryGroup) -> tuple[Trajectory, ...]:
-    return group.resolved_trajectories()
-
-
-def _set_trajectories(group: TrajectoryGroup, trajectories: Iterable[object]) -> None:
-    group.set_trajectories(trajectories)
-
-
 @dataclass(init=False, eq=True)
 class TrajectoryGroup:
     """Trajectories sampled for the same prompt; advantages are computed within a group.
@@ -294,9 +212,7 @@ class TrajectoryGroup:
     tolerates a bounded number of failures, recorded in the result's `exceptions`.
     """
 
-    trajectories: _Field[TrajectoryGroup, tuple[Trajectory, ...], Iterable[object]] = _Field(
-        _get_trajectories, _set_trajectories
-    )
+    trajectories: _Checked[tuple[Trajectory, ...], Iterable[object]] = _Checked()
     exceptions: tuple[BaseException, ...]
     metadata: dict[str, JSONScalar]
     metrics: dict[str, float]
@@ -319,7 +235,7 @@ class TrajectoryGroup:
         self.metrics = dict(metrics or {})
         self.logs = list(logs)
 
-    def set_trajectories(self, trajectories: Iterable[object]) -> None:
+    def _put_trajectories(self, trajectories: Iterable[object]) -> None:
         if isinstance(trajectories, Trajectory):
             raise ValueError("TrajectoryGroup.trajectories is a list of trajectories; wrap it")
         done: list[Trajectory] = []
@@ -338,7 +254,7 @@ class TrajectoryGroup:
             raise ValueError("TrajectoryGroup.trajectories is empty: a group needs trajectories")
         self._trajectories, self._pending = tuple(done), tuple(pending)
 
-    def resolved_trajectories(self) -> tuple[Trajectory, ...]:
+    def _read_trajectories(self) -> tuple[Trajectory, ...]:
         if self._pending:
             raise ValueError(
                 f"this TrajectoryGroup has {len(self._pending)} rollouts not yet run: await it, "
@@ -425,5 +341,5 @@ def check_trajectory(trajectory: object) -> Trajectory:
             f"a rollout returned a {type(trajectory).__name__}; rollouts in a TrajectoryGroup "
             "return a Trajectory"
         )
-    trajectory.token_segments()
+    trajectory.check()
     return trajectory

@@ -228,7 +228,7 @@ class Judge:
         for trajectory in group.trajectories:
             messages = [
                 {"role": str(m.get("role")), "content": str(m.get("content") or "")}
-                for m in trajectory.chat_messages()
+                for m in trajectory.messages
             ]
             if not messages or messages[-1]["role"] != "assistant":
                 raise JudgeError("judge.rescore: a trajectory does not end with an assistant turn")
