@@ -27,7 +27,7 @@ from loss_helpers import (
     seeded_rows,
 )
 
-from posttrain.algo.loss_checks import PER_TOKEN_INPUTS
+from posttrain.algo.loss_config import PER_TOKEN_INPUTS
 from posttrain.algo.loss_metrics import summarize
 from posttrain.algo.losses import (
     DEFAULT_THRESHOLDS,

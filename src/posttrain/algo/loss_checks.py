@@ -7,57 +7,20 @@ losses it applies to.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from posttrain.algo.config_fields import APPLIES_TO
+from posttrain.algo.loss_config import (
+    CLIP_KEYS,
+    DEFAULT_THRESHOLDS,
+    RATIO_LOSSES,
+    REQUIRED_INPUTS,
+)
 
 if TYPE_CHECKING:
-    import torch
-
-    from posttrain.algo.losses import LossConfig
-
-# Absolute ratio bounds (lo, hi) per loss when the config leaves them None: Tinker's documented
-# defaults for ppo and cispo; the GSPO paper's clip ranges 3e-4 / 4e-4 around 1 for gspo (a
-# sequence ratio is a per-token geometric mean, so it stays far closer to 1 than token ratios);
-# importance_sampling never clips and uses its bounds only as mask_prob_ratio's band.
-DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
-    "importance_sampling": (0.8, 1.2),
-    "ppo": (0.8, 1.2),
-    "cispo": (0.0, 4.0),
-    "gspo": (1 - 3e-4, 1 + 4e-4),
-}
-RATIO_LOSSES = tuple(DEFAULT_THRESHOLDS)
-
-_POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
-REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("target_tokens", "weights"),
-    "importance_sampling": _POLICY_INPUTS,
-    "ppo": _POLICY_INPUTS,
-    "cispo": _POLICY_INPUTS,
-    "dro": _POLICY_INPUTS,
-    "gspo": _POLICY_INPUTS,
-    "value": ("target_tokens", "returns"),  # a critic's (`algo.value_loss`)
-}
-THRESHOLD_KEYS = ("clip_low_threshold", "clip_high_threshold")
-CLIP_KEYS = ("epsilon", "epsilon_high")  # LossConfig's clip range
-# Every loss_fn_input a loss reads, one value per token: each must have logp_BT's [B, T] shape
-# exactly. Broadcasting would silently give a [B, 1] advantage to every token of its row, and a
-# [B, T+1] input (one value per token of the whole sequence rather than per target) would fail
-# inside torch with a message that names no key. Other keys pass through unchecked.
-PER_TOKEN_INPUTS = (
-    "target_tokens",
-    "weights",
-    "advantages",
-    "logprobs",
-    "mask",
-    "sampler_logprobs",
-    "ref_logprobs",
-    "sequence_ratio_mask",
-    *THRESHOLD_KEYS,
-    *("returns", "old_values", "value_clip"),
-)
+    from posttrain.algo.loss_config import LossConfig
 
 
 def resolved_thresholds(name: str, config: LossConfig) -> tuple[float, float]:
@@ -128,28 +91,6 @@ def check_inputs(name: str, keys: Collection[str], config: LossConfig | None = N
         )
     if config.kl_penalty_coef > 0 and "ref_logprobs" not in keys:
         raise ValueError("kl_penalty_coef > 0 needs loss_fn_inputs['ref_logprobs']")
-
-
-def check_shapes(
-    logp_BT: torch.Tensor,
-    inputs: Mapping[str, torch.Tensor],
-    pad_mask_BT: torch.Tensor,
-    entropy_BT: torch.Tensor | None,
-) -> None:
-    """Raise ValueError naming the first per-token tensor whose shape is not logp_BT's [B, T]."""
-    shape = tuple(logp_BT.shape)
-    if len(shape) != 2:
-        raise ValueError(f"LossBatch.logp_BT must be 2-D [B, T], got shape {shape}")
-    named = [("pad_mask_BT", pad_mask_BT), ("entropy_BT", entropy_BT)]
-    named += [(f"inputs[{key!r}]", inputs[key]) for key in PER_TOKEN_INPUTS if key in inputs]
-    for name, tensor in named:
-        if tensor is not None and tuple(tensor.shape) != shape:
-            raise ValueError(
-                f"LossBatch.{name} has shape {tuple(tensor.shape)} but logp_BT has shape {shape}: "
-                f"give exactly one value per target token, logp_BT's [B, T] (no broadcasting: "
-                f"repeat a per-sequence [B, 1] value over its row's tokens; an input one longer "
-                f"than T is aligned with the whole sequence, not with target_tokens)"
-            )
 
 
 def _check_name(name: str) -> None:

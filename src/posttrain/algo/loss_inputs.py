@@ -14,7 +14,7 @@ import torch
 from posttrain.algo.ratios import kl_estimate, kl_shaped_advantages, known_logprobs, log_ratio
 
 if TYPE_CHECKING:
-    from posttrain.algo.losses import LossBatch, LossConfig
+    from posttrain.algo.loss_config import LossBatch, LossConfig
 
 
 @dataclass(frozen=True)

@@ -11,29 +11,20 @@ Each loss returns Σ_t w_t·m_t·ℓ_t, with the weights `w` and mask `m` of `Lo
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from posttrain.algo.config_fields import (
-    NON_NEGATIVE,
-    POSITIVE,
-    Check,
-    ConfigValue,
-    check_fields,
-    option,
-)
-from posttrain.algo.loss_checks import (
+from posttrain.algo.loss_checks import check_config, check_inputs, resolved_thresholds
+from posttrain.algo.loss_config import (
+    ART_CLIP_DEFAULTS,
     DEFAULT_THRESHOLDS,
     RATIO_LOSSES,
     REQUIRED_INPUTS,
-    check_config,
-    check_inputs,
-    check_shapes,
-    resolved_thresholds,
+    KLMode,
+    LossBatch,
+    LossConfig,
 )
 from posttrain.algo.loss_inputs import (
     clip_bounds,
@@ -43,7 +34,6 @@ from posttrain.algo.loss_inputs import (
     weight_and_mask,
 )
 from posttrain.algo.loss_output import LossOutput
-from posttrain.algo.loss_wire import from_loss_fn_config
 from posttrain.algo.ratios import (
     ImportanceSamplingLevel,
     KLEstimator,
@@ -78,110 +68,6 @@ __all__ = [
     "resolved_thresholds",
     "with_art_clip_defaults",
 ]
-
-KLMode = Literal["loss", "advantage"]
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Options of the losses, each a `train()` option of the same name. `None` clip bounds take
-    each loss's default."""
-
-    epsilon: float | None = option(
-        None,
-        "clip range low side: ratio >= 1 - epsilon (None: the loss's default)",
-        Check("in [0, 1] (the clip floor is 1 - epsilon)", lambda v: 0 <= v <= 1),
-        applies_to=RATIO_LOSSES,
-    )
-    epsilon_high: float | None = option(
-        None,
-        "clip range high side: ratio <= 1 + epsilon_high (None: epsilon)",
-        Check("a finite number >= 0 (the clip ceiling is 1 + epsilon_high)", NON_NEGATIVE.ok),
-        applies_to=RATIO_LOSSES,
-    )
-    dro_beta: float = option(
-        0.05, "quadratic penalty of the dro loss", NON_NEGATIVE, applies_to=("dro",)
-    )
-    importance_sampling_level: ImportanceSamplingLevel = option(
-        "token",
-        "token ratios, one ratio per sequence (GSPO), or a mix",
-        applies_to=RATIO_LOSSES,
-    )
-    truncated_importance_sampling: float | None = option(
-        None,
-        "cap U on the trainer/sampler ratio (needs precalculate_logprobs)",
-        Check("a finite cap > 0 (None: no cap)", lambda v: 0 < v < math.inf),
-        applies_to=RATIO_LOSSES,
-    )
-    mask_prob_ratio: bool = option(
-        False, "zero the loss of tokens whose ratio leaves the clip band", applies_to=RATIO_LOSSES
-    )
-    max_negative_advantage_importance_sampling_weight: float | None = option(
-        None,
-        "cap M on the ratio of tokens with a negative advantage, r <- min(r, M) where A < 0 "
-        "(as named; ART caps every token's ratio)",
-        Check("a finite cap > 0 (None: no cap)", POSITIVE.ok),
-        applies_to=RATIO_LOSSES,
-    )
-    kimi_k2_tau: float | None = option(
-        None,
-        "Kimi K2's tau: advantages minus tau times the log-ratio",
-        NON_NEGATIVE,
-        applies_to=RATIO_LOSSES,
-    )
-    kl_penalty_coef: float = option(
-        0.0,
-        "KL penalty weight against the base model (LoRA disabled)",
-        NON_NEGATIVE,
-        applies_to=RATIO_LOSSES,
-    )
-    kl_estimator: KLEstimator = option(
-        "k3", "k1 (log-ratio) or k3 (Schulman's unbiased, non-negative) estimator"
-    )
-    kl_mode: KLMode = option(
-        "loss", "add the KL to the loss, or shape the advantages with it (ART)"
-    )
-    allow_training_without_logprobs: bool = option(
-        False, "train trajectories without sampler logprobs (ratio 1)"
-    )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-    @classmethod
-    def from_mapping(
-        cls, values: Mapping[str, ConfigValue], loss_fn: str | None = None
-    ) -> LossConfig:
-        """Parse a `loss_fn_config`: Tinker's keys (clip_low_threshold, clip_high_threshold,
-        dro's beta) or LossConfig's own; a None value means the default (`algo.loss_wire`)."""
-        return from_loss_fn_config(cls, values, loss_fn)
-
-
-@dataclass(frozen=True)
-class LossBatch:
-    """Padded per-token tensors of one micro-batch; padding has weights 0 and mask 0.
-
-    `logp_BT` is the learner's log p(target) and carries the gradient. `inputs` holds the
-    datums' `loss_fn_inputs` padded to [B, T]: `target_tokens`, and as the loss needs them
-    `weights`, `advantages`, `logprobs` (behaviour policy), `mask`, `sampler_logprobs`,
-    `ref_logprobs`, per-token `clip_low_threshold`/`clip_high_threshold`. `entropy_BT` (no
-    gradient) is optional, for diagnostics only.
-
-    Weights `w` default to 1 on real tokens. The mask `m` (inputs["mask"]; else weights ≠ 0 if
-    weights are given; else the real tokens) marks the tokens that count: it gates the loss and
-    picks the tokens of sequence means (gspo: inputs["sequence_ratio_mask"] if given), KL
-    centring, missing-logprob checks and diagnostics. Sequence-level ratios and KL need a mask or
-    weights that leave out prompt tokens, whose `logprobs` are placeholders.
-    """
-
-    logp_BT: torch.Tensor
-    inputs: Mapping[str, torch.Tensor]
-    pad_mask_BT: torch.Tensor
-    entropy_BT: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        check_shapes(self.logp_BT, self.inputs, self.pad_mask_BT, self.entropy_BT)
-
 
 LossFn = Callable[[LossBatch, LossConfig], LossOutput]
 
@@ -332,12 +218,6 @@ def dro(batch: LossBatch, config: LossConfig) -> LossOutput:
     loss_BT = -(tokens.logp_BT * tokens.adv_BT - penalty_BT)
     ratio_BT = log_ratio(tokens.logp_BT, tokens.old_logp_BT).exp().detach()
     return _output(batch, tokens.weight_BT, tokens.mask_BT, loss_BT, {"ratio": ratio_BT})
-
-
-# ART's clip range per loss as (epsilon, epsilon_high), epsilon_high None meaning epsilon: the
-# trainer's defaults, so an ART script ports unchanged. Tinker's protocol defaults (the losses'
-# own, `DEFAULT_THRESHOLDS`) differ for cispo: its high bound is 4.0 there, 1 + 4.0 here.
-ART_CLIP_DEFAULTS: dict[str, tuple[float, float | None]] = {"ppo": (0.2, None), "cispo": (1.0, 4.0)}
 
 
 def with_art_clip_defaults(name: str, config: LossConfig) -> LossConfig:

@@ -16,7 +16,7 @@ from posttrain.algo.loss_inputs import float_input, weight_and_mask
 from posttrain.algo.loss_output import LossOutput
 
 if TYPE_CHECKING:
-    from posttrain.algo.losses import LossBatch, LossConfig
+    from posttrain.algo.loss_config import LossBatch, LossConfig
 
 # The critic's loss_fn_inputs, one value per token: the GAE returns it regresses on, and for a
 # clipped loss the values before the step's updates with the clip range (a per-token input,
