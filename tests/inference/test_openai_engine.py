@@ -20,9 +20,9 @@ import posttrain
 from local_groups import synthetic_groups
 from posttrain.clients.create import create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.data.seeds import prompt_seed
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.openai_engine import OpenAIEngine, OpenAIServerError
-from posttrain.inference.process import prompt_seed
 from posttrain.inference.protocol import SamplingEngine, WeightSnapshot
 from posttrain.tokenizer import eos_token_id
 from posttrain.types import ModelInput, SamplingParams

@@ -43,6 +43,7 @@ from posttrain.environments.protocol import SPLITS, Environment, Reset, Split, S
 from posttrain.environments.protocol import missing_methods as missing_env_methods
 from posttrain.inference.protocol import Sampler
 from posttrain.rollouts.builder import TrajectoryBuilder
+from posttrain.rollouts.gather import EpisodeError
 from posttrain.tokenizer import ChatMessage, Tokenizer, TurnClosing, as_tokenizer, assistant_closing
 from posttrain.types import SampledSequence, SamplingParams
 
@@ -63,10 +64,6 @@ class EpisodeLimits:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.max_context is not None and self.max_context < 1:
             raise ValueError(f"max_context must be >= 1 or None, got {self.max_context}")
-
-
-class EpisodeError(ValueError):
-    """An episode that failed in its environment or on its messages; dropped whole."""
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,10 @@ from posttrain.environments.resolve import (
     EnvironmentSpecError,
     ResolvedEnvironment,
 )
-from posttrain.environments.runner import EnvironmentEvaluation, EpisodeError, Episodes
+from posttrain.environments.runner import EnvironmentEvaluation, Episodes
 from posttrain.environments.verifiers_proxy import KEY_HEADER, Endpoint, Exchange, RecordingProxy
 from posttrain.finder import target_of
+from posttrain.rollouts.gather import EpisodeError
 
 if TYPE_CHECKING:
     from verifiers.v1 import Env, Episode, Task, Trace

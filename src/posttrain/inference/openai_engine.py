@@ -37,10 +37,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from posttrain.data.seeds import prompt_seed
 from posttrain.inference.adapter_export import discard
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.engines import DISTRIBUTION_FIELDS, ENGINES
-from posttrain.inference.process import prompt_seed
 from posttrain.inference.protocol import EngineCapabilities, WeightSnapshot
 from posttrain.inference.served_adapters import ServedAdapters
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams

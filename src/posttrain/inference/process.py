@@ -9,7 +9,6 @@ sandbox: its RNG, thread pool and process group are not the trainer's.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import secrets
 import subprocess
@@ -21,6 +20,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, cast
 
+from posttrain.data.seeds import prompt_seed
 from posttrain.inference.engines import DISTRIBUTION_FIELDS, EngineSpec
 from posttrain.inference.protocol import EngineCapabilities, WeightSnapshot
 from posttrain.types import SampledSequence, SampleResponse, SamplingParams
@@ -209,15 +209,3 @@ def params_dict(params: SamplingParams) -> dict[str, Any]:
         **{name: getattr(params, name) for name in DISTRIBUTION_FIELDS},
         "entropies": params.entropies,
     }
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from `parts`, stable across processes (unlike `hash`)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """A seed for prompt `index` of a batch, so a prompt samples the same tokens whatever
-    else is in the batch (vLLM seeds per request)."""
-    return None if seed is None else derive_seed(seed, index)

@@ -29,6 +29,12 @@ from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
+
+class EpisodeError(ValueError):
+    """An episode that failed in its environment or on its messages; dropped whole, and
+    counted as a tolerated failure like a reward's (`task_rollouts.check_bad_rollouts`)."""
+
+
 GroupItem = Awaitable[TrajectoryGroup] | TrajectoryGroup
 AfterEach = Callable[
     [TrajectoryGroup], Awaitable[TrajectoryGroup | Sequence[TrajectoryGroup] | None]

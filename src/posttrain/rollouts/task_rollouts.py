@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from posttrain.data.seeds import derive_seed
 from posttrain.data.trajectories import (
     POLICY_VERSION,
     SAMPLING_TEMPERATURE,
@@ -24,10 +25,9 @@ from posttrain.data.trajectories import (
     Trajectory,
     TrajectoryGroup,
 )
-from posttrain.environments.runner import EpisodeError
-from posttrain.inference.process import derive_seed
 from posttrain.inference.protocol import Sampler
 from posttrain.rollouts.evaluation import completion_text, prompt_builders
+from posttrain.rollouts.gather import EpisodeError
 from posttrain.rollouts.sft_data import conversation_to_trajectory
 from posttrain.tasks import Problem, Task
 from posttrain.tasks.rewards import RewardError, score_group
