@@ -1,4 +1,6 @@
-"""LocalBackend: train in this process (CPU or one GPU) through a LocalTrainingClient."""
+"""LocalBackend: train in this process (CPU or one GPU) through a LocalTrainingClient; and
+`InProcessBackend`, what it shares with RayBackend (whose workers are Ray actors): models kept
+in directories with checkpoints, clients built here, sampling, the OpenAI endpoint."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import ClassVar, Unpack
+from typing import Any, ClassVar, Generic, TypeVar, Unpack
 
 from posttrain.backends.capabilities import LOCAL, Capabilities
 from posttrain.backends.client_models import ModelClients
@@ -26,6 +28,7 @@ from posttrain.backends.register_checks import preflight_register
 from posttrain.backends.resume import DirectoryCheckpoints
 from posttrain.clients.create import Head, create_training_client
 from posttrain.clients.local import LocalTrainingClient
+from posttrain.clients.ray import RayTrainingClient
 from posttrain.data.preferences import PreferencePair
 from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.engine.devices import AUTO, resolve_device
@@ -34,42 +37,35 @@ from posttrain.inference.model_sampler import ModelSampler
 from posttrain.types import TrainResult
 
 BACKEND = "LocalBackend"
+ClientT = TypeVar("ClientT", LocalTrainingClient, RayTrainingClient)
 
 
-class LocalBackend:
-    """Models live under `path/<project>/models/<name>/`; checkpoints every step by default.
+class InProcessBackend(Generic[ClientT]):
+    """A backend whose clients this process builds (`_make_client`): LocalBackend's own, or
+    RayBackend's actors. Models live under `path/<project>/models/<name>/`, checkpointed every
+    step by default; each subclass has its own typed `train` and constructor."""
 
-    `inference` chooses the sampling engine (`posttrain.inference.InferenceConfig`, or its
-    fields as a dict): posttrain's sampler on the training weights by default, vLLM, or an
-    OpenAI-compatible server; `devices` there splits sampling from training.
-
-    `device="auto"` trains on CUDA where this machine has it, else on the CPU; an explicit
-    "cuda" on a machine without CUDA is an error here, at construction.
-    """
-
-    capabilities: ClassVar[Capabilities] = LOCAL
-    rl_options: ClassVar[type] = LocalRLOptions
+    backend: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
     sft_options: ClassVar[type] = LocalSFTOptions
     dpo_options: ClassVar[type] = DPOOptions
 
     def __init__(
         self,
-        path: str | Path = ".posttrain",
+        path: str | Path,
         *,
-        device: str = AUTO,
-        num_workers: int = 1,
-        micro_batch_tokens: int = 8192,
-        gradient_checkpointing: bool = False,
-        keep_checkpoints: int = 3,
-        inference: InferenceConfig | Mapping[str, object] | None = None,
+        inference: InferenceConfig,
+        device: str,
+        num_workers: int,
+        micro_batch_tokens: int,
+        gradient_checkpointing: bool,
+        keep_checkpoints: int,
     ) -> None:
-        self.inference = engine_config(inference, BACKEND)
-        self.device = resolve_device(
-            trainer_device(device, self.inference, BACKEND), option=f"{BACKEND} device"
-        )
-        self._models: ModelClients[LocalTrainingClient] = ModelClients(
+        self.inference = inference
+        self.device = device
+        self._models: ModelClients[ClientT] = ModelClients(
             path,
-            backend=BACKEND,
+            backend=self.backend,
             capabilities=self.capabilities,
             clients=InProcessClients(self._make_client),
             index=DirectoryCheckpoints(keep_checkpoints),
@@ -85,57 +81,43 @@ class LocalBackend:
         self.keep_checkpoints = keep_checkpoints
         self._openai: OpenAIServer | None = None
 
-    def model_dir(self, model: TrainableModel) -> Path:
-        return self._models.model_dir(model)
-
-    async def register(self, model: TrainableModel) -> None:
-        """Load the base model, or resume the latest checkpoint; a base model this machine cannot
-        get is an error before anything loads."""
-        await preflight_register(BACKEND, model)
-        await self._models.register(self, model)
-
     def _make_client(
         self, model: TrainableModel, directory: Path, head: Head = "policy"
-    ) -> LocalTrainingClient:
-        return create_training_client(
-            model.base_model,
-            lora_rank=model.lora_rank,
-            lora_alpha=model.lora_alpha,
-            train_attn=model.train_attn,
-            train_mlp=model.train_mlp,
-            train_unembed=model.train_unembed,
-            dtype=model.dtype,
-            device=self.device,
-            num_workers=self.num_workers,
-            micro_batch_tokens=self.micro_batch_tokens,
-            gradient_checkpointing=self.gradient_checkpointing,
-            storage_dir=directory,
-            seed=model.seed,
-            head=head,
-        )
+    ) -> ClientT:
+        raise NotImplementedError  # each backend builds its own kind of client
+
+    def _client_options(self, model: TrainableModel, directory: Path, head: Head) -> dict[str, Any]:
+        """What every client of `model` is built with, whatever runs it."""
+        return {
+            "lora_rank": model.lora_rank,
+            "lora_alpha": model.lora_alpha,
+            "train_attn": model.train_attn,
+            "train_mlp": model.train_mlp,
+            "train_unembed": model.train_unembed,
+            "dtype": model.dtype,
+            "device": self.device,
+            "num_workers": self.num_workers,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "storage_dir": directory,
+            "seed": model.seed,
+            "head": head,
+        }
+
+    def model_dir(self, model: TrainableModel) -> Path:
+        return self._models.model_dir(model)
 
     def registered_models(self) -> list[TrainableModel]:
         return self._models.registered_models()
 
-    def client(self, model: TrainableModel) -> LocalTrainingClient:
+    def client(self, model: TrainableModel) -> ClientT:
         """The primitive-level client of a registered model (for power users)."""
         return self._models.client(model)
 
-    def critic_client(self, model: TrainableModel) -> LocalTrainingClient | None:
+    def critic_client(self, model: TrainableModel) -> ClientT | None:
         """The primitive-level client of the model's critic (advantage_estimator='gae'): a
         value model whose passes return per-token values; None before its first 'gae' step."""
         return self._models.critic(model)
-
-    async def train(
-        self,
-        model: TrainableModel,
-        trajectory_groups: Iterable[TrajectoryGroup],
-        **options: Unpack[LocalRLOptions],
-    ) -> TrainResult:
-        """One RL step on `trajectory_groups` (any iterable, read once); returns the new step
-        and its metrics."""
-        config = resolve_rl(options, LocalRLOptions, BACKEND)
-        return await self._models.train(model, trajectory_groups, config)
 
     async def train_sft(
         self,
@@ -145,7 +127,7 @@ class LocalBackend:
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories` (any iterable, read once; their trainable
         segments), then one step."""
-        config = resolve_sft(options, LocalSFTOptions, BACKEND)
+        config = resolve_sft(options, LocalSFTOptions, self.backend)
         return await self._models.train_sft(model, trajectories, config)
 
     async def train_dpo(
@@ -155,7 +137,7 @@ class LocalBackend:
         **options: Unpack[DPOOptions],
     ) -> TrainResult:
         """DPO (or IPO) on preference `pairs` (any iterable, read once), then one step."""
-        config = resolve_dpo(options, DPOOptions, BACKEND)
+        config = resolve_dpo(options, DPOOptions, self.backend)
         return await self._models.train_dpo(model, pairs, config)
 
     async def checkpoint(self, model: TrainableModel) -> str:
@@ -179,7 +161,8 @@ class LocalBackend:
         return self._models.sampling_client(model)
 
     def openai_endpoint(self, model: TrainableModel) -> OpenAIEndpoint:
-        """Serve registered models' latest weights OpenAI-style on loopback (started on first call).
+        """Serve registered models' latest weights OpenAI-style on loopback (started on first
+        call): requests sample through the model's client, in order with its training calls.
 
         The server comes from the server layer through `backends.openai_serving` (extra
         `server`); `close()` stops it.
@@ -190,7 +173,72 @@ class LocalBackend:
         return self._openai.endpoint(model)
 
     async def close(self) -> None:
+        """Stop the OpenAI endpoint and free every model's clients (and their workers)."""
         if self._openai is not None:
             await asyncio.to_thread(self._openai.stop)
             self._openai = None
         await self._models.close()
+
+
+class LocalBackend(InProcessBackend[LocalTrainingClient]):
+    """Models live under `path/<project>/models/<name>/`; checkpoints every step by default.
+
+    `inference` chooses the sampling engine (`posttrain.inference.InferenceConfig`, or its
+    fields as a dict): posttrain's sampler on the training weights by default, vLLM, or an
+    OpenAI-compatible server; `devices` there splits sampling from training.
+
+    `device="auto"` trains on CUDA where this machine has it, else on the CPU; an explicit
+    "cuda" on a machine without CUDA is an error here, at construction.
+    """
+
+    backend: ClassVar[str] = BACKEND
+    capabilities: ClassVar[Capabilities] = LOCAL
+    rl_options: ClassVar[type] = LocalRLOptions
+
+    def __init__(
+        self,
+        path: str | Path = ".posttrain",
+        *,
+        device: str = AUTO,
+        num_workers: int = 1,
+        micro_batch_tokens: int = 8192,
+        gradient_checkpointing: bool = False,
+        keep_checkpoints: int = 3,
+        inference: InferenceConfig | Mapping[str, object] | None = None,
+    ) -> None:
+        config = engine_config(inference, BACKEND)
+        super().__init__(
+            path,
+            inference=config,
+            device=resolve_device(
+                trainer_device(device, config, BACKEND), option=f"{BACKEND} device"
+            ),
+            num_workers=num_workers,
+            micro_batch_tokens=micro_batch_tokens,
+            gradient_checkpointing=gradient_checkpointing,
+            keep_checkpoints=keep_checkpoints,
+        )
+
+    async def register(self, model: TrainableModel) -> None:
+        """Load the base model, or resume the latest checkpoint; a base model this machine
+        cannot get is an error before anything loads."""
+        await preflight_register(BACKEND, model)
+        await self._models.register(self, model)
+
+    def _make_client(
+        self, model: TrainableModel, directory: Path, head: Head = "policy"
+    ) -> LocalTrainingClient:
+        return create_training_client(
+            model.base_model, **self._client_options(model, directory, head), executor="local"
+        )
+
+    async def train(
+        self,
+        model: TrainableModel,
+        trajectory_groups: Iterable[TrajectoryGroup],
+        **options: Unpack[LocalRLOptions],
+    ) -> TrainResult:
+        """One RL step on `trajectory_groups` (any iterable, read once); returns the new step
+        and its metrics."""
+        config = resolve_rl(options, LocalRLOptions, BACKEND)
+        return await self._models.train(model, trajectory_groups, config)
