@@ -9,7 +9,8 @@ trains, a trajectory sampled by the weights of model step v (its `metadata["poli
 is dropped and counted as stale when v < model.step - N, and a group left empty is dropped.
 The sampler starts step k+N's rollouts once step k-1 has trained, so with a job's own sampling
 none is ever stale; a `sample` function that returns older trajectories gets them dropped.
-N = 0 samples each step right before it trains (nothing runs ahead), as a plain loop does.
+N = 0 samples each step right before it trains (nothing runs ahead) and trains all of it, as a
+plain loop does (a fixed-policy engine's samples, explicitly off-policy, included).
 
     async with aclosing(rl_steps(backend, model, sample, steps=100, max_off_policy_steps=1)) as run:
         async for trained in run:
@@ -264,7 +265,8 @@ async def rl_steps(
 ) -> AsyncGenerator[TrainedStep, None]:
     """Train RL steps `start..steps-1` on `sample(k)`'s groups (rewarded, not pending), each
     sampled up to `max_off_policy_steps` model steps before it trains; `options(k)` are step
-    k's `backend.train` options, asked for right before it trains.
+    k's `backend.train` options, asked for right before it trains (a job saves its data cursor
+    there, so that the step's checkpoint holds it).
 
     Rollouts not yet trained are cancelled when the loop ends or fails; a loop left early
     (`break`) cancels them when the generator is closed: wrap it in `contextlib.aclosing`.
@@ -275,7 +277,11 @@ async def rl_steps(
             asked = time.perf_counter()
             rollouts = await prefetch.take(k)
             model_step = model.step
-            fresh = drop_stale(rollouts.value, model_step, max_off_policy_steps)
+            if max_off_policy_steps:
+                fresh = drop_stale(rollouts.value, model_step, max_off_policy_steps)
+            else:  # a plain loop trains what it sampled (a fixed-policy engine's samples too)
+                most = token_staleness(rollouts.value, model_step)[0]
+                fresh = Fresh(list(rollouts.value), 0, most)
             began = time.perf_counter()
             result = await backend.train(model, fresh.groups, **(options(k) if options else {}))
             trained = time.perf_counter()

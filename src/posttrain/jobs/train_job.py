@@ -35,8 +35,8 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -44,7 +44,7 @@ from posttrain.backends.model import TrainableModel
 from posttrain.backends.options import RLOptions, SFTOptions
 from posttrain.backends.plugins.registry import BackendInfo
 from posttrain.backends.protocol import CheckpointsOnDemand, TrainableBackend
-from posttrain.data.trajectories import Trajectory
+from posttrain.data.trajectories import Trajectory, TrajectoryGroup
 from posttrain.environments.resolve import ResolvedEnvironment
 from posttrain.inference.model_sampler import ModelSampler
 from posttrain.jobs.backend import (
@@ -55,13 +55,7 @@ from posttrain.jobs.backend import (
     work_problems,
 )
 from posttrain.jobs.config import DataConfig, JobConfig, load_config
-from posttrain.jobs.pipeline import (
-    Prefetch,
-    Rollouts,
-    drop_stale,
-    pipeline_metrics,
-    trainable_tokens,
-)
+from posttrain.jobs.pipeline import TrainedStep, rl_steps, trainable_tokens
 from posttrain.jobs.report import MetricsLog, plot_curves, progress_line, rewind_history
 from posttrain.jobs.run_dir import JobState, locate_run, prepare_run_dir, resolve_base_model
 from posttrain.jobs.tables import DPOJobConfig
@@ -327,102 +321,78 @@ async def _checkpoint(run: _Run) -> None:
 async def _rl_phase(
     run: _Run, state: JobState, done: int, on_step: Callable[[int], None] | None
 ) -> None:
-    """RL steps `done..steps-1`, each sampling then training, or, with `[rl]
-    max_off_policy_steps` N > 0, training while the next N steps' rollouts are sampled."""
+    """RL steps `done..steps-1` through the public loop (`jobs.pipeline.rl_steps`), each
+    sampling then training, or, with `[rl] max_off_policy_steps` N > 0, training while the
+    next N steps' rollouts are sampled; around each step, only the job's own: its data
+    cursor, logs, checkpoint and evaluation."""
     config = run.config
     ahead = config.rl.max_off_policy_steps
-    # With ahead = 0 it samples each step when the step asks for it, as a plain loop does.
-    sample = partial(run.work.sample, run.sampler)
-    prefetch = Prefetch(sample, ahead=ahead, stop=config.rl.steps)
-    try:
-        for k in range(done, config.rl.steps):
-            if not ahead:
-                await _rl_step(run, state, k, prefetch)
-            else:
-                await _async_rl_step(run, state, k, prefetch)
+    sampled: dict[int, SampledStep] = {}  # each step's bad rollouts and reward costs
+
+    async def sample(k: int) -> list[TrajectoryGroup]:
+        sampled[k] = await run.work.sample(run.sampler, k)
+        return sampled[k].groups
+
+    def options(k: int) -> RLOptions:
+        trainer = with_options(config.rl.trainer, learning_rate=config.rl.learning_rate(k))
+        chosen = cast(RLOptions, call_options(trainer, run.info.train_options))
+        if "save_checkpoint" in chosen:  # only where declared: else the backend's default
+            chosen["save_checkpoint"] = not _checkpoints_on_demand(run)
+        state.rl_steps_done = k + 1  # saved with the step's checkpoint
+        state.save(run.model.run_state)
+        return chosen
+
+    steps = rl_steps(
+        run.backend,
+        run.model,
+        sample,
+        steps=config.rl.steps,
+        start=done,
+        max_off_policy_steps=ahead,
+        options=options,
+    )
+    async with aclosing(steps) as trained_steps:  # rollouts in flight are not saved: a
+        async for trained in trained_steps:  # resume resamples them
+            await _log_step(run, trained, sampled.pop(trained.step), asynchronous=ahead > 0)
+            k = trained.step
             if on_step is not None:
                 on_step(k + 1)
             if config.eval.every and (k + 1) % config.eval.every == 0 and k + 1 < config.rl.steps:
                 await _evaluate(run, k + 1, f"after step {k + 1}")
-    finally:
-        await prefetch.aclose()  # rollouts in flight are not saved: a resume resamples them
 
 
-async def _rl_step(run: _Run, state: JobState, k: int, prefetch: Prefetch[SampledStep]) -> None:
-    """RL step k (0-based): sample (the trainer waits all along), reward, train, log,
-    checkpoint."""
-    began = time.perf_counter()
-    rollouts = await prefetch.take(k)
-    await _train_step(run, state, k, rollouts.value, began, rollouts)
-
-
-async def _async_rl_step(
-    run: _Run, state: JobState, k: int, prefetch: Prefetch[SampledStep]
+async def _log_step(
+    run: _Run, trained: TrainedStep, step: SampledStep, *, asynchronous: bool
 ) -> None:
-    """RL step k on rollouts sampled while earlier steps trained; the stale ones dropped."""
-    began = time.perf_counter()
-    rollouts = await prefetch.take(k)
-    step = rollouts.value
-    fresh = drop_stale(step.groups, run.model.step, run.config.rl.max_off_policy_steps)
-    staleness = {
-        "stale_trajectories": float(fresh.stale_trajectories),
-        "max_staleness": float(fresh.max_staleness),
-    }
-    step = replace(step, groups=fresh.groups)
-    await _train_step(run, state, k, step, began, rollouts, staleness)
-
-
-async def _train_step(
-    run: _Run,
-    state: JobState,
-    k: int,
-    step: SampledStep,
-    began: float,
-    rollouts: Rollouts[SampledStep],
-    staleness: dict[str, float] | None = None,
-) -> None:
-    """Train RL step k on its rollouts (`step`: `rollouts` without the stale trajectories), log,
-    checkpoint; `staleness` (asynchronous RL only) goes in its metrics row, with the engine's
-    policy version after the step."""
+    """Log RL step `trained.step` (its `step` of rollouts, stale ones left out), write its
+    metrics row, checkpoint; asynchronous RL's rows also say how stale it was and the
+    engine's policy version after the step."""
     config = run.config.rl
-    groups = step.groups
-    sample_s = rollouts.sample_s
-    sampled = trainable_tokens(groups)
-    learning_rate = config.learning_rate(k)
-    trainer = with_options(config.trainer, learning_rate=learning_rate)
-    options = cast(RLOptions, call_options(trainer, run.info.train_options))
-    if "save_checkpoint" in options:  # only where declared: else the backend's default holds
-        options["save_checkpoint"] = not _checkpoints_on_demand(run)
-    state.rl_steps_done = k + 1
-    state.save(run.model.run_state)
-    model_step, training = run.model.step, time.perf_counter()
-    result = await run.backend.train(run.model, groups, **options)
-    trained = time.perf_counter()
-    times = {"train_call_s": trained - training, "step_s": trained - began}
-    pipeline = pipeline_metrics(
-        rollouts.value.groups, groups, model_step, result, rollouts, **times
-    )
+    logged_at = time.perf_counter()
+    k, result, pipeline = trained.step, trained.result, dict(trained.metrics)
     bad = {"bad_rollouts": float(step.bad_rollouts), **step.metrics}  # + a judge's costs
     metrics = {**result.metrics, **bad, **pipeline}
-    logged = await run.model.log(groups, metrics=metrics, step=result.step)
-    # No loss when every group had zero reward variance: nothing was trained this step.
-    loss = result.metrics.get("loss", math.nan)
+    logged = await run.model.log(list(trained.groups), metrics=metrics, step=result.step)
+    sampled, sample_s = float(trainable_tokens(trained.groups)), pipeline["time/sample_s"]
     row = {
         "reward": logged["reward"],
         "accuracy": logged["accuracy"],
-        "loss": loss,
-        "learning_rate": learning_rate,
+        # No loss when every group had zero reward variance: nothing was trained this step.
+        "loss": result.metrics.get("loss", math.nan),
+        "learning_rate": config.learning_rate(k),
         **bad,
-        "sampled_tokens": float(sampled),
+        "sampled_tokens": sampled,
         "sample_tokens_per_s": sampled / sample_s if sample_s > 0 else 0.0,
         **pipeline,
     }
-    if staleness is not None:
-        row.update(staleness)
+    if asynchronous:
+        row["stale_trajectories"] = float(trained.stale_trajectories)
+        row["max_staleness"] = float(trained.max_staleness)
         version = run.sampler.policy_version
         if version is not None:
             row["policy_version"] = float(version)
-    step_s = time.perf_counter() - began  # sampling, training and logging; not the checkpoint
+    # Sampling, training and logging; not the checkpoint.
+    step_s = pipeline["time/step_s"] + time.perf_counter() - logged_at
     row.update(tokens_per_s=sampled / step_s, step_s=step_s, elapsed_s=run.elapsed())
     run.metrics.write("rl", k + 1, row)
     await _checkpoint(run)
