@@ -221,8 +221,7 @@ async def main() -> None:
             exporter = WeightExporter(
                 model_dir,
                 Path(tempfile.mkdtemp(prefix="posttrain-whole-", dir="/dev/shm")),
-                lora_rank=args.lora_rank,
-                lora_alpha=models[name].lora_alpha,
+                lora=models[name].lora,
             )
             try:
                 rows = []

@@ -29,6 +29,7 @@ from posttrain.clients.create import create_training_client
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.openai_engine import VLLM_LORA_RANKS
 from posttrain.inference.session import EngineSession
+from posttrain.models.lora import LoraSettings
 from posttrain.models.tiny import tiny_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,8 +48,7 @@ async def run(args: argparse.Namespace, url: str, model: Path, work: Path) -> No
             config,
             client,
             base_model=str(model),
-            lora_rank=args.rank,
-            lora_alpha=None,
+            lora=LoraSettings.of(args.rank, train_unembed=False),
             version=0,
             log_dir=work,
         )

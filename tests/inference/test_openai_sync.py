@@ -19,6 +19,7 @@ from posttrain.clients.create import create_training_client
 from posttrain.inference.config import InferenceConfig
 from posttrain.inference.openai_engine import OpenAIServerError
 from posttrain.inference.session import EngineSession
+from posttrain.models.lora import LoraSettings
 
 
 @pytest.fixture
@@ -55,8 +56,7 @@ async def open_session(
             config,
             client,
             base_model=str(tiny_model_dir),
-            lora_rank=lora["lora_rank"],
-            lora_alpha=None,
+            lora=LoraSettings.of(lora["lora_rank"]),
             version=3,
             log_dir=tmp_path,
         )

@@ -13,6 +13,7 @@ from posttrain.inference.adapters import split_adapter
 from posttrain.inference.pytorch_runner import PytorchRunner
 from posttrain.inference.updates import BaseWeights, UpdateExporter, resolve_update
 from posttrain.inference.weights import base_weights_for_merge, merge_trainable
+from posttrain.models.lora import LoraSettings
 from posttrain.models.tiny import tiny_model_path
 
 
@@ -32,8 +33,7 @@ def _exporter(tmp_path: Path, base: Path, lora_rank: int | None, route: str) -> 
     return UpdateExporter(
         tmp_path / "updates",
         base_model=str(base),
-        lora_rank=lora_rank,
-        lora_alpha=8 if lora_rank else None,
+        lora=LoraSettings.of(lora_rank, 8),
         route=route,  # pyright: ignore[reportArgumentType]
         dtype="float32",
         keep=2,

@@ -107,8 +107,7 @@ async def test_vllm_writes_a_partial_set_of_tensors_in_place(mini_model: Path, t
     exporter = UpdateExporter(
         tmp_path / "updates",
         base_model=str(mini_model),
-        lora_rank=None,
-        lora_alpha=None,
+        lora=None,
         route="merge",
         dtype="float32",
     )

@@ -78,7 +78,7 @@ def test_merged_model_computes_what_peft_does(
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     trainable = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
     assert any("lora_embedding_A" in n for n in trainable) == tied
-    exporter = WeightExporter(base, tmp_path / "w", lora_rank=4, lora_alpha=8.0)
+    exporter = WeightExporter(base, tmp_path / "w", lora=LoraSettings.of(4, 8.0))
     snapshot = exporter.export(trainable, version=3)
     assert snapshot.path.name == "v3"
     plain = load_hf_model(snapshot.path)
@@ -94,7 +94,7 @@ def test_merged_model_computes_what_peft_does(
 
 
 def test_exporter_keeps_the_newest_versions(tiny_model_dir: Path, tmp_path: Path):
-    exporter = WeightExporter(tiny_model_dir, tmp_path / "w", lora_rank=None, lora_alpha=None)
+    exporter = WeightExporter(tiny_model_dir, tmp_path / "w", lora=None)
     weights = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
     for version in range(4):
         exporter.export(copy.copy(weights), version)
@@ -105,9 +105,9 @@ def test_exporter_keeps_the_newest_versions(tiny_model_dir: Path, tmp_path: Path
 
 def test_exporter_needs_a_model_directory(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="not a model directory"):
-        WeightExporter("org/hub-model", tmp_path / "w", lora_rank=None, lora_alpha=None)
+        WeightExporter("org/hub-model", tmp_path / "w", lora=None)
     with pytest.raises(FileNotFoundError, match="nothing' does not exist"):
-        WeightExporter(tmp_path / "nothing", tmp_path / "w", lora_rank=None, lora_alpha=None)
+        WeightExporter(tmp_path / "nothing", tmp_path / "w", lora=None)
 
 
 def test_a_rank_above_32_merges_at_the_trainer_s_default_alpha(
@@ -118,13 +118,12 @@ def test_a_rank_above_32_merges_at_the_trainer_s_default_alpha(
     from posttrain.inference.updates import UpdateExporter
 
     for rank, scale in ((64, 1.0), (8, 4.0)):
-        exporter = WeightExporter(tiny_model_dir, tmp_path / "w", lora_rank=rank, lora_alpha=None)
+        exporter = WeightExporter(tiny_model_dir, tmp_path / "w", lora=LoraSettings.of(rank))
         assert exporter.lora_scale == scale
     update = UpdateExporter(
         tmp_path / "u",
         base_model="x",
-        lora_rank=64,
-        lora_alpha=None,
+        lora=LoraSettings.of(64),
         route="adapter",
         dtype="float32",
     )

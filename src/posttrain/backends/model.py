@@ -93,6 +93,7 @@ class TrainableModel(ModelLog):
     report_metrics: Sequence[SinkName] | None = None
     _backend: TrainableBackend | None = field(default=None, init=False, repr=False)
     _dir: Path | None = field(default=None, init=False, repr=False)
+    _lora: LoraSettings | None = field(default=None, init=False, repr=False, compare=False)
     _step: int = field(default=0, init=False, repr=False)
     _resume_step: int | None = field(default=None, init=False, repr=False)
     _sinks: list[Sink] = field(default_factory=list, init=False, repr=False)
@@ -110,6 +111,8 @@ class TrainableModel(ModelLog):
                 f"{self.lora_rank}"
             )
         self._check_lora_layers()
+        flags = (self.train_attn, self.train_mlp, self.train_unembed)
+        self._lora = LoraSettings.of(self.lora_rank, self.lora_alpha, *flags)
         if self.lora_rank is None and self.dtype != "float32":
             raise ValueError(
                 f"TrainableModel: full fine-tuning (lora_rank=None) in {self.dtype} would round "
@@ -125,8 +128,9 @@ class TrainableModel(ModelLog):
 
     @property
     def lora(self) -> LoraSettings | None:
-        flags = (self.train_attn, self.train_mlp, self.train_unembed)
-        return LoraSettings.of(self.lora_rank, self.lora_alpha, *flags)
+        """The model's LoRA, built once from its flat fields (ART's and Tinker's spelling):
+        what the engines, exporters and checks read (None: full fine-tuning)."""
+        return self._lora
 
     def _check_lora_layers(self) -> None:
         flags = {k: getattr(self, k) for k in ("train_attn", "train_mlp", "train_unembed")}

@@ -53,8 +53,7 @@ async def open_engine(
         inference,
         client,
         base_model=model.base_model,
-        lora_rank=model.lora_rank,
-        lora_alpha=model.lora_alpha,
+        lora=model.lora,
         version=version,
         log_dir=directory / "logs",
     )

@@ -28,13 +28,10 @@ from posttrain.models.lora import LoraSettings
 class AdapterExporter:
     """Writes version `v`'s adapter into `directory/v<v>` (a fresh name if taken)."""
 
-    def __init__(
-        self, base_model: str, directory: Path, *, lora_rank: int, lora_alpha: float | None
-    ) -> None:
+    def __init__(self, base_model: str, directory: Path, *, lora: LoraSettings) -> None:
         self.base_model = base_model
         self.directory = directory
-        self.rank = lora_rank
-        self.alpha = lora_alpha if lora_alpha is not None else LoraSettings.default_alpha(lora_rank)
+        self.rank, self.alpha = lora.rank, lora.alpha
 
     def export(self, trainable: Mapping[str, torch.Tensor], version: int) -> WeightSnapshot:
         """Write version `version`'s adapter; refused for what an adapter cannot carry."""

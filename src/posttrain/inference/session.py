@@ -24,6 +24,7 @@ from posttrain.inference.process import ProcessEngine
 from posttrain.inference.protocol import SamplingEngine
 from posttrain.inference.updates import UpdateExporter
 from posttrain.inference.weights import WeightExporter
+from posttrain.models.lora import LoraSettings
 from posttrain.models.source import resolve_model_source
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,7 @@ class EngineSession:
         client: TrainingClient,
         *,
         base_model: str,
-        lora_rank: int | None,
-        lora_alpha: float | None,
+        lora: LoraSettings | None,
         version: int,
         log_dir: Path,
     ) -> EngineSession:
@@ -65,16 +65,14 @@ class EngineSession:
         if config.placement == "here":
             return cls(LiveEngine(client, version=version))
         if config.placement == "server":
-            exporter = functools.partial(_exporter, base_model, lora_rank, lora_alpha)
-            lora = (base_model, lora_rank, lora_alpha)
-            return await _open_server(config, client, exporter, version, lora)
+            exporter = functools.partial(_exporter, base_model, lora)
+            return await _open_server(config, client, exporter, version, base_model, lora)
         source = _weights_source(config, client)
         base_dir = _base_dir(base_model)
         exporter = UpdateExporter(
             _weights_dir(),
             base_model=str(base_dir),
-            lora_rank=lora_rank,
-            lora_alpha=lora_alpha,
+            lora=lora,
             route=config.lora_route(),
             dtype=config.dtype,
             keep=keep,
@@ -83,7 +81,7 @@ class EngineSession:
         try:
             # Starting takes seconds (vLLM: 10-30 s): off the event loop.
             engine = await asyncio.to_thread(
-                _start_process, config, base_dir, lora_rank, keep, version, log_dir
+                _start_process, config, base_dir, lora, keep, version, log_dir
             )
             session = cls(engine, exporter, source)
             await session.sync(version)  # the client's weights now (a resumed run's too)
@@ -140,21 +138,21 @@ async def _open_server(
     client: TrainingClient,
     exporter: Callable[[], WeightExporter],
     version: int,
-    lora: tuple[str, int | None, float | None],
+    base_model: str,
+    lora: LoraSettings | None,
 ) -> EngineSession:
     """The openai engine. With sync = 'none' it samples the server's fixed policy (explicitly
     off-policy). Otherwise the server takes the model's current weights now, before any work:
     a server that cannot (no dev-mode endpoints, no runtime LoRA, or it cannot read this
     machine's files) is refused here, never after an optimizer step has been applied.
 
-    `lora` (base model, rank, alpha): 'lora', and 'auto' where the adapter fits vLLM's LoRA,
-    send the adapter alone; 'auto' falls back to whole weights if the server refuses it."""
+    A LoRA model (`lora`) under 'lora', and 'auto' where the adapter fits vLLM's LoRA, sends
+    the adapter alone; 'auto' falls back to whole weights if the server refuses it."""
     from posttrain.inference.openai_engine import OpenAIEngine, OpenAIServerError
 
-    base_model, rank, alpha = lora
     # The server reads the weights from this machine's files, so it must run here.
     source = None if config.fixed_policy else _weights_source(config, client)
-    adapters = await _adapter_route(config, source, rank)
+    adapters = await _adapter_route(config, source, lora.rank if lora else None)
     remote = OpenAIEngine(config, version=version, keep=config.versions_kept())
     await remote.start()
     if source is None:
@@ -168,11 +166,9 @@ async def _open_server(
     session = EngineSession(remote, None, source)
     refused: Exception | None = None
     try:
-        if adapters and rank:
+        if adapters and lora is not None:
             directory = _weights_dir()
-            session.exporter = AdapterExporter(
-                base_model, directory, lora_rank=rank, lora_alpha=alpha
-            )
+            session.exporter = AdapterExporter(base_model, directory, lora=lora)
             try:
                 await session.sync(version)
                 return session
@@ -234,8 +230,8 @@ def _weights_source(config: InferenceConfig, client: TrainingClient) -> ExportsW
     return client
 
 
-def _exporter(base_model: str, lora_rank: int | None, lora_alpha: float | None) -> WeightExporter:
-    return WeightExporter(base_model, _weights_dir(), lora_rank=lora_rank, lora_alpha=lora_alpha)
+def _exporter(base_model: str, lora: LoraSettings | None) -> WeightExporter:
+    return WeightExporter(base_model, _weights_dir(), lora=lora)
 
 
 def _base_dir(base_model: str) -> Path:
@@ -251,7 +247,7 @@ def _base_dir(base_model: str) -> Path:
 def _start_process(
     config: InferenceConfig,
     base_dir: Path,
-    lora_rank: int | None,
+    lora: LoraSettings | None,
     keep: int,
     version: int,
     log_dir: Path,
@@ -263,7 +259,7 @@ def _start_process(
     spec = config.spec
     devices = config.split_devices()
     device = devices[0] if devices else "cpu"
-    adapter = bool(lora_rank) and config.lora_route() == "adapter"
+    adapter = lora is not None and config.lora_route() == "adapter"
     options = {
         "model_dir": str(base_dir),
         "dtype": config.dtype,
@@ -272,7 +268,7 @@ def _start_process(
         "threads": config.threads or torch.get_num_threads(),
         "device": device,
         "lora_slots": max(keep, 1) if adapter else 0,
-        "lora_rank": lora_rank or 0,
+        "lora_rank": lora.rank if lora else 0,
     }
     return ProcessEngine(
         spec,

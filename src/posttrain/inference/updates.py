@@ -55,18 +55,14 @@ class UpdateExporter:
         directory: Path,
         *,
         base_model: str,
-        lora_rank: int | None,
-        lora_alpha: float | None,
+        lora: LoraSettings | None,
         route: LoraRoute,
         dtype: str,
         keep: int = 3,
     ) -> None:
         self.directory = directory
         self.base_model = base_model
-        self.lora_rank = lora_rank
-        self.lora_alpha = (
-            (lora_alpha or LoraSettings.default_alpha(lora_rank)) if lora_rank else None
-        )
+        self.lora = lora
         self.route = route
         self.dtype = _DTYPES[dtype]
         self.keep = max(keep, 1)
@@ -74,22 +70,20 @@ class UpdateExporter:
 
     @property
     def lora_scale(self) -> float | None:
-        if not self.lora_rank or self.lora_alpha is None:
-            return None
-        return self.lora_alpha / self.lora_rank
+        return None if self.lora is None else self.lora.alpha / self.lora.rank
 
     def export(self, trainable: Mapping[str, torch.Tensor], version: int) -> WeightSnapshot:
         tmp = new_version_directory(self.directory)
         rest: Mapping[str, torch.Tensor] = trainable
         adapter = False
-        if self.lora_rank and self.route == "adapter":
+        if self.lora is not None and self.route == "adapter":
             split = split_adapter(trainable)
             if split.adapter:
                 write_adapter(
                     split,
                     tmp / "adapter",
-                    rank=self.lora_rank,
-                    alpha=float(self.lora_alpha or 0.0),
+                    rank=self.lora.rank,
+                    alpha=self.lora.alpha,
                     base_model=self.base_model,
                     dtype=self.dtype,
                 )

@@ -190,8 +190,7 @@ class WeightExporter:
         base_model: str | Path,
         directory: Path,
         *,
-        lora_rank: int | None,
-        lora_alpha: float | None,
+        lora: LoraSettings | None,
         keep: int = 2,
     ) -> None:
         self.base_dir = Path(resolve_model_source(base_model))
@@ -202,11 +201,7 @@ class WeightExporter:
             )
         self.directory = directory
         self.tied = ties_word_embeddings(self.base_dir)
-        self.lora_scale = (
-            None
-            if not lora_rank
-            else (lora_alpha or LoraSettings.default_alpha(lora_rank)) / lora_rank
-        )
+        self.lora_scale = None if lora is None else lora.alpha / lora.rank
         self.keep = keep
         self._base: dict[str, torch.Tensor] | None = None
         self._written: list[Path] = []
