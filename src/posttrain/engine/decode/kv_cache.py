@@ -1,8 +1,12 @@
-"""KV caches: a sampling cache that writes in place into growing buffers, and the keyword by
-which a model's forward takes one.
+"""KV caches: a sampling cache that writes in place into growing buffers, the keyword by which
+a model's forward takes one, and the row operations the sampler runs on a cache of any kind.
 
 transformers' DynamicCache concatenates (copies) the whole cache at every decoding step; this
-layer writes each step's keys and values into spare positions instead.
+layer writes each step's keys and values into spare positions instead. A hybrid model's
+linear-attention layers (Qwen3.5's GatedDeltaNet) hold a convolution and a recurrent state
+per row instead of keys and values: `repeat_rows` and `select_rows` carry those along with the
+KV layers', so a prompt's state is computed once and repeated per sample, and a finished row
+leaves every layer.
 """
 
 from __future__ import annotations
@@ -13,7 +17,12 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+try:  # transformers >= 5.2x: the caches of linear-attention (hybrid) layers
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # an older transformers has no hybrid models, so no such layer
+    LinearAttentionCacheLayerMixin = None
 
 # Spare positions the KV cache reserves beyond the prompt at first (it doubles when full).
 _CACHE_STEP = 256
@@ -54,6 +63,52 @@ def preallocated_cache(model: nn.Module, max_length: int) -> DynamicCache:
         for layer in cache.layers
     ]
     return cache
+
+
+def repeat_rows(cache: Cache, repeats: int) -> None:
+    """Each row of every layer's cache `repeats` times in a row (a prompt's, per sample)."""
+    for layer in cache.layers:
+        if _is_linear(layer):
+            rows = _linear_rows(layer)
+            if rows is not None:
+                _reorder_linear(layer, rows.repeat_interleave(repeats))
+        repeat = getattr(layer, "batch_repeat_interleave", None)  # a layer with keys and values
+        if repeat is not None:
+            repeat(repeats)
+
+
+def select_rows(cache: Cache, indices: torch.Tensor) -> None:
+    """Keep the rows `indices` of every layer's cache (finished rows leave the batch)."""
+    for layer in cache.layers:
+        if _is_linear(layer):
+            _reorder_linear(layer, indices)
+        select = getattr(layer, "batch_select_indices", None)
+        if select is not None:
+            select(indices)
+
+
+def _is_linear(layer: object) -> bool:
+    return LinearAttentionCacheLayerMixin is not None and isinstance(
+        layer, LinearAttentionCacheLayerMixin
+    )
+
+
+def _reorder_linear(layer: object, rows: torch.Tensor) -> None:
+    """A linear-attention layer's convolution and recurrent states, rows `rows` of them (as its
+    own `reorder_cache`, which a layer that also holds keys and values may override)."""
+    for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+        for index, state in states.items():
+            if state is not None:
+                states[index] = state.index_select(0, rows.to(state.device))
+
+
+def _linear_rows(layer: object) -> torch.Tensor | None:
+    """arange(batch) of a linear-attention layer's states (None before any is written)."""
+    for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+        for state in states.values():
+            if state is not None:
+                return torch.arange(state.shape[0], device=state.device)
+    return None
 
 
 class PreallocatedLayer(DynamicLayer):

@@ -40,7 +40,12 @@ from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 from posttrain.engine.decode.entropy import sampling_entropies
-from posttrain.engine.decode.kv_cache import cache_keyword, preallocated_cache
+from posttrain.engine.decode.kv_cache import (
+    cache_keyword,
+    preallocated_cache,
+    repeat_rows,
+    select_rows,
+)
 from posttrain.engine.decode.multi_lora import MultiLora
 from posttrain.engine.decode.token_draw import TokenCounts, draw_tokens, scaled_logits
 from posttrain.engine.logprob_pass import target_logprobs
@@ -236,7 +241,7 @@ class Sampler:
                 if keep_A.numel() == 0:
                     break
                 batch = batch.select(keep_A)
-                cache.batch_select_indices(keep_A)
+                select_rows(cache, keep_A)
                 tokens_A = tokens_A[keep_A]
             if row_slots is not None:
                 row_slots.use_rows(batch.rows_A)  # follows the rows through compaction
@@ -267,7 +272,7 @@ class Sampler:
             logits_to_keep=torch.tensor([width - 1], device=device),
         )
         if num_samples > 1:
-            cache.batch_repeat_interleave(num_samples)
+            repeat_rows(cache, num_samples)
         mask_AX = None
         if padded:
             new_PX = torch.ones(len(rows), max(limits), dtype=mask_PL.dtype, device=device)
