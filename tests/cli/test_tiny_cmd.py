@@ -44,10 +44,11 @@ def test_bad_choices_exit_2(tmp_path: Path, bad: list[str]) -> None:
 def test_size_choices_are_the_engine_sizes() -> None:
     from typing import get_args
 
-    from posttrain.cli.tiny_cmd import SIZES
-    from posttrain.models.tiny import Size
+    from posttrain.cli.tiny_cmd import ARCHES, SIZES
+    from posttrain.models.tiny import Arch, Size
 
     assert get_args(Size) == SIZES
+    assert get_args(Arch) == ARCHES
 
 
 def test_real_size_with_another_arch_is_refused(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-# models.tiny.Size, spelled out so `posttrain --help` does not import torch and transformers.
+# models.tiny.Size and Arch, spelled out so `posttrain --help` does not import torch and
+# transformers.
 SIZES = ("tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b")
+ARCHES = ("qwen2", "llama", "qwen3", "qwen3_5", "gemma3", "olmo3")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -26,9 +28,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("dir", type=Path, help="output directory (created if missing)")
     parser.add_argument(
         "--arch",
-        choices=("qwen2", "llama"),
+        choices=ARCHES,
         default=None,
-        help="default: qwen2 for the test sizes, the published one for a real size",
+        help="default: qwen2 for the test sizes, the published one for a real size; qwen3_5 "
+        "is hybrid (linear-attention and full-attention layers), gemma3 and olmo3 have "
+        "sliding-window layers (a 16-token window in the test sizes)",
     )
     parser.add_argument(
         "--size",

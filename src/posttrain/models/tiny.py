@@ -16,6 +16,7 @@ import itertools
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,16 +26,14 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
-    LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
-    Qwen2Config,
 )
 
 from posttrain.models.cache import cache_root
 from posttrain.models.file_modes import apply_umask, apply_umask_to_weights
 
-Arch = Literal["qwen2", "llama"]
+Arch = Literal["qwen2", "llama", "qwen3", "qwen3_5", "gemma3", "olmo3"]
 Size = Literal["tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b"]
 
 BOS_TOKEN = "<|bos|>"
@@ -190,6 +189,89 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def _head_dim(shape: _Shape) -> dict[str, object]:
+    """Families whose config defaults a large head_dim (128 or 256) get the shape's own."""
+    return {"head_dim": shape.hidden // shape.heads}
+
+
+def _pattern(shape: _Shape, every: int, local: str, wide: str) -> list[str]:
+    """The published layer pattern, one `wide` layer per `every`, scaled down: the last layer
+    is always `wide`, so a 2-layer test model has one layer of each kind."""
+    return [
+        wide if (i % every == every - 1 or i == shape.layers - 1) else local
+        for i in range(shape.layers)
+    ]
+
+
+# A test model's sliding window: short, so that test prompts run past it.
+TEST_SLIDING_WINDOW = 16
+
+
+def _qwen3_5(shape: _Shape) -> dict[str, object]:
+    """Qwen3.5's text model, hybrid: three GatedDeltaNet linear-attention layers to one full
+    attention layer, as published."""
+    head = shape.hidden // shape.heads
+    return {
+        **_head_dim(shape),
+        "layer_types": _pattern(shape, 4, "linear_attention", "full_attention"),
+        "linear_num_key_heads": shape.kv_heads,
+        "linear_num_value_heads": shape.heads,
+        "linear_key_head_dim": head,
+        "linear_value_head_dim": head,
+        "linear_conv_kernel_dim": 4,
+    }
+
+
+def _sliding(every: int) -> Callable[[_Shape], dict[str, object]]:
+    def extra(shape: _Shape) -> dict[str, object]:
+        return {
+            **_head_dim(shape),
+            "layer_types": _pattern(shape, every, "sliding_attention", "full_attention"),
+            "sliding_window": TEST_SLIDING_WINDOW,
+        }
+
+    return extra
+
+
+def _gemma3(shape: _Shape) -> dict[str, object]:
+    """Gemma 3's text model: five sliding-window layers to one global layer, as published."""
+    return {**_sliding(6)(shape), "query_pre_attn_scalar": shape.hidden // shape.heads}
+
+
+# Each architecture's config beyond the common shape: (transformers config class, its extra
+# fields for a test size). Classes are looked up by name, so an older transformers without one
+# (Qwen3.5, OLMo 3) fails only when that architecture is asked for.
+_FAMILIES: dict[str, Callable[[_Shape], dict[str, object]]] = {
+    "qwen2": lambda shape: {},
+    "llama": lambda shape: {},
+    "qwen3": _head_dim,
+    "qwen3_5": _qwen3_5,
+    "gemma3": _gemma3,
+    "olmo3": _sliding(4),
+}
+_CONFIG_CLASSES = {
+    "qwen2": "Qwen2Config",
+    "llama": "LlamaConfig",
+    "qwen3": "Qwen3Config",
+    "qwen3_5": "Qwen3_5TextConfig",
+    "gemma3": "Gemma3TextConfig",
+    "olmo3": "Olmo3Config",
+}
+
+
+def _config_class(arch: str) -> Callable[..., PretrainedConfig]:
+    import transformers
+
+    name = _CONFIG_CLASSES[arch]
+    found = getattr(transformers, name, None)
+    if found is None:
+        raise ValueError(
+            f"arch {arch!r} needs transformers' {name}, which transformers "
+            f"{transformers.__version__} lacks; upgrade transformers"
+        )
+    return found
+
+
 def resolve_arch(arch: Arch | None, size: Size) -> Arch:
     """The architecture of `size`: a real size's own, else `arch` (qwen2 when None)."""
     public = _PUBLIC.get(size)
@@ -212,17 +294,16 @@ def build_config(
     """
     if size not in _SHAPES and size not in _PUBLIC:
         raise ValueError(f"size must be one of {sorted([*_SHAPES, *_PUBLIC])}, got {size!r}")
-    config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
-    if arch is not None and arch not in config_classes:
-        raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
+    if arch is not None and arch not in _FAMILIES:
+        raise ValueError(f"arch must be one of {sorted(_FAMILIES)}, got {arch!r}")
     arch = resolve_arch(arch, size)
     public = _PUBLIC.get(size)
     shape = public.shape if public else _SHAPES[size]
-    extra: dict[str, object] = {}
+    extra: dict[str, object] = _FAMILIES[arch](shape)
     if public is not None:
         rope: dict[str, object] = {"rope_type": "default", **(public.rope_scaling or {})}
         extra = {"rope_parameters": {**rope, "rope_theta": public.rope_theta}}
-    return config_classes[arch](
+    return _config_class(arch)(
         vocab_size=public.vocab_size if public else VOCAB_SIZE,
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
