@@ -42,7 +42,7 @@ from posttrain.engine.logprob_pass import (
     target_logprobs,
 )
 from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
-from posttrain.engine.packing import PackedRows, pack_datums, plan_packed
+from posttrain.engine.packing import PackedRows, pack_datums, packing_problem, plan_packed
 from posttrain.engine.placement import Parking, StateGroup
 from posttrain.engine.recompute import enable_gradient_checkpointing
 from posttrain.engine.shared_prefix import MicroBatch, PrefixGroup, plan_micro_batches
@@ -120,6 +120,8 @@ class Worker:
         self.vocab_size = int(lm_config.vocab_size)
         self.max_positions = int(getattr(lm_config, "max_position_embeddings", 1 << 30))
         self.parking = Parking(self)
+        if self.config.packing:
+            self._check_packing()
         # Gradients of earlier calls, set aside while an uncommitted forward_backward runs.
         self._earlier_grads: dict[str, torch.Tensor | None] | None = None
 
@@ -278,7 +280,14 @@ class Worker:
         self.config = replace(self.config, logprob_chunk_size=chunk_size)
 
     def set_packing(self, packing: bool) -> None:
+        if packing:
+            self._check_packing()
         self.config = replace(self.config, packing=packing)
+
+    def _check_packing(self) -> None:
+        problem = packing_problem(getattr(causal_lm(self.model), "config", None))  # HF config
+        if problem is not None:
+            raise ValueError(problem)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
