@@ -117,6 +117,15 @@ def rank0_on_second_node(nodes: Nodes) -> Iterator[None]:
     on_head = NodeAffinitySchedulingStrategy(nodes.head, soft=False)
     holder = holder_cls.options(scheduling_strategy=on_head).remote()
     ray.get(holder.ready.remote())
+    # The release below reads "no slot free" as "rank 0 took the second node's". An earlier
+    # test's actors, still being torn down (or Ray's view of them, which lags under load),
+    # can hold that slot now: released at once, rank 0 would land on the head. So wait until
+    # the second node's slot is seen free first.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get(SLOT, 0.0) < 1.0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the second node's slot stayed taken for 60 s")
+        time.sleep(0.1)
     done = threading.Event()
 
     def release() -> None:
