@@ -5,6 +5,7 @@ in directories with checkpoints, clients built here, sampling, the OpenAI endpoi
 from __future__ import annotations
 
 import asyncio
+from abc import ABC
 from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -40,7 +41,7 @@ BACKEND = "LocalBackend"
 ClientT = TypeVar("ClientT", LocalTrainingClient, RayTrainingClient)
 
 
-class InProcessBackend(Generic[ClientT]):
+class InProcessBackend(ABC, Generic[ClientT]):
     """A backend whose clients this process builds (`_make_client`): LocalBackend's own, or
     RayBackend's actors. Models live under `path/<project>/models/<name>/`, checkpointed every
     step by default; each subclass has its own typed `train` and constructor."""

@@ -1,5 +1,5 @@
-"""The sampler on a hybrid model, Qwen3.5's text model (one GatedDeltaNet linear-attention layer
-and one full-attention layer, random weights): its cache holds a convolution and a recurrent
+"""The sampler on a hybrid model, Qwen3.5's text model (`make_tiny_model(arch="qwen3_5")`: one
+GatedDeltaNet linear-attention layer and one full-attention layer, random weights): its cache holds a convolution and a recurrent
 state per row beside the KV layer's keys and values. A prompt's state is computed once and
 repeated per sample, and rows that finish leave every layer (`kv_cache.repeat_rows` /
 `select_rows`), so greedy samples equal transformers' `generate` and logprobs a full forward.
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from posttrain.engine.decode.sampler import Sampler, SampleRequest
-from posttrain.models.load import load_tokenizer
-from posttrain.models.tiny import tiny_model_path
+from posttrain.models.load import load_hf_model, load_tokenizer
+from posttrain.models.tiny import make_tiny_model, tiny_model_path
 from posttrain.types import SamplingParams
 
 if not hasattr(transformers, "Qwen3_5TextConfig"):
@@ -26,25 +26,9 @@ PROMPTS = [[256, 72, 105, 33, 9, 40, 41, 42, 43, 44, 45], [7, 8], [256, 10, 20, 
 
 
 @pytest.fixture(scope="module")
-def model() -> PreTrainedModel:
-    torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        layer_types=["linear_attention", "full_attention"],
-        max_position_embeddings=256,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-    )
-    return AutoModelForCausalLM.from_config(config).eval()
+def model(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedModel:
+    path = make_tiny_model(tmp_path_factory.mktemp("qwen3_5"), arch="qwen3_5")
+    return load_hf_model(path, dtype="float32").eval()
 
 
 @pytest.fixture(scope="module")
