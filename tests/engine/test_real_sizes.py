@@ -1,4 +1,5 @@
-"""The published architectures `make_tiny_model` builds: Qwen2.5-0.5B and Llama-3.2-1B."""
+"""The published architectures `make_tiny_model` builds: Qwen2.5-0.5B, Llama-3.2-1B, Qwen3-0.6B
+and Qwen3.5-0.8B's text model."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from posttrain.clients.create import create_training_client
 from posttrain.models.tiny import build_config, build_tokenizer, make_tiny_model
 from posttrain.types import AdamParams
 
-# Fields of the published config.json files (Qwen/Qwen2.5-0.5B-Instruct, meta-llama/Llama-3.2-1B).
+# Fields of the published config.json files (Qwen/Qwen2.5-0.5B-Instruct, meta-llama/Llama-3.2-1B,
+# Qwen/Qwen3-0.6B, Qwen/Qwen3.5-0.8B's text_config).
 PUBLISHED = {
     "qwen2.5-0.5b": {
         "model_type": "qwen2",
@@ -40,6 +42,31 @@ PUBLISHED = {
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
     },
+    "qwen3-0.6b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+    },
+    "qwen3.5-0.8b": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "tie_word_embeddings": True,
+    },
 }
 ROPE = {
     "qwen2.5-0.5b": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -51,9 +78,21 @@ ROPE = {
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     },
+    "qwen3-0.6b": {"rope_type": "default", "rope_theta": 1000000.0},
+    "qwen3.5-0.8b": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
 }
-# The published parameter counts (tied embeddings counted once): 494M and 1.24B.
-PARAMETERS = {"qwen2.5-0.5b": 494_032_768, "llama3.2-1b": 1_235_814_400}
+# The parameter counts (tied embeddings counted once): 494M, 1.24B, 596M (Qwen3-0.6B's card:
+# 0.6B, 0.44B without embeddings) and 752M (Qwen3.5-0.8B without its vision encoder).
+PARAMETERS = {
+    "qwen2.5-0.5b": 494_032_768,
+    "llama3.2-1b": 1_235_814_400,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3.5-0.8b": 752_393_024,
+}
 
 
 @pytest.mark.parametrize("size", sorted(PUBLISHED))
@@ -65,6 +104,12 @@ def test_config_is_the_published_one(size: str) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == PARAMETERS[size]
+
+
+def test_qwen3_5_size_keeps_the_published_layer_pattern() -> None:
+    config = build_config(size="qwen3.5-0.8b")
+    assert config.layer_types.count("full_attention") == 6  # every fourth of 24
+    assert config.layer_types[3::4] == ["full_attention"] * 6
 
 
 def test_a_real_size_has_its_own_arch() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 # models.tiny.Size and Arch, spelled out so `posttrain --help` does not import torch and
 # transformers.
-SIZES = ("tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b")
+SIZES = ("tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b", "qwen3-0.6b", "qwen3.5-0.8b")
 ARCHES = ("qwen2", "llama", "qwen3", "qwen3_5", "gemma3", "olmo3")
 
 
@@ -20,8 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="write a random causal LM with a byte-level tokenizer to DIR (no download)",
         description=(
             "Write a randomly initialised causal LM and its byte-level tokenizer (chat "
-            "template) to DIR. The test sizes have 260 tokens; qwen2.5-0.5b and llama3.2-1b "
-            "are the published architectures with their vocabulary sizes (151936, 128256). "
+            "template) to DIR. The test sizes have 260 tokens; qwen2.5-0.5b, llama3.2-1b, "
+            "qwen3-0.6b and qwen3.5-0.8b (its text model, hybrid) are the published "
+            "architectures with their vocabulary sizes (151936, 128256, 151936, 248320). "
             "The same seed gives the same weights."
         ),
     )
@@ -39,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         choices=SIZES,
         default="tiny",
         help="tiny: ~108K parameters; mini: ~511K; small: ~30M; qwen2.5-0.5b: 494M; "
-        "llama3.2-1b: 1.24B (real sizes take seconds to a minute and 1-2.5 GB of disk)",
+        "llama3.2-1b: 1.24B; qwen3-0.6b: 596M; qwen3.5-0.8b: 752M (real sizes take seconds "
+        "to a minute and 1-2.5 GB of disk)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.add_argument(

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +34,7 @@ from posttrain.models.cache import cache_root
 from posttrain.models.file_modes import apply_umask, apply_umask_to_weights
 
 Arch = Literal["qwen2", "llama", "qwen3", "qwen3_5", "gemma3", "olmo3"]
-Size = Literal["tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b"]
+Size = Literal["tiny", "mini", "small", "qwen2.5-0.5b", "llama3.2-1b", "qwen3-0.6b", "qwen3.5-0.8b"]
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -92,9 +92,14 @@ class _PublicConfig:
     rope_theta: float
     rms_norm_eps: float
     rope_scaling: dict[str, float | int | str] | None = None
+    extra: dict[str, object] = field(default_factory=dict[str, object])  # the family's fields
 
 
-# The real sizes: Qwen2.5-0.5B(-Instruct) and Llama-3.2-1B, with tied embeddings as published.
+# Qwen3.5's published pattern: three GatedDeltaNet layers, then one full-attention layer.
+_QWEN3_5_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+
+# The real sizes: Qwen2.5-0.5B(-Instruct), Llama-3.2-1B, Qwen3-0.6B and Qwen3.5-0.8B (its text
+# model), with tied embeddings as published.
 _PUBLIC: dict[Size, _PublicConfig] = {
     "qwen2.5-0.5b": _PublicConfig(
         arch="qwen2",
@@ -115,6 +120,31 @@ _PUBLIC: dict[Size, _PublicConfig] = {
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
+        },
+    ),
+    "qwen3-0.6b": _PublicConfig(
+        arch="qwen3",
+        vocab_size=151936,
+        shape=_Shape(1024, 28, 16, 8, 3072, max_positions=40960),
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        extra={"head_dim": 128},
+    ),
+    "qwen3.5-0.8b": _PublicConfig(
+        arch="qwen3_5",
+        vocab_size=248320,
+        shape=_Shape(1024, 24, 8, 2, 3584, max_positions=262144),
+        rope_theta=10000000.0,
+        rms_norm_eps=1e-6,
+        rope_scaling={"partial_rotary_factor": 0.25},
+        extra={
+            "head_dim": 256,
+            "layer_types": _QWEN3_5_LAYERS * 6,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 16,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
         },
     ),
 }
@@ -249,7 +279,7 @@ _FAMILIES: dict[str, Callable[[_Shape], dict[str, object]]] = {
     "gemma3": _gemma3,
     "olmo3": _sliding(4),
 }
-_CONFIG_CLASSES = {
+CONFIG_CLASSES = {
     "qwen2": "Qwen2Config",
     "llama": "LlamaConfig",
     "qwen3": "Qwen3Config",
@@ -262,7 +292,7 @@ _CONFIG_CLASSES = {
 def _config_class(arch: str) -> Callable[..., PretrainedConfig]:
     import transformers
 
-    name = _CONFIG_CLASSES[arch]
+    name = CONFIG_CLASSES[arch]
     found = getattr(transformers, name, None)
     if found is None:
         raise ValueError(
@@ -287,8 +317,9 @@ def build_config(
 ) -> PretrainedConfig:
     """The transformers config for an (arch, size) pair, with the tokenizer's special ids.
 
-    `qwen2.5-0.5b` and `llama3.2-1b` are the published configs of Qwen2.5-0.5B and
-    Llama-3.2-1B (vocabulary, shapes, rope, tied embeddings); the other sizes are test models.
+    `qwen2.5-0.5b`, `llama3.2-1b`, `qwen3-0.6b` and `qwen3.5-0.8b` are the published configs
+    of Qwen2.5-0.5B, Llama-3.2-1B, Qwen3-0.6B and Qwen3.5-0.8B's text model (vocabulary,
+    shapes, layer pattern, rope, tied embeddings); the other sizes are test models.
     `tied` ties the unembedding to the input embedding (None: as published for a real size,
     untied for a test size).
     """
@@ -302,7 +333,7 @@ def build_config(
     extra: dict[str, object] = _FAMILIES[arch](shape)
     if public is not None:
         rope: dict[str, object] = {"rope_type": "default", **(public.rope_scaling or {})}
-        extra = {"rope_parameters": {**rope, "rope_theta": public.rope_theta}}
+        extra = {**public.extra, "rope_parameters": {**rope, "rope_theta": public.rope_theta}}
     return _config_class(arch)(
         vocab_size=public.vocab_size if public else VOCAB_SIZE,
         hidden_size=shape.hidden,
@@ -336,7 +367,8 @@ def make_tiny_model(
 
     Parameter counts: tiny 107,584 (qwen2) / 107,328 (llama); mini 510,592 / 509,824;
     small 29,778,432 (qwen2) / 29,768,192 (llama); qwen2.5-0.5b 494,032,768;
-    llama3.2-1b 1,235,814,400. `arch=None` is qwen2 for the test sizes and the published
+    llama3.2-1b 1,235,814,400; qwen3-0.6b 596,049,920; qwen3.5-0.8b 752,393,024 (the text
+    model). `arch=None` is qwen2 for the test sizes and the published
     architecture for a real size. Real sizes are saved in bfloat16, as published (about 1 and
     2.5 GB); the test sizes in float32. `tied=True` ties a test size's unembedding to its
     input embedding as real models do (one matrix: a tiny model's count drops by 64 x 260).
