@@ -5,6 +5,10 @@ temperature, with EOS ignored so every sequence has the full length. Runs altern
 process; the script prints tokens/s of each and their ratio (Sampler / generate, higher is better).
 
     python benchmarks/sampling_speed.py [--prompts 8] [--samples 8] [--new-tokens 64] [--rounds 3]
+        [--size small] [--arch qwen2]
+
+`--arch qwen3_5` measures the hybrid decoder (GatedDeltaNet layers' convolution and recurrent
+state repeated per sample and compacted beside the KV cache).
 """
 
 from __future__ import annotations
@@ -66,10 +70,16 @@ def main() -> None:
     parser.add_argument(
         "--size", default="small", choices=["tiny", "mini", "small"], help="the tiny model's size"
     )
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        choices=["qwen2", "llama", "qwen3", "qwen3_5", "gemma3", "olmo3"],
+        help="the tiny model's family",
+    )
     args = parser.parse_args()
     print(host_line(), flush=True)
 
-    path = tiny_model_path(size=args.size)
+    path = tiny_model_path(arch=args.arch, size=args.size)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     sampler = Sampler(model, tokenizer)
@@ -90,7 +100,7 @@ def main() -> None:
             rates[name].append(tokens / (time.perf_counter() - start))
     batch = args.prompts * args.samples
     print(
-        f"{args.size} model, {batch} sequences x {args.new_tokens} new tokens, temperature 1.0, "
+        f"{args.arch} {args.size} model, {batch} sequences x {args.new_tokens} new tokens, temperature 1.0, "
         f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds"
     )
     for name, values in rates.items():

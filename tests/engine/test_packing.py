@@ -13,7 +13,6 @@ from posttrain.algo.losses import LossConfig
 from posttrain.engine.packing import PackedRows, pack_datums, plan_packed
 from posttrain.engine.worker import PassResult, Worker, WorkerConfig
 from posttrain.models.load import load_hf_model
-from posttrain.models.tiny import make_tiny_model
 from posttrain.types import Datum, ModelInput
 
 # fp32 tolerance: packed, each matrix product sees other rows and the attention other (masked)
@@ -160,26 +159,3 @@ def test_bf16_packed_matches_bf16_unpacked(tiny_model_dir):
     assert packed.loss_sum == pytest.approx(plain.loss_sum, rel=4e-3)
     for lp, lp_plain in zip(packed.logprobs, plain.logprobs, strict=True):
         torch.testing.assert_close(lp, lp_plain, rtol=0, atol=0.1)
-
-
-@pytest.mark.parametrize("arch", ["gemma3", "olmo3"])
-def test_sliding_window_families_pack_as_they_run_unpacked(tmp_path, arch):
-    """Their windows and global layers are masks, which the restarting positions give too."""
-    model_dir = make_tiny_model(tmp_path, arch=arch)
-    datums = documents((3, 40, 17, 12, 5))
-    packed = run(model_dir, "full", datums, packing=True, micro_batch_tokens=700)
-    plain = run(model_dir, "full", datums, packing=False, micro_batch_tokens=700)
-    assert_same(packed, plain)
-
-
-def test_a_hybrid_model_refuses_packing_with_the_reason(tmp_path):
-    """Qwen3.5's linear-attention layers have no mask: packed, their state runs into the next
-    document (logprobs off by 1.3e-2 measured), so packing is refused, never silently wrong."""
-    model_dir = make_tiny_model(tmp_path, arch="qwen3_5")
-    with pytest.raises(ValueError, match="packing is refused for qwen3_5_text: its linear"):
-        Worker(load_hf_model(model_dir), WorkerConfig(packing=True))
-    worker = Worker(load_hf_model(model_dir), WorkerConfig())
-    with pytest.raises(ValueError, match="train with packing=False"):
-        worker.set_packing(True)
-    worker.set_packing(False)  # unpacked it trains as any model
-    assert worker.forward(documents((3, 9)), "cross_entropy", LossConfig()).num_tokens == 12

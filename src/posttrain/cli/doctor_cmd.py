@@ -267,7 +267,22 @@ def check_job_config(path: Path) -> tuple[list[Check], JobConfig | None]:
         check = Check("backend", "pass", f"{config.run.backend} ({_capabilities_note(found)})")
     checks = [Check("config", "pass", str(path)), check_task(config), check]
     checks.append(check_base_model(config.model.base_model))
+    family = check_family(config.model.base_model)
+    if family is not None:
+        checks.append(family)
     return checks, config
+
+
+def check_family(spec: str) -> Check | None:
+    """The base model's family and which paths apply to it (packing, shared prefix, vLLM), a
+    warning for a family posttrain has not checked; None where its config needs a download."""
+    from posttrain.jobs.backend import base_model_config
+    from posttrain.models.families import describe, family_of
+
+    found = base_model_config(spec)
+    if found is None:
+        return None
+    return Check("model family", "pass" if family_of(found) else "warn", describe(found))
 
 
 def _capabilities_note(found: JobBackend | None) -> str:

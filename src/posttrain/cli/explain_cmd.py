@@ -271,15 +271,22 @@ def _work(config: JobConfig, work: ResolvedTask | ResolvedEnvironment | None) ->
 
 
 def _base_model(spec: str) -> dict[str, object]:
-    """The base model spec, and for a .gguf or packaged model whether it is converted yet."""
+    """The base model spec; for a .gguf or packaged model whether it is converted yet; and,
+    where its config is at hand without a download, its family and the paths that apply."""
+    from posttrain.jobs.backend import base_model_config
     from posttrain.models.cache import ModelSourceError
+    from posttrain.models.families import describe
     from posttrain.models.source import cache_note
 
     try:
         note = cache_note(spec)
     except (ModelSourceError, OSError):  # preflight reports what is wrong with it
         note = None
-    return {"spec": spec} if note is None else {"spec": spec, "cache": note}
+    out: dict[str, object] = {"spec": spec} if note is None else {"spec": spec, "cache": note}
+    found = base_model_config(spec)
+    if found is not None:
+        out["family"] = describe(found)
+    return out
 
 
 def explain(config: JobConfig) -> dict[str, object]:

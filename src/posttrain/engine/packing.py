@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.models.lora import has_linear_attention
 from posttrain.types import Datum
 
 
@@ -36,8 +37,7 @@ def packing_problem(model_config: object) -> str | None:
     recurrent state run on across the row into the next document (measured on the tiny
     Qwen3.5 model: packed logprobs off the unpacked ones by 1.3e-2).
     """
-    layers = getattr(model_config, "layer_types", None) or ()
-    if "linear_attention" in layers:
+    if has_linear_attention(model_config):
         kind = getattr(model_config, "model_type", "this model")
         return (
             f"packing is refused for {kind}: its linear-attention layers carry their state "

@@ -27,6 +27,8 @@ from transformers.cache_utils import DynamicLayer
 
 from posttrain.engine.decode.kv_cache import cache_keyword
 from posttrain.engine.packing import PackedRows
+from posttrain.models.families import LINEAR_CACHE, SLIDING_CACHE
+from posttrain.models.lora import has_linear_attention
 
 
 @dataclass(frozen=True)
@@ -148,14 +150,19 @@ def _localise(groups: list[PrefixGroup]) -> MicroBatch:
     return MicroBatch(rows, local)
 
 
-def _plain_kv_cache(config: PretrainedConfig) -> bool:
-    """Whether the model's cache is a plain concatenating one (no sliding window to crop).
+def sharing_problem(config: PretrainedConfig) -> str | None:
+    """Why shared prefixes are off for a model with this config (its rows then run whole, as
+    unshared), or None where its cache is a plain concatenating KV cache to reuse.
 
     Asked of transformers itself each time (~60 us): a cache keyed by the config's id could
     answer for another model once the config is freed and its address reused.
     """
     layers = DynamicCache(config=config).layers
-    return all(type(layer) is DynamicLayer for layer in layers)
+    if all(type(layer) is DynamicLayer for layer in layers):
+        return None
+    if has_linear_attention(config):
+        return LINEAR_CACHE
+    return SLIDING_CACHE
 
 
 def decoder_hidden(
@@ -167,7 +174,7 @@ def decoder_hidden(
     """The decoder's last hidden states [B, T, H] for right-padded rows, sharing prefixes."""
     shared = [g for g in groups or () if g.shared]
     config = getattr(decoder, "config", None)
-    if not shared or not isinstance(config, PretrainedConfig) or not _plain_kv_cache(config):
+    if not shared or not isinstance(config, PretrainedConfig) or sharing_problem(config):
         return decoder(input_ids=input_ids_BT, attention_mask=pad_mask_BT.long()).last_hidden_state
     lengths = [int(n) for n in pad_mask_BT.sum(1).tolist()]
     hidden: list[torch.Tensor | None] = [None] * len(lengths)

@@ -21,6 +21,7 @@ Where the state lives (device or parked on the CPU) is its `Parking`'s business
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.algo.loss_metrics import counted_values
@@ -45,10 +47,17 @@ from posttrain.engine.optim import create_adamw_optimizer, set_adam_params
 from posttrain.engine.packing import PackedRows, pack_datums, packing_problem, plan_packed
 from posttrain.engine.placement import Parking, StateGroup
 from posttrain.engine.recompute import enable_gradient_checkpointing
-from posttrain.engine.shared_prefix import MicroBatch, PrefixGroup, plan_micro_batches
+from posttrain.engine.shared_prefix import (
+    MicroBatch,
+    PrefixGroup,
+    plan_micro_batches,
+    sharing_problem,
+)
 from posttrain.models.load import causal_lm
 from posttrain.tokenizer import Tokenizer
 from posttrain.types import AdamParams, Datum, SampleResponse, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,8 +131,18 @@ class Worker:
         self.parking = Parking(self)
         if self.config.packing:
             self._check_packing()
+        elif self.config.min_shared_prefix > 0:
+            self._note_no_sharing(lm_config)
         # Gradients of earlier calls, set aside while an uncommitted forward_backward runs.
         self._earlier_grads: dict[str, torch.Tensor | None] | None = None
+
+    @staticmethod
+    def _note_no_sharing(lm_config: object) -> None:
+        """One line where shared prefixes cannot run on this model (rows then run whole)."""
+        why = sharing_problem(lm_config) if isinstance(lm_config, PretrainedConfig) else None
+        if why is not None:
+            model_type = getattr(lm_config, "model_type", "this model")
+            log.info("shared prefixes are off for %s: %s", model_type, why)
 
     @property
     def device(self) -> torch.device:

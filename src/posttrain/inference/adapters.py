@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from posttrain.models.file_modes import save_tensors
-from posttrain.models.lora import LoraSettings
+from posttrain.models.lora import LoraSettings, has_linear_attention
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -107,7 +107,7 @@ def planned_layers(lora: LoraSettings | None, model_config: Mapping[str, object]
     if lora is None:
         return []
     tied = model_config.get("tie_word_embeddings") is True
-    layers = lora.target_modules(tied)
+    layers = lora.target_modules(tied, has_linear_attention(dict(model_config)))
     return sorted("embed_tokens" if tied and layer == "lm_head" else layer for layer in layers)
 
 

@@ -207,10 +207,18 @@ def head_size(model_config: Mapping[str, object]) -> int | None:
 
 def head_problem(config: InferenceConfig, model_config: Mapping[str, object]) -> str | None:
     """Why the configured engine cannot sample this model on the CPU, or None: vLLM-CPU runs
-    some head sizes only (on a GPU, `[inference] devices = "cuda:..."`, vLLM's own checks
-    apply)."""
+    some model families and head sizes only (on a GPU, `[inference] devices = "cuda:..."`,
+    vLLM's own checks apply)."""
+    if config.on_gpu:
+        return None
+    refused = config.spec.cpu_refused_families.get(str(model_config.get("model_type")))
+    if refused is not None:
+        return (
+            f"engine = {config.engine!r} samples on the CPU, and for this model: {refused} "
+            "([inference] devices = 'cuda:...')"
+        )
     sizes = config.spec.cpu_head_sizes
-    if sizes is None or config.on_gpu:
+    if sizes is None:
         return None
     head = head_size(model_config)
     if head is None or head in sizes:

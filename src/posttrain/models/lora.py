@@ -8,6 +8,19 @@ from dataclasses import dataclass
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
+# A linear-attention layer's projections (Qwen3.5's GatedDeltaNet: query/key/value, output
+# gate, decay and update gates, output), adapted with attention on a model that has them.
+LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+
+
+def has_linear_attention(model_config: object) -> bool:
+    """Whether a transformers config (object or dict) has linear-attention layers."""
+    if isinstance(model_config, dict):
+        layers = model_config.get("layer_types")
+    else:
+        layers = getattr(model_config, "layer_types", None)
+    return isinstance(layers, list | tuple) and "linear_attention" in layers
+
 
 # The one default LoRA rank, Tinker's (`create_lora_training_client(rank=32)`): of the spec
 # below, `TrainableModel`, the job's `[model] lora_rank` and `create_training_client`.
@@ -71,11 +84,14 @@ class LoraSettings:
         """Whether the unembedding gets an adapter, on a model that ties it (`tied`) or not."""
         return (not tied) if self.train_unembed is None else self.train_unembed
 
-    def target_modules(self, tied: bool = False) -> list[str]:
-        """The linear layers LoRA wraps: attention, MLP and unembedding per the flags."""
+    def target_modules(self, tied: bool = False, linear_attention: bool = False) -> list[str]:
+        """The linear layers LoRA wraps: attention (with a linear-attention layer's
+        projections, on a model that has them), MLP and unembedding per the flags."""
         modules: list[str] = []
         if self.train_attn:
             modules += ATTN_MODULES
+            if linear_attention:
+                modules += LINEAR_ATTN_MODULES
         if self.train_mlp:
             modules += MLP_MODULES
         if self.adapts_unembedding(tied):
