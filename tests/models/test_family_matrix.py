@@ -360,6 +360,87 @@ def test_export_merged_and_adapter_give_the_trained_logits(
     torch.testing.assert_close(peft, trained, rtol=0, atol=2e-6)
 
 
+def test_serve_through_the_tinker_sdk_equals_the_local_client(
+    arch: str, family_dir: Path, tmp_path: Path
+):
+    """`posttrain serve` (in this process, on loopback) driven by the official tinker SDK: the
+    same losses as the local client, step for step, and the same greedy samples after."""
+    assert family(arch).cell("serve").status == "pass"
+    tinker = pytest.importorskip("tinker")
+    from serve_helpers import KEY, in_process_config, serving  # pyright: ignore[reportMissingImports]
+
+    from posttrain.server.app import create_app
+
+    batch = datums((12, 7), seed=12)
+    wire = [
+        tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints(d.model_input.to_ints()),
+            loss_fn_inputs={k: torch.as_tensor(v).tolist() for k, v in d.loss_fn_inputs.items()},
+        )
+        for d in batch
+    ]
+    local = create_training_client(family_dir, lora_rank=4, seed=0, storage_dir=tmp_path / "l")
+    app = create_app(in_process_config(family_dir, tmp_path, api_keys=(KEY,)))
+    try:
+        with serving(app) as url:
+            service = tinker.ServiceClient(base_url=url, api_key=KEY)
+            remote = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+            for _ in range(2):
+                got = remote.forward_backward(wire, "cross_entropy").result().metrics["loss:sum"]
+                want = local.forward_backward(batch, "cross_entropy").result().metrics["loss:sum"]
+                assert got == pytest.approx(want, rel=1e-6)
+                remote.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+                local.optim_step(AdamParams(learning_rate=1e-2)).result()
+            sampler = remote.save_weights_and_get_sampling_client().result()
+            greedy = tinker.types.SamplingParams(max_tokens=6, temperature=0.0)
+            for prompt in PROMPTS:
+                served = sampler.sample(
+                    tinker.types.ModelInput.from_ints(prompt), 1, greedy
+                ).result()
+                params = SamplingParams(max_tokens=6, temperature=0.0)
+                mine = local.sample(ModelInput.from_ints(prompt), 1, params).result()
+                assert served.sequences[0].tokens == mine.sequences[0].tokens
+            service.close("success").result()
+    finally:
+        local.close()
+
+
+@pytest.mark.slow
+def test_ray_fsdp2_trains_as_the_local_client(
+    arch: str, family_dir: Path, ray_started: None, tmp_path: Path
+):
+    """RayBackend's client, FSDP2 over 2 actors (gloo): the local client's loss, and after an
+    AdamW step its logprobs (3e-5: summation order through the update, as
+    tests/clients/test_ray_fsdp.py measures)."""
+    from posttrain.engine.ray.executor import RayConfig
+
+    assert family(arch).cell("ray_fsdp2").status == "pass"
+    batch = datums((12, 7, 20), seed=13)
+    local = create_training_client(family_dir, lora_rank=3, seed=0, storage_dir=tmp_path / "l")
+    ray = create_training_client(
+        family_dir,
+        lora_rank=3,
+        seed=0,
+        storage_dir=tmp_path / "r",
+        executor="ray",
+        num_workers=2,
+        ray_config=RayConfig(sharding="fsdp2", collective_timeout_s=60.0, startup_timeout_s=180.0),
+    )
+    try:
+        want = local.forward_backward(batch, "cross_entropy").result().metrics["loss:sum"]
+        got = ray.forward_backward(batch, "cross_entropy").result().metrics["loss:sum"]
+        assert got == pytest.approx(want, rel=2e-6)
+        for client in (local, ray):
+            client.optim_step(AdamParams(learning_rate=1e-2)).result()
+        probe = ModelInput.from_ints(PROMPTS[0])
+        mine = torch.tensor([float(x or 0) for x in local.compute_logprobs(probe).result()])
+        theirs = torch.tensor([float(x or 0) for x in ray.compute_logprobs(probe).result()])
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=3e-5)
+    finally:
+        local.close()
+        ray.close()
+
+
 def test_vllm_is_refused_at_register_naming_the_family_and_version(
     arch: str, family_dir: Path, tmp_path: Path
 ):
@@ -422,5 +503,7 @@ def test_docs_table_is_the_matrix():
         "resume",
         "multi_lora",
         "export",
+        "serve",
+        "ray_fsdp2",
         "vllm",
     }  # each path has a test above

