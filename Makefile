@@ -1,5 +1,5 @@
 # Each target sets up .venv when needed, so a fresh clone needs one command.
-.PHONY: setup demo demo-real test lint typecheck bench
+.PHONY: setup demo demo-real demo-gemma test lint typecheck bench
 
 setup: .venv/.installed
 
@@ -13,6 +13,9 @@ demo: setup
 # RL on a real pretrained model, SmolLM2-135M-Instruct (docs/real-models.md).
 demo-real: setup
 	.venv/bin/python -m posttrain.cli.main demo word-problems
+
+demo-gemma: setup
+	.venv/bin/python -m posttrain.cli.main demo gemma3-word-problems
 
 # pytest's worksteal: an idle worker takes queued tests from the busy one, so a 3-minute test
 # near the end does not leave the other core idle (the slow suite is most of CI's 35 minutes).

@@ -23,6 +23,7 @@ from posttrain.tokenizer import (
     end_of_turn_id,
     eos_token,
     eos_token_id,
+    render_chat,
 )
 from posttrain.types import SampledSequence
 
@@ -111,8 +112,8 @@ def test_the_end_of_turn_token_is_the_templates_special_closing_token(tiny_model
     assert Sampler(load_hf_model(tiny_model_dir), tiny).eos_ids == [257, 258]
     tiny.chat_template = CHAT_TEMPLATE.replace("+ eos_token", "+ '\\n'")  # no special token
     assert end_of_turn_id(tiny) is None
-    tiny.chat_template = None
-    assert end_of_turn_id(tiny) is None  # no template at all
+    tiny.chat_template = None  # no template: the plain-text format, whose turns end at EOS
+    assert end_of_turn_id(tiny) == 257
 
 
 def test_openai_stop_strings_join_the_end_of_turn_too():
@@ -122,3 +123,18 @@ def test_openai_stop_strings_join_the_end_of_turn_too():
     assert eos_texts(tiny) == ("<|eos|>",)
     tiny.chat_template = CHAT_TEMPLATE.replace("+ eos_token", "+ '<|pad|>'")
     assert eos_texts(tiny) == ("<|eos|>", "<|pad|>")
+
+
+def test_a_tokenizer_without_a_chat_template_renders_plain_text():
+    """A pretrained model's tokenizer (Gemma 3 270M's) has no template: BOS, the texts as they
+    are, an assistant turn closed by EOS; a prompt ends where the model continues it."""
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    bos, eos = int(tokenizer.bos_token_id), int(tokenizer.eos_token_id)  # pyright: ignore[reportArgumentType]
+    question = [{"role": "user", "content": "Q: 1+1?\nA:"}]
+    assert render_chat(tokenizer, question, True) == [bos, *b"Q: 1+1?\nA:"]
+    turns = [{"role": "system", "content": "S"}, *question, {"role": "assistant", "content": " 2"}]
+    assert render_chat(tokenizer, turns, False) == [bos, *b"S\nQ: 1+1?\nA: 2", eos]
+    assert assistant_closing(tokenizer) == TurnClosing((eos,), ())
+    builder = TrajectoryBuilder(tokenizer)
+    assert builder.prompt(*question) == [bos, *b"Q: 1+1?\nA:"]

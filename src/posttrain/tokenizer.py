@@ -24,6 +24,7 @@ __all__ = [
     "end_of_turn_id",
     "eos_token",
     "eos_token_id",
+    "has_chat_template",
     "render_chat",
 ]
 
@@ -107,6 +108,24 @@ class TurnClosing:
         return self.through_end + self.after_end
 
 
+# The plain-text format, for a pretrained model whose tokenizer has no chat template (Gemma 3
+# 270M, the base model): BOS, then each message's text as it is, an assistant message followed
+# by EOS and a user or system message by a newline where another of them follows. No roles, no
+# generation prompt: an answer continues its prompt's text ("Question: ...\nAnswer:" then
+# " 12"), and the job's `[rl] stop` says where it ends ("\n" for an answer on one line).
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}"
+    "{% elif not loop.last and loop.nextitem['role'] != 'assistant' %}{{ '\\n' }}"
+    "{% endif %}{% endfor %}"
+)
+
+
+def has_chat_template(tokenizer: object) -> bool:
+    """Whether the tokenizer brings its own chat template (else posttrain's PLAIN_TEMPLATE)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: Sequence[ChatMessage],
@@ -114,13 +133,16 @@ def render_chat(
     *,
     tools: Sequence[Mapping[str, object]] | None = None,
 ) -> list[int]:
-    """The chat template's token ids for `messages` (with `tools`, if any)."""
+    """The chat template's token ids for `messages` (with `tools`, if any); for a tokenizer
+    without a chat template, the plain-text format (`PLAIN_TEMPLATE`)."""
+    plain = {} if has_chat_template(tokenizer) else {"chat_template": PLAIN_TEMPLATE}
     out = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(t) for t in tools] if tools is not None else None,
         add_generation_prompt=generation_prompt,
         tokenize=True,
         return_dict=False,
+        **plain,
     )
     if not isinstance(out, list):
         raise TypeError(
@@ -159,7 +181,8 @@ def assistant_closing(tokenizer: Tokenizer) -> TurnClosing:
 
 def end_of_turn_id(tokenizer: Tokenizer) -> int | None:
     """The special token that ends an assistant turn in the tokenizer's chat template
-    (`<|im_end|>` for ChatML), or None without a template or without a special token there.
+    (`<|im_end|>` for ChatML; EOS in the plain-text format of a tokenizer without one), or None
+    where the template puts no special token there.
 
     Often the EOS, but not always: Qwen2.5's base models end a turn with `<|im_end|>` and name
     `<|endoftext|>` their EOS, so a sampler that stops at EOS alone writes past the answer.

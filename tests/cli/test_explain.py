@@ -29,7 +29,7 @@ FULL = ModelConfig(lora_rank=0)
 EXAMPLES = sorted(Path(str(resources.files("posttrain") / "examples")).glob("*.toml"))
 PLUGINS = Path(__file__).parents[1] / "backends"
 # The step counts each shipped example states in its comments.
-SFT_STEPS = {"reverse": 300, "addition": 320, "word-problems": 0}
+SFT_STEPS = {"reverse": 300, "addition": 320, "word-problems": 0, "gemma3-word-problems": 0}
 # The examples on a tiny model, whose tokenizer explain builds; the others name a real model.
 TINY_EXAMPLES = [p for p in EXAMPLES if load_config(p).model.base_model.startswith("tiny:")]
 

@@ -61,6 +61,18 @@ def test_completion_text_drops_only_the_end_of_turn(tokenizer):
     assert completion_text(llama2, SampledSequence("length", [*b"cba "]), closing) == "cba "
 
 
+def test_completion_text_with_stop_strings_is_the_text_before_the_first(tokenizer):
+    closing = assistant_closing(tokenizer)
+    # " 12\n" stopped on the stop string "\n": the answer is " 12", whatever token held it.
+    stopped = SampledSequence("stop", [*b" 12\n"])
+    assert completion_text(tokenizer, stopped, closing, ("\n",)) == " 12"
+    assert (
+        completion_text(tokenizer, SampledSequence("stop", [*b"7.\n"]), closing, ("\n", ".")) == "7"
+    )
+    # Cut by max_tokens, nothing is dropped.
+    assert completion_text(tokenizer, SampledSequence("length", [*b" 1"]), closing, ("\n",)) == " 1"
+
+
 def test_derive_seed_is_stable_and_63_bit():
     # Pinned: seeds must not change between processes or Python versions (resume relies on it).
     assert derive_seed(0, "rl", 5) == derive_seed(0, "rl", 5)

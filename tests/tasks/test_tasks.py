@@ -115,12 +115,22 @@ def test_word_problems():
     assert WordProblemsTask(system_prompt="").draw(random.Random(0)).chat()[0]["role"] == "user"
 
 
+def test_word_problems_question_frames_the_story_and_keeps_the_split():
+    plain = WordProblemsTask(system_prompt="", question="Question: {story}\nAnswer:")
+    default = WordProblemsTask(system_prompt="")
+    (framed,) = plain.held_out(0, 1)
+    (bare,) = default.held_out(0, 1)
+    assert framed.prompt == bare.prompt  # the story: the split and the logs see the same
+    assert framed.chat() == [{"role": "user", "content": f"Question: {bare.prompt}\nAnswer:"}]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"operations": "+/"}, "operations must be some of '\\+-\\*', got '\\+/'"),
         ({"operations": ""}, "operations must be some of"),
         ({"limit": 1}, "limit must be >= 2, got 1"),
+        ({"question": "Q: {text}"}, "question must contain {story}"),
     ],
 )
 def test_word_problems_options_are_checked(options, message):

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from posttrain.jobs.config import JobConfig
 
 # The shipped example configs; word-problems trains a real model (SmolLM2-135M-Instruct).
-EXAMPLES = ("reverse", "addition", "word-problems")
+EXAMPLES = ("reverse", "addition", "word-problems", "gemma3-word-problems")
 FLAGSHIP = "reverse"
 
 

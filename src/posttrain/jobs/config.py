@@ -181,6 +181,11 @@ class RLJobConfig:
     temperature: float = option(1.0, "sampling temperature (> 0)")
     top_p: float = option(1.0, "nucleus sampling's top_p, in (0, 1]")
     max_tokens: int = option(16, "tokens sampled per completion (per turn for environments)")
+    # A completion ends at the first occurrence of `stop` instead of at the end of turn (EOS):
+    # "\n" for a pretrained model prompted with plain text that answers on one line.
+    stop: str | None = option(
+        None, "a stop string: completions (and [eval]'s) end at it, not at EOS (None: EOS)"
+    )
     lr_warmup_steps: int = option(0, "linear warm-up of learning_rate over the first steps")
     # Then, as in [sft]: constant, or a cosine or linear decay over the remaining steps from
     # learning_rate towards min_lr_ratio x learning_rate (engine.optim.lr_multiplier).
@@ -244,6 +249,8 @@ class RLJobConfig:
             raise ValueError(f"[rl] temperature must be > 0 to explore, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"[rl] top_p must be in (0, 1], got {self.top_p}")
+        if self.stop == "":
+            raise ValueError('[rl] stop = "" would end every completion at once: remove it')
         if not self.trainer.save_checkpoint:
             raise ValueError(
                 "[rl] save_checkpoint must be true: resuming needs a checkpoint per step"

@@ -112,6 +112,7 @@ def rl_params(config: JobConfig, k: int) -> SamplingParams:
         max_tokens=rl.max_tokens,
         temperature=rl.temperature,
         top_p=rl.top_p,
+        stop=rl.stop,
         seed=derive_seed(config.run.seed, "sample", k),
         entropies=reads_entropies(rl.trainer.advantages),
     )
@@ -163,7 +164,11 @@ class TaskWork:
     async def evaluate(self, sampler: Sampler) -> Evaluated:
         with reward_step():  # an evaluation has a judge's per-step budget of its own
             result = await evaluate(
-                sampler, self.task, self.problems, max_tokens=eval_max_tokens(self.config)
+                sampler,
+                self.task,
+                self.problems,
+                max_tokens=eval_max_tokens(self.config),
+                stop=self.config.rl.stop,
             )
         return Evaluated(result.accuracy, {"accuracy": result.accuracy})
 

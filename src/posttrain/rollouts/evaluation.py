@@ -47,11 +47,21 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
-def completion_text(tokenizer: Tokenizer, sequence: SampledSequence, closing: TurnClosing) -> str:
+def completion_text(
+    tokenizer: Tokenizer,
+    sequence: SampledSequence,
+    closing: TurnClosing,
+    stop: Sequence[str] = (),
+) -> str:
     """The completion without the end of turn it stopped on: the template's closing through its
-    EOS (Llama 2's " " EOS) when it ends with all of it, else its final token. Any other
-    special token stays visible as text, so a completion that emits one never equals an answer."""
+    EOS (Llama 2's " " EOS) when it ends with all of it, else its final token; sampled with stop
+    strings `stop`, the text before the first of them. Any other special token stays visible as
+    text, so a completion that emits one never equals an answer."""
     tokens = sequence.tokens
+    if sequence.stop_reason == "stop" and stop:
+        text = str(tokenizer.decode(tokens, skip_special_tokens=False))
+        cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+        return text[: min(cuts)] if cuts else text
     if sequence.stop_reason == "stop":
         end = closing.through_end
         tokens = tokens[: -len(end)] if tuple(tokens[-len(end) :]) == end else tokens[:-1]
@@ -79,12 +89,14 @@ async def evaluate(
     temperature: float | None = None,
     held_out: int = 200,
     seed: int = 0,
+    stop: str | None = None,
 ) -> Evaluation:
     """Accuracy and pass@k of the sampler's model on `problems` (default: `held_out` problems
     of the task's held-out split, chosen by `seed`).
 
     `n` completions per problem (`k` defaults to `n`); `temperature` defaults to 0 (greedy) for
-    n=1 and 1 otherwise. A reward that fails is an error naming the reward and the problem.
+    n=1 and 1 otherwise; a completion ends at `stop` when given, else at the end of turn. A
+    reward that fails is an error naming the reward and the problem.
     """
     k = n if k is None else k
     if n < 1 or not 1 <= k <= n:
@@ -97,10 +109,13 @@ async def evaluate(
     tokenizer = as_tokenizer(sampler.tokenizer)
     closing = assistant_closing(tokenizer)
     prompts = [b.tokens for b in prompt_builders(tokenizer, chosen, closing)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop)
     responses = await sampler.sample_many(prompts, n, params)
     completions = [
-        [(completion_text(tokenizer, s, closing), s) for s in response.sequences]
+        [
+            (completion_text(tokenizer, s, closing, params.stop_strings()), s)
+            for s in response.sequences
+        ]
         for response in responses
     ]
     results = await asyncio.gather(

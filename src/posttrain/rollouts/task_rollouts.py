@@ -81,7 +81,7 @@ async def sample_groups(
     prompted = prompt_builders(tokenizer, problems, closing)
     responses = await sampler.sample_many([b.tokens for b in prompted], group_size, params)
     texts = [
-        [completion_text(tokenizer, s, closing) for s in response.sequences]
+        [completion_text(tokenizer, s, closing, params.stop_strings()) for s in response.sequences]
         for response in responses
     ]
     scored = await asyncio.gather(

@@ -35,7 +35,9 @@ class WordProblemsTask:
     """One-step word problems with operands up to `limit`; reward 1 for the right number.
 
     `operations` picks the stories: "+" (gets more), "-" (gives some away, leaving at least 1)
-    and "*" (bags of things). Every number in a story is in 1..`limit`. `system_prompt` ("" for
+    and "*" (bags of things). Every number in a story is in 1..`limit`. `question` is the user
+    message, `{story}` replaced by the story ("Question: {story}\nAnswer:" prompts a pretrained
+    model without a chat template, which continues the text). `system_prompt` ("" for
     none: the chat template's own default) goes before each story.
     """
 
@@ -43,12 +45,17 @@ class WordProblemsTask:
     operations: str = "+-"
     limit: int = 9
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    question: str = "{story}"
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.operations) - set(OPERATIONS))
         if unknown or not self.operations:
             raise ValueError(
                 f"operations must be some of {''.join(OPERATIONS)!r}, got {self.operations!r}"
+            )
+        if "{story}" not in self.question:
+            raise ValueError(
+                f"question must contain {{story}}, where the story goes; got {self.question!r}"
             )
         if self.limit < 2:
             raise ValueError(f"limit must be >= 2, got {self.limit}")
@@ -74,7 +81,8 @@ class WordProblemsTask:
             )
             answer = a * b
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages = (*system, {"role": "user", "content": story})
+        question = self.question.replace("{story}", story)
+        messages = (*system, {"role": "user", "content": question})
         return Problem(prompt=story, answer=str(answer), messages=messages)
 
     def make_prompts(self, rng: random.Random, n: int) -> list[Problem]:
