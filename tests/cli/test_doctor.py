@@ -258,3 +258,12 @@ def test_a_config_sampling_with_vllm_fails_without_it(tmp_path, monkeypatch):
     # A job on another engine only warns.
     (row,) = [c for c in check_engines(JobConfig(model=FULL)) if c.name == "sampling engine: vllm"]
     assert row.status == "warn"
+
+
+def test_doctor_names_the_model_family_and_what_is_off_for_it(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text('[run]\ntask = "reverse"\n[model]\nbase_model = "tiny:qwen3_5:tiny"\n')
+    _, out = _doctor(capsys, "--config", str(config), "--storage", str(tmp_path))
+    (line,) = [x for x in out.splitlines() if "model family" in x]
+    assert line.startswith("PASS")
+    assert "Qwen3.5" in line and "packing refused" in line and "vLLM (CPU) refused" in line

@@ -441,3 +441,12 @@ async def test_explain_passes_the_lora_sync_register_takes(tmp_path: Path, tied_
         await backend.close()
     finally:
         stub.server.stop()
+
+
+def test_explain_names_the_model_family_and_its_paths(tmp_path):
+    config = JobConfig(
+        run=RunConfig(task="reverse", output_dir=str(tmp_path)),
+        model=ModelConfig(base_model="tiny:gemma3:tiny"),
+    )
+    family = explain(config)["base_model"]["family"]  # pyright: ignore[reportIndexIssue]
+    assert family.startswith("Gemma 3") and "shared prefix off" in family

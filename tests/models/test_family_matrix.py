@@ -507,3 +507,33 @@ def test_docs_table_is_the_matrix():
         "ray_fsdp2",
         "vllm",
     }  # each path has a test above
+
+
+def test_an_unchecked_family_loads_with_one_warning_naming_what_is_unverified(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from posttrain.models import load
+
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    load._WARNED.discard("mistral")
+    with caplog.at_level("WARNING", logger="posttrain.models.load"):
+        load_hf_model(tmp_path)
+        load_hf_model(tmp_path)  # once per family and process
+    (record,) = [r for r in caplog.records if "mistral" in r.getMessage()]
+    assert "model_type 'mistral' is not a family posttrain has checked" in record.getMessage()
+    assert "packing, shared prefixes and vLLM are unverified" in record.getMessage()
+    # A checked family loads without one.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain.models.load"):
+        load_hf_model(make_tiny_model(tmp_path / "qwen3", arch="qwen3"))
+    assert not caplog.records
