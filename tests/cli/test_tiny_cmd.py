@@ -34,6 +34,13 @@ def test_defaults(tmp_path: Path) -> None:
     assert (config.model_type, config.num_hidden_layers) == ("qwen2", 2)
 
 
+def test_tied_and_untied_embeddings(tmp_path: Path) -> None:
+    for flag, tied in (("--tied", True), ("--no-tied", False)):
+        out = tmp_path / flag
+        assert main(["make-tiny-model", str(out), "--arch", "gemma3", flag]) == 0
+        assert AutoConfig.from_pretrained(out).tie_word_embeddings is tied
+
+
 @pytest.mark.parametrize("bad", [["--arch", "gpt2"], ["--size", "huge"], ["--seed", "x"]])
 def test_bad_choices_exit_2(tmp_path: Path, bad: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -45,6 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.add_argument(
+        "--tied",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tie the unembedding to the input embedding (default: untied for the test sizes, "
+        "as published for a real size)",
+    )
+    parser.add_argument(
         "--gguf",
         type=Path,
         metavar="FILE",
@@ -61,7 +68,7 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
 
     try:
         path = make_tiny_model(
-            args.dir, arch=args.arch, size=args.size, seed=args.seed, gguf=args.gguf
+            args.dir, arch=args.arch, size=args.size, seed=args.seed, tied=args.tied, gguf=args.gguf
         )
     except (ValueError, ImportError) as err:  # a size or architecture refused; gguf missing
         print(f"posttrain make-tiny-model: error: {err}", file=sys.stderr)
